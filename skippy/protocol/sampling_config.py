@@ -1,0 +1,53 @@
+"""Per-request sampling settings: they travel with ConfigureGeneration (spec §2.3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """How the final stage turns logits into a token.
+
+    temperature == 0 (or top_k == 1) means greedy. Penalties follow llama.cpp and
+    the OpenAI API: repetition_penalty divides positive logits (multiplies negative
+    ones) of tokens seen in the last `penalty_last_n` tokens of the history; presence
+    and frequency penalties subtract `presence + frequency * count`.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64  # -1 = whole history
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"Expected temperature >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"Expected top_k >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"Expected 0 < top_p <= 1, got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"Expected 0 <= min_p <= 1, got {self.min_p}")
+        if not (self.repetition_penalty > 0.0):
+            raise ValueError(f"Expected repetition_penalty > 0, got {self.repetition_penalty}")
+        if self.penalty_last_n < -1:
+            raise ValueError(f"Expected penalty_last_n >= -1, got {self.penalty_last_n}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
