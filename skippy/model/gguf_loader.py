@@ -1,0 +1,139 @@
+"""Read a llama-architecture GGUF: hyperparameters, tokenizer fields and only the
+tensors one stage needs, dequantized with the `gguf` package."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from .args import LayerRange, ModelArgs
+from .errors import ModelLoadError
+from .weights import needed_tensor_names
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """Open (once per process and file version) a GGUF; parsing a 49k-token
+    vocabulary takes the gguf reader seconds, and the tokenizer needs it too."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise ModelLoadError(f"Model file not found: {path}. Fix: pass --model with an existing .gguf file.")
+    stat = path.stat()
+    return _open_gguf(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFReader:
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/struct errors on bad files
+        raise ModelLoadError(f"Could not read {path} as GGUF: {exc}") from exc
+
+
+def metadata_value(reader: GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_model_args(reader: GGUFReader) -> ModelArgs:
+    arch = metadata_value(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"Expected a llama-architecture GGUF, got general.architecture={arch!r}. "
+            f"skippy supports: {', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+
+    def get(key: str, default=None):
+        value = metadata_value(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata is missing {arch}.{key}")
+        return value
+
+    num_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = metadata_value(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    rope_scaling = None
+    scaling_type = metadata_value(reader, f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ModelLoadError(f"Unsupported RoPE scaling type {scaling_type!r} (supported: linear).")
+    return ModelArgs(
+        num_layers=int(get("block_count")),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=int(get("rope.dimension_count", hidden // num_heads)),
+        vocab_size=int(vocab),
+        context_length=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in tensor_names,
+    )
+
+
+def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of attn_q/attn_k.
+
+    llama.cpp rotates interleaved pairs (x0, x1), (x2, x3)...; the converter permutes
+    each head's rows so that works. We rotate halves (x0..x31 with x32..x63), as
+    Hugging Face does, so we put the rows back.
+    """
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    return weight.reshape(num_heads, head_dim // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def load_gguf_tensors(
+    reader: GGUFReader,
+    args: ModelArgs,
+    layers: LayerRange,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_tensor: Callable[[], None] = lambda: None,
+) -> dict[str, torch.Tensor]:
+    """Dequantize only the tensors `layers` needs; norms stay float32."""
+    by_name = {t.name: t for t in reader.tensors}
+    weights = {}
+    for name in needed_tensor_names(layers, args.tie_word_embeddings):
+        tensor = by_name.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"GGUF is missing tensor {name!r} needed for layers {layers}.")
+        weights[name] = _to_torch(_dequantize(tensor, args), name, dtype, device)
+        on_tensor()
+    return weights
+
+
+def _dequantize(tensor, args: ModelArgs) -> np.ndarray:
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    try:
+        array = dequantize(tensor.data, qtype)
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"Tensor {tensor.name} has type {qtype.name}, which the gguf package cannot dequantize. "
+            f"Fix: requantize the model (e.g. Q8_0, Q4_K_M) or upgrade gguf."
+        ) from None
+    array = array.reshape([int(d) for d in reversed(tensor.shape)])  # GGUF lists dims innermost first
+    if tensor.name.endswith("attn_q.weight"):
+        array = unpermute_rope_rows(array, args.num_heads)
+    elif tensor.name.endswith("attn_k.weight"):
+        array = unpermute_rope_rows(array, args.num_kv_heads)
+    return array
+
+
+def _to_torch(array: np.ndarray, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    is_norm = name.endswith("norm.weight")
+    tensor = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+    return tensor.to(device=device, dtype=torch.float32 if is_norm else dtype)

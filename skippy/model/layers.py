@@ -1,0 +1,67 @@
+"""The pieces of a llama block, as plain functions over tensors.
+
+Activations are float32 rows [T, D]; weights may be float16/bfloat16, in which
+case the matmul runs in the weight dtype and its result comes back as float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .args import ModelArgs
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight)
+    return F.linear(x.to(weight.dtype), weight).float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_tables(args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [context_length, head_dim] for half-rotation RoPE."""
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    if args.rope_scaling and args.rope_scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / args.rope_scaling["factor"]
+    positions = torch.arange(args.context_length, dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [heads, T, head_dim]; cos/sin: [T, head_dim] for these rows' positions."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal grouped-query attention of one session's new rows over its cache.
+
+    q: [heads, n, head_dim] at positions [start, start+n); k, v: [kv_heads, start+n, head_dim].
+    Returns [n, heads * head_dim].
+    """
+    heads, n, head_dim = q.shape
+    if n == 1:
+        mask = None  # one new row sees every cached position
+    else:
+        # query i sits at position start+i and may see keys 0..start+i
+        key_pos = torch.arange(k.shape[1], device=q.device)
+        query_pos = torch.arange(start, start + n, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(head_dim), enable_gqa=heads != k.shape[0]
+    )
+    return out.transpose(0, 1).reshape(n, heads * head_dim)
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)

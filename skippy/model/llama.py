@@ -1,0 +1,142 @@
+"""A llama-family model cut to one stage's layer range.
+
+    first stage:  token ids --embed--> hidden
+    every stage:  hidden --blocks[start:end]--> hidden
+    last stage:   hidden --norm, head--> logits   (compute_logits)
+
+Several sessions run in one call: their rows are concatenated for the matmuls
+and attend separately, each over its own KV cache (a `Segment`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .args import LayerRange, ModelArgs
+from .kv_cache import KVCache
+from .layers import apply_rope, attention, linear, rms_norm, rope_tables, swiglu
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One session's rows in a batched forward: positions [start, start + num_tokens)."""
+
+    cache: KVCache
+    start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor  # q, k, v projections stacked: one matmul instead of three
+    wo: torch.Tensor
+    ffn_norm: torch.Tensor
+    w_gate_up: torch.Tensor  # gate and up stacked
+    w_down: torch.Tensor
+
+
+class StageModel:
+    def __init__(
+        self,
+        args: ModelArgs,
+        layers: LayerRange,
+        weights: dict[str, torch.Tensor],
+        device: torch.device,
+        kv_dtype: torch.dtype = torch.float32,
+    ):
+        self.args, self.layers, self.device, self.kv_dtype = args, layers, device, kv_dtype
+        self.weight_dtype = weights[f"blk.{layers.start}.attn_q.weight"].dtype
+        self.blocks = [self._block(weights, i) for i in range(layers.start, layers.end)]
+        self.embedding = weights.get("token_embd.weight") if layers.is_first else None
+        if layers.is_last:
+            self.output_norm = weights["output_norm.weight"]
+            self.head = weights.get("output.weight", weights.get("token_embd.weight"))
+        self.cos, self.sin = rope_tables(args, device)
+
+    @staticmethod
+    def _block(w: dict[str, torch.Tensor], i: int) -> Block:
+        p = f"blk.{i}."
+        return Block(
+            attn_norm=w[p + "attn_norm.weight"],
+            wqkv=torch.cat([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]]),
+            wo=w[p + "attn_output.weight"],
+            ffn_norm=w[p + "ffn_norm.weight"],
+            w_gate_up=torch.cat([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]]),
+            w_down=w[p + "ffn_down.weight"],
+        )
+
+    @classmethod
+    def load(cls, path: str | Path, layers: tuple[int, int] | None = None, **options) -> "StageModel":
+        from .loader import load_stage  # local: keeps this file about the forward pass
+
+        return load_stage(path, layers, **options)
+
+    def new_cache(self, max_tokens: int | None = None) -> KVCache:
+        args = self.args
+        return KVCache(
+            self.layers.num_local_layers, args.num_kv_heads, args.head_dim,
+            max_tokens or args.context_length, self.kv_dtype, self.device,
+        )  # fmt: skip
+
+    @property
+    def parameter_bytes(self) -> int:
+        tensors = [t for b in self.blocks for t in vars_of(b)]
+        tensors += [t for t in (self.embedding, getattr(self, "head", None), getattr(self, "output_norm", None)) if t is not None]
+        unique = {t.data_ptr(): t.nbytes for t in tensors}
+        return sum(unique.values())
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """x: token ids [T] (first stage) or hidden rows [T, D]; returns hidden [T, D].
+
+        Rows are the segments' tokens, concatenated in order. Each segment writes
+        its keys/values at [start, start+n), overwriting anything from there on.
+        """
+        args = self.args
+        if self.layers.is_first and not torch.is_floating_point(x):
+            x = self.embedding[x.to(self.device)].float()
+        x = x.to(self.device, torch.float32)
+        T = x.shape[0]
+        assert T == sum(s.num_tokens for s in segments), "rows must match the segments"
+        for s in segments:
+            s.cache.reserve(s.start, s.num_tokens)
+        positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in segments]).to(self.device)
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, head_dim]
+        q_size = args.num_heads * args.head_dim
+        kv_size = args.num_kv_heads * args.head_dim
+
+        for layer, block in enumerate(self.blocks):
+            # attention: x + Wo · attn(rope(Wq·h), rope(Wk·h), Wv·h)
+            h = rms_norm(x, block.attn_norm, args.rms_norm_eps)
+            q, k, v = linear(h, block.wqkv).split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(q.view(T, args.num_heads, args.head_dim).transpose(0, 1), cos, sin)
+            k = apply_rope(k.view(T, args.num_kv_heads, args.head_dim).transpose(0, 1), cos, sin)
+            v = v.view(T, args.num_kv_heads, args.head_dim).transpose(0, 1)
+            outputs, row = [], 0
+            for s in segments:
+                rows = slice(row, row + s.num_tokens)
+                keys, values = s.cache.write(layer, s.start, k[:, rows], v[:, rows])
+                outputs.append(attention(q[:, rows], keys, values, s.start))
+                row += s.num_tokens
+            x = x + linear(torch.cat(outputs) if len(outputs) > 1 else outputs[0], block.wo)
+            # feed-forward: x + W_down · (silu(W_gate·h) * W_up·h)
+            x = x + swiglu(rms_norm(x, block.ffn_norm, args.rms_norm_eps), block.w_gate_up, block.w_down)
+
+        for s in segments:
+            s.cache.commit(s.start + s.num_tokens)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, D] -> float32 logits [T, vocab] (last stage only)."""
+        if not self.layers.is_last:
+            raise RuntimeError(f"Stage {self.layers} has no output head; only the last stage computes logits")
+        return linear(rms_norm(hidden, self.output_norm, self.args.rms_norm_eps), self.head).float()
+
+
+def vars_of(block: Block) -> list[torch.Tensor]:
+    return [getattr(block, name) for name in Block.__slots__]

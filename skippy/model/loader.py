@@ -1,0 +1,58 @@
+"""Build a StageModel from a GGUF file or a Hugging Face directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..console import progress_bar
+from .args import LayerRange
+from .errors import ModelLoadError
+from .gguf_loader import load_gguf_tensors, open_gguf, read_model_args
+from .hf_loader import load_hf_tensors, read_hf_args
+from .llama import StageModel
+from .weights import needed_tensor_names
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"Expected a dtype in {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def load_stage(
+    path: str | Path,
+    layers: tuple[int, int] | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str = "auto",
+    progress: bool = True,
+) -> StageModel:
+    """Load layers [start, end) of the model at `path` (all layers when None)."""
+    path = Path(path)
+    torch_device, weight_dtype = resolve_device(device), resolve_dtype(dtype)
+    if path.is_dir():
+        args, reader = read_hf_args(path), None
+    elif path.exists():
+        reader = open_gguf(path)
+        args = read_model_args(reader)
+    else:
+        raise ModelLoadError(f"Model not found: {path}. Fix: pass --model with a .gguf file or a Hugging Face directory.")
+    layer_range = LayerRange(*(layers or (0, args.num_layers)), args.num_layers)
+    total = len(needed_tensor_names(layer_range, args.tie_word_embeddings))
+    with progress_bar(f"Loading layers {layer_range} of {path.name}", total, progress) as advance:
+        if reader is None:
+            weights = load_hf_tensors(path, args, layer_range, weight_dtype, torch_device, advance)
+        else:
+            weights = load_gguf_tensors(reader, args, layer_range, weight_dtype, torch_device, advance)
+    return StageModel(args, layer_range, weights, torch_device)
