@@ -1,0 +1,40 @@
+"""The stage wire protocol: constants, frames, stats, handshake, stream I/O and configs.
+
+No torch here; asyncio only in `stream`. See docs/protocol.md.
+"""
+
+from .configs import (
+    KvCacheConfig, PeerEndpoint, StageConfig, Topology, TopologyStage, parse_endpoint,
+    plan_layer_split,
+)
+from .constants import (
+    KIND_INFO, PROTOCOL_VERSION, ActivationDtype, MessageKind, Phase, ReplyKind, StateFlags,
+    expects_reply, is_control, is_generation_control, is_prefix_cache_control,
+    is_session_control, requires_predicted_reply,
+)
+from .errors import AuthError, FrameError, ProtocolError, VersionMismatch
+from .frames import (
+    StageMessage, StageReply, decode_message, decode_reply, encode_message,
+    encode_message_parts, encode_reply,
+)
+from .handshake import AuthPreamble, Ready
+from .sampling_config import SamplingConfig
+from .stats import (
+    StageReplyStats, merge, merge_all, prefill_compute_observation, prefill_edge_observation,
+    stage_mask,
+)
+from .stream import (
+    client_handshake, read_message, read_reply, server_handshake, write_message, write_reply,
+)
+
+__all__ = [
+    "ActivationDtype", "AuthError", "AuthPreamble", "FrameError", "KIND_INFO", "KvCacheConfig",
+    "MessageKind", "PROTOCOL_VERSION", "PeerEndpoint", "Phase", "ProtocolError", "Ready",
+    "ReplyKind", "SamplingConfig", "StageConfig", "StageMessage", "StageReply", "StageReplyStats",
+    "StateFlags", "Topology", "TopologyStage", "VersionMismatch", "client_handshake",
+    "decode_message", "decode_reply", "encode_message", "encode_message_parts", "encode_reply",
+    "expects_reply", "is_control", "is_generation_control", "is_prefix_cache_control",
+    "is_session_control", "merge", "merge_all", "parse_endpoint", "plan_layer_split",
+    "prefill_compute_observation", "prefill_edge_observation", "read_message", "read_reply",
+    "requires_predicted_reply", "server_handshake", "stage_mask", "write_message", "write_reply",
+]

@@ -1,0 +1,271 @@
+"""Every number of the stage wire protocol, in one place (spec §2; docs/protocol.md).
+
+Encoders and decoders take all magics, sizes, formats and limits from here.
+The layout is our own (little-endian, explicit section lengths); it follows the
+Rust peers' vocabulary and kind codes but is not byte-compatible with them.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum, IntFlag
+from typing import NamedTuple
+
+# Version of this Python wire format. Frames, replies and READY carry it; any other
+# value fails closed (spec §2.11): peers must upgrade together.
+PROTOCOL_VERSION = 1
+
+# Magics are u32 written little-endian; the ASCII spelling is the value read
+# most-significant byte first, as the spec writes READY's 0x53524459 ("SRDY").
+AUTH_MAGIC    = 0x53415554  # "SAUT"  auth preamble, dialer -> server   (§2.1)
+READY_MAGIC   = 0x53524459  # "SRDY"  READY, server -> dialer           (§2.1)
+MESSAGE_MAGIC = 0x534D5347  # "SMSG"  stage message, upstream -> down   (§2.2)
+REPLY_MAGIC   = 0x53525059  # "SRPY"  reply, downstream -> upstream     (§2.5)
+
+
+class MessageKind(IntEnum):
+    """`WireMessageKind` codes (spec §2.4). Codes we do not implement are unknown kinds."""
+
+    PrefillEmbd             = 1
+    DecodeEmbd              = 2
+    Stop                    = 3
+    PrefillFinalEmbd        = 4
+    ConfigureGeneration     = 14
+    TryRestorePrefill       = 17
+    TryRestorePrefillDecode = 18
+    TrimSession             = 19
+    PredictionReturnOpen    = 20
+    VerifyWindow            = 21
+    RetireVerifyWindow      = 22
+    DiscardStaleWindows     = 23
+
+
+class ReplyKind(IntEnum):
+    """`WireReplyKind` (spec §2.5)."""
+
+    Ack             = 1
+    PredictedToken  = 2
+    PredictedTokens = 3
+
+
+class Phase(IntEnum):
+    """State-header phase (spec §2.3). DecodeReplay=3 and DecodeLight=4 are not used."""
+
+    Prefill = 1
+    Decode  = 2
+
+
+class StateFlags(IntFlag):
+    """State-header flag bits, numbered as in spec §2.3.
+
+    Every bit we use is derived from the message itself (kind, sampling block,
+    chat metadata); other bits of the spec (LIGHT_CONTEXT, FULL_STATE, model
+    sidebands) have no meaning here and are rejected.
+    """
+
+    FINAL_CHUNK   = 1 << 0  # set iff kind is PrefillFinalEmbd
+    SAMPLING      = 1 << 3  # a sampling block follows
+    CHAT_METADATA = 1 << 5  # a chat-sampling metadata section follows (spec: CHAT_SAMPLING_METADATA)
+
+
+KNOWN_STATE_FLAGS = StateFlags.FINAL_CHUNK | StateFlags.SAMPLING | StateFlags.CHAT_METADATA
+
+
+class SamplingFlags(IntFlag):
+    """Flag word inside the sampling block (§2.3, our layout)."""
+
+    HAS_SEED = 1 << 0
+
+
+class ActivationDtype(IntEnum):
+    """Element type of the activation payload (spec §2.2 "version drift": f32, plus lossless f16/bf16)."""
+
+    f32  = 0
+    f16  = 1
+    bf16 = 2
+
+    @property
+    def itemsize(self) -> int:
+        return ACTIVATION_ITEMSIZE[self]
+
+
+#                    dtype                  bytes per element
+ACTIVATION_ITEMSIZE = {ActivationDtype.f32:  4,
+                       ActivationDtype.f16:  2,
+                       ActivationDtype.bf16: 2}
+
+# numpy has no bfloat16: bf16 rows are exposed as their raw uint16 bit patterns.
+ACTIVATION_NUMPY_DTYPE = {ActivationDtype.f32:  "<f4",
+                          ActivationDtype.f16:  "<f2",
+                          ActivationDtype.bf16: "<u2"}
+
+
+# ---------------------------------------------------------------------------
+# Limits. Decoders check every count against these on the fixed header, before
+# reading or allocating the body.
+# ---------------------------------------------------------------------------
+MiB = 1 << 20
+
+MAX_SIDEBAND_COUNT     = 1_048_576  # i32 values per token / position sideband    (§2.2)
+MAX_ACTIVATION_BYTES   = 512 * MiB  # activation payload, wire and decoded        (§2.2)
+MAX_METADATA_BYTES     = 8 * MiB    # chat-sampling metadata                      (§2.2 row 10)
+MAX_LOGIT_BIAS_COUNT   = 256        # logit-bias entries in a sampling block      (§2.3)
+MAX_PREDICTED_COUNT    = 262_144    # predicted tokens in one reply               (§2.5)
+MAX_DRAFT_COUNT        = 262_144    # native MTP draft tokens in one reply        (§2.5 row 5)
+MIN_AUTH_TOKEN_BYTES   = 1          # auth preamble token length                  (§2.1)
+MAX_AUTH_TOKEN_BYTES   = 64         #                                             (§2.1)
+
+
+# ---------------------------------------------------------------------------
+# Struct formats, all little-endian ("<", no padding).
+# ---------------------------------------------------------------------------
+class HeaderField(NamedTuple):
+    name: str
+    fmt: str
+
+
+# Stage message fixed header (§2.2, our layout: explicit section lengths, u64s 8-aligned).
+MESSAGE_HEADER_FIELDS = (
+    #            name                       fmt    offset
+    HeaderField("magic",                   "I"),  # 0    MESSAGE_MAGIC
+    HeaderField("version",                 "i"),  # 4    PROTOCOL_VERSION
+    HeaderField("request_id",              "Q"),  # 8
+    HeaderField("session_id",              "Q"),  # 16
+    HeaderField("activation_bytes",        "Q"),  # 24   explicit payload length
+    HeaderField("kind",                    "i"),  # 32   MessageKind
+    HeaderField("pos_start",               "i"),  # 36
+    HeaderField("token_count",             "i"),  # 40
+    HeaderField("token_sideband_count",    "i"),  # 44
+    HeaderField("position_sideband_count", "i"),  # 48
+    HeaderField("seq_id",                  "i"),  # 52   window id for VerifyWindow
+    HeaderField("phase",                   "i"),  # 56   Phase
+    HeaderField("flags",                   "I"),  # 60   StateFlags
+    HeaderField("checkpoint_generation",   "i"),  # 64
+    HeaderField("prompt_token_count",      "i"),  # 68
+    HeaderField("decode_step",             "i"),  # 72
+    HeaderField("current_token",           "i"),  # 76
+    HeaderField("source_stage_index",      "i"),  # 80   -1 = from the driver, no activation
+    HeaderField("activation_dtype",        "i"),  # 84   ActivationDtype
+    HeaderField("activation_rows",         "i"),  # 88
+    HeaderField("activation_width",        "i"),  # 92
+    HeaderField("sampling_bytes",          "I"),  # 96   0 unless SAMPLING
+    HeaderField("metadata_bytes",          "I"),  # 100  0 unless CHAT_METADATA
+)
+MESSAGE_HEADER = struct.Struct("<" + "".join(f.fmt for f in MESSAGE_HEADER_FIELDS))  # 104 bytes
+
+# Sampling block (§2.3, our layout): f64 so SamplingConfig round-trips exactly.
+SAMPLING_FIELDS = (
+    HeaderField("temperature",        "d"),  # 0
+    HeaderField("top_p",              "d"),  # 8
+    HeaderField("min_p",              "d"),  # 16
+    HeaderField("repetition_penalty", "d"),  # 24
+    HeaderField("presence_penalty",   "d"),  # 32
+    HeaderField("frequency_penalty",  "d"),  # 40
+    HeaderField("seed",               "q"),  # 48   meaningful iff HAS_SEED
+    HeaderField("top_k",              "i"),  # 56
+    HeaderField("penalty_last_n",     "i"),  # 60
+    HeaderField("sampling_flags",     "I"),  # 64   SamplingFlags
+    HeaderField("logit_bias_count",   "I"),  # 68
+)
+SAMPLING_BLOCK = struct.Struct("<" + "".join(f.fmt for f in SAMPLING_FIELDS))  # 72 bytes
+LOGIT_BIAS_ENTRY = struct.Struct("<id")  # token id, bias: 12 bytes, ascending token ids
+MAX_SAMPLING_BYTES = SAMPLING_BLOCK.size + MAX_LOGIT_BIAS_COUNT * LOGIT_BIAS_ENTRY.size
+
+# Reply fixed header (§2.5), followed by StageReplyStats (§2.6), then the token arrays.
+REPLY_HEADER_FIELDS = (
+    HeaderField("magic",            "I"),  # 0    REPLY_MAGIC
+    HeaderField("version",          "i"),  # 4
+    HeaderField("kind",             "i"),  # 8    ReplyKind
+    HeaderField("predicted",        "i"),  # 12
+    HeaderField("window_id",        "i"),  # 16
+    HeaderField("predicted_count",  "i"),  # 20
+    HeaderField("has_draft",        "i"),  # 24   0 or 1
+    HeaderField("draft_count",      "i"),  # 28
+    HeaderField("draft_compute_us", "q"),  # 32
+)
+REPLY_HEADER = struct.Struct("<" + "".join(f.fmt for f in REPLY_HEADER_FIELDS))  # 40 bytes
+STATS_FIELD_COUNT = 27                                       # §2.6
+STATS_BLOCK = struct.Struct(f"<{STATS_FIELD_COUNT}q")        # 216 bytes
+REPLY_FIXED_BYTES = REPLY_HEADER.size + STATS_BLOCK.size     # 256 bytes
+
+AUTH_PREFIX = struct.Struct("<IB")  # magic, token length; the token bytes follow  (§2.1)
+READY = struct.Struct("<Ii")        # magic, protocol version                      (§2.1)
+
+I32_MIN, I32_MAX = -(1 << 31), (1 << 31) - 1
+U32_MAX = (1 << 32) - 1
+I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
+U64_MAX = (1 << 64) - 1
+
+
+def header_offset(fields: tuple[HeaderField, ...], name: str) -> int:
+    """Byte offset of a named field in one of the header tables above."""
+    offset = 0
+    for field in fields:
+        if field.name == name:
+            return offset
+        offset += struct.calcsize("<" + field.fmt)
+    raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------
+# Per-kind rules (spec §2.3 expected phase, §2.4 direction and reply).
+# ---------------------------------------------------------------------------
+class KindInfo(NamedTuple):
+    phase: Phase                 # the phase the state header must carry
+    has_activation: bool         # may carry an activation payload
+    reply: ReplyKind | None      # reply owed upstream; None = fire-and-forget
+
+
+K, P, R = MessageKind, Phase, ReplyKind
+KIND_INFO: dict[MessageKind, KindInfo] = {
+    #  kind                        phase      activation  reply
+    K.PrefillEmbd:             KindInfo(P.Prefill, True,  R.Ack),              # early ACK on receipt
+    K.DecodeEmbd:              KindInfo(P.Decode,  True,  R.PredictedToken),
+    K.Stop:                    KindInfo(P.Decode,  False, R.Ack),              # Ack carries merged stats
+    K.PrefillFinalEmbd:        KindInfo(P.Prefill, True,  R.PredictedToken),
+    K.ConfigureGeneration:     KindInfo(P.Prefill, False, R.Ack),
+    K.TryRestorePrefill:       KindInfo(P.Prefill, False, R.Ack),              # Ack + kv stats
+    K.TryRestorePrefillDecode: KindInfo(P.Prefill, True,  R.PredictedToken),   # Ack on a miss
+    K.TrimSession:             KindInfo(P.Prefill, False, R.Ack),
+    K.PredictionReturnOpen:    KindInfo(P.Decode,  False, None),               # then the stream carries replies
+    K.VerifyWindow:            KindInfo(P.Decode,  True,  R.PredictedTokens),
+    K.RetireVerifyWindow:      KindInfo(P.Prefill, False, None),
+    K.DiscardStaleWindows:     KindInfo(P.Decode,  False, None),               # tokens = [min, max] window id
+}
+del K, P, R
+
+EXPECTED_PHASE: dict[MessageKind, Phase] = {kind: info.phase for kind, info in KIND_INFO.items()}
+
+_PREDICTED_REPLY_KINDS = frozenset({MessageKind.DecodeEmbd, MessageKind.PrefillFinalEmbd,
+                                    MessageKind.VerifyWindow})
+_SESSION_CONTROL_KINDS = frozenset({MessageKind.TrimSession})
+_PREFIX_CACHE_CONTROL_KINDS = frozenset({MessageKind.TryRestorePrefill,
+                                         MessageKind.TryRestorePrefillDecode})
+_GENERATION_CONTROL_KINDS = frozenset({MessageKind.ConfigureGeneration})
+
+
+def requires_predicted_reply(kind: MessageKind) -> bool:
+    """Kinds whose reply is a prediction; deferred ACKs are drained before them (§2.4, §2.6)."""
+    return kind in _PREDICTED_REPLY_KINDS
+
+
+def is_session_control(kind: MessageKind) -> bool:
+    return kind in _SESSION_CONTROL_KINDS
+
+
+def is_prefix_cache_control(kind: MessageKind) -> bool:
+    return kind in _PREFIX_CACHE_CONTROL_KINDS
+
+
+def is_generation_control(kind: MessageKind) -> bool:
+    return kind in _GENERATION_CONTROL_KINDS
+
+
+def is_control(kind: MessageKind) -> bool:
+    """Kinds before which the async forwarder is flushed and deferred ACKs drained (§2.6)."""
+    return (kind == MessageKind.Stop or is_session_control(kind)
+            or is_prefix_cache_control(kind) or is_generation_control(kind))
+
+
+def expects_reply(kind: MessageKind) -> bool:
+    return KIND_INFO[kind].reply is not None

@@ -1,0 +1,508 @@
+"""Stage messages and replies as dataclasses, and their pure binary encode/decode.
+
+Layouts are the tables in `constants.py` and docs/protocol.md. Decoding validates
+in a fixed order (magic -> version -> counts and limits -> kind/phase/flags ->
+lengths -> body -> no trailing bytes) and returns views into the input buffer, not
+copies: keep the buffer alive (a view does) and do not mutate it while in use.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import namedtuple
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .constants import (
+    ACTIVATION_ITEMSIZE, ACTIVATION_NUMPY_DTYPE, I32_MAX, I32_MIN, KIND_INFO, KNOWN_STATE_FLAGS,
+    LOGIT_BIAS_ENTRY, MAX_ACTIVATION_BYTES, MAX_DRAFT_COUNT, MAX_LOGIT_BIAS_COUNT,
+    MAX_METADATA_BYTES, MAX_PREDICTED_COUNT, MAX_SAMPLING_BYTES, MAX_SIDEBAND_COUNT,
+    MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, MESSAGE_MAGIC, PROTOCOL_VERSION, REPLY_HEADER,
+    REPLY_HEADER_FIELDS, REPLY_MAGIC, SAMPLING_BLOCK, STATS_BLOCK, ActivationDtype, MessageKind,
+    Phase, ReplyKind, SamplingFlags, StateFlags,
+)
+from .errors import FrameError, VersionMismatch
+from .sampling_config import SamplingConfig
+from .stats import StageReplyStats, decode_stats, encode_stats
+
+_I32 = np.dtype("<i4")
+Buffer = bytes | bytearray | memoryview
+
+
+def _empty_i32() -> np.ndarray:
+    return np.empty(0, dtype=_I32)
+
+
+def _as_i32_array(name: str, values: object) -> np.ndarray:
+    array = np.asarray(values)
+    if array.dtype != _I32:
+        if array.size and not (I32_MIN <= array.min() and array.max() <= I32_MAX):
+            raise ValueError(f"{name}: expected i32 values, got a value outside [{I32_MIN}, {I32_MAX}]")
+        array = array.astype(_I32)
+    if array.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {array.shape}")
+    return array
+
+
+def _byte_view(buf: object) -> memoryview:
+    view = memoryview(buf)  # type: ignore[arg-type]
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StageMessage:
+    """One stage message (spec §2.2, §2.4).
+
+    `version`, `phase` and `flags` are not fields: they follow from the protocol,
+    the kind and which optional sections are present, so they cannot disagree.
+    `tokens` / `positions` become 1-D int32 arrays and `activation` a flat byte
+    memoryview of `activation_rows x activation_width` elements of
+    `activation_dtype`, token-major.
+    """
+
+    kind: MessageKind
+    pos_start: int = 0               # decode/verify kinds: authoritative committed position (§3.4)
+    token_count: int = 0             # rows of compute; RetireVerifyWindow: retired count; Trim: new length
+    request_id: int = 0              # u64
+    session_id: int = 0              # u64
+    seq_id: int = 0                  # VerifyWindow: the window id
+    checkpoint_generation: int = 0
+    prompt_token_count: int = 0
+    decode_step: int = 0
+    current_token: int = 0
+    source_stage_index: int = -1     # -1: sent by the driver
+    sampling: SamplingConfig | None = None
+    chat_metadata: bytes | None = None   # opaque UTF-8 JSON for the final stage's sampler
+    tokens: np.ndarray = field(default_factory=_empty_i32)
+    positions: np.ndarray = field(default_factory=_empty_i32)
+    activation_dtype: ActivationDtype = ActivationDtype.f32
+    activation_rows: int = 0
+    activation_width: int = 0
+    activation: memoryview = field(default_factory=lambda: memoryview(b""))
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "kind", MessageKind(self.kind))
+        set_(self, "activation_dtype", ActivationDtype(self.activation_dtype))
+        set_(self, "tokens", _as_i32_array("tokens", self.tokens))
+        set_(self, "positions", _as_i32_array("positions", self.positions))
+        set_(self, "activation", _byte_view(self.activation))
+        if self.chat_metadata is not None and not isinstance(self.chat_metadata, bytes):
+            set_(self, "chat_metadata", bytes(self.chat_metadata))
+
+    @property
+    def version(self) -> int:
+        return PROTOCOL_VERSION
+
+    @property
+    def phase(self) -> Phase:
+        return KIND_INFO[self.kind].phase
+
+    @property
+    def flags(self) -> StateFlags:
+        flags = StateFlags(0)
+        if self.kind == MessageKind.PrefillFinalEmbd:
+            flags |= StateFlags.FINAL_CHUNK
+        if self.sampling is not None:
+            flags |= StateFlags.SAMPLING
+        if self.chat_metadata is not None:
+            flags |= StateFlags.CHAT_METADATA
+        return flags
+
+    def activation_array(self) -> np.ndarray:
+        """The activation as a (rows, width) view; bf16 comes back as raw uint16 bits."""
+        return np.frombuffer(self.activation, dtype=ACTIVATION_NUMPY_DTYPE[self.activation_dtype]
+                             ).reshape(self.activation_rows, self.activation_width)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StageMessage):
+            return NotImplemented
+        return (all(getattr(self, name) == getattr(other, name) for name in _SCALAR_FIELDS)
+                and np.array_equal(self.tokens, other.tokens)
+                and np.array_equal(self.positions, other.positions)
+                and self.activation == other.activation)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+_SCALAR_FIELDS = tuple(name for name in StageMessage.__dataclass_fields__
+                       if name not in ("tokens", "positions", "activation"))
+
+
+class MessageHeader(namedtuple("MessageHeader", [f.name for f in MESSAGE_HEADER_FIELDS])):
+    """The unpacked fixed header of a stage message (MESSAGE_HEADER_FIELDS order)."""
+
+    __slots__ = ()
+
+    @property
+    def body_bytes(self) -> int:
+        return (4 * (self.token_sideband_count + self.position_sideband_count)
+                + self.activation_bytes + self.sampling_bytes + self.metadata_bytes)
+
+
+# ---------------------------------------------------------------------------
+# Stage message: validation shared by the encoder and the decoder
+# ---------------------------------------------------------------------------
+_KIND_CODES = frozenset(MessageKind)
+_REPLY_KIND_CODES = frozenset(ReplyKind)
+_DTYPE_CODES = frozenset(ActivationDtype)
+
+def _require(ok: bool, field_name: str, expected: str, got: object) -> None:
+    if not ok:
+        raise FrameError(f"{field_name}: expected {expected}, got {got}")
+
+
+def check_message_header(h: MessageHeader) -> None:
+    """Everything that can be checked before the body is read, in the spec's order."""
+    _require(h.magic == MESSAGE_MAGIC, "magic", f"{MESSAGE_MAGIC:#010x}", f"{h.magic:#010x}")
+    if h.version != PROTOCOL_VERSION:
+        raise VersionMismatch("stage message", PROTOCOL_VERSION, h.version)
+    # Counts and limits: nothing below allocates more than these allow.
+    for name in ("pos_start", "token_count", "prompt_token_count", "activation_rows",
+                 "activation_width"):
+        _require(getattr(h, name) >= 0, name, ">= 0", getattr(h, name))
+    _require(h.source_stage_index >= -1, "source_stage_index", ">= -1", h.source_stage_index)
+    for name in ("token_sideband_count", "position_sideband_count"):
+        value = getattr(h, name)
+        _require(0 <= value <= MAX_SIDEBAND_COUNT, name, f"0..{MAX_SIDEBAND_COUNT}", value)
+    _require(h.activation_bytes <= MAX_ACTIVATION_BYTES, "activation_bytes",
+             f"<= {MAX_ACTIVATION_BYTES}", h.activation_bytes)
+    _require(h.sampling_bytes <= MAX_SAMPLING_BYTES, "sampling_bytes",
+             f"<= {MAX_SAMPLING_BYTES}", h.sampling_bytes)
+    _require(h.metadata_bytes <= MAX_METADATA_BYTES, "metadata_bytes",
+             f"<= {MAX_METADATA_BYTES}", h.metadata_bytes)
+    # Kind, phase and flags agree.
+    _require(h.kind in _KIND_CODES, "kind",
+             f"one of {sorted(int(k) for k in MessageKind)}", h.kind)
+    kind = MessageKind(h.kind)
+    info = KIND_INFO[kind]
+    _require(h.phase == info.phase, "phase", f"{int(info.phase)} ({info.phase.name}) for {kind.name}",
+             h.phase)
+    _require(h.flags & ~KNOWN_STATE_FLAGS == 0, "flags", f"only bits {int(KNOWN_STATE_FLAGS):#x}",
+             f"{h.flags:#x}")
+    is_final, want_final = bool(h.flags & StateFlags.FINAL_CHUNK), kind == MessageKind.PrefillFinalEmbd
+    _require(is_final == want_final, "flags.FINAL_CHUNK",
+             f"{'set' if want_final else 'clear'} for {kind.name}", "set" if is_final else "clear")
+    _require(h.activation_dtype in _DTYPE_CODES, "activation_dtype",
+             f"one of {[int(d) for d in ActivationDtype]}", h.activation_dtype)
+    if not info.has_activation:
+        for name in ("activation_bytes", "activation_rows", "activation_width"):
+            _require(getattr(h, name) == 0, name, f"0 for {kind.name}", getattr(h, name))
+    if kind == MessageKind.DiscardStaleWindows:
+        _require(h.token_sideband_count == 2, "token_sideband_count",
+                 "2 ([min_window_id, max_window_id]) for DiscardStaleWindows", h.token_sideband_count)
+    # Section lengths.
+    has_sampling = bool(h.flags & StateFlags.SAMPLING)
+    if has_sampling:
+        _require(h.sampling_bytes >= SAMPLING_BLOCK.size
+                 and (h.sampling_bytes - SAMPLING_BLOCK.size) % LOGIT_BIAS_ENTRY.size == 0,
+                 "sampling_bytes", f"{SAMPLING_BLOCK.size} + n * {LOGIT_BIAS_ENTRY.size}",
+                 h.sampling_bytes)
+    else:
+        _require(h.sampling_bytes == 0, "sampling_bytes", "0 without the SAMPLING flag",
+                 h.sampling_bytes)
+    if not h.flags & StateFlags.CHAT_METADATA:
+        _require(h.metadata_bytes == 0, "metadata_bytes", "0 without the CHAT_METADATA flag",
+                 h.metadata_bytes)
+    dtype = ActivationDtype(h.activation_dtype)
+    expected_bytes = h.activation_rows * h.activation_width * ACTIVATION_ITEMSIZE[dtype]
+    _require(h.activation_bytes == expected_bytes, "activation_bytes",
+             f"{expected_bytes} (rows {h.activation_rows} x width {h.activation_width} x "
+             f"{ACTIVATION_ITEMSIZE[dtype]} bytes of {dtype.name})", h.activation_bytes)
+
+
+def parse_message_header(buf: Buffer) -> MessageHeader:
+    """Unpack and check the fixed header; `header.body_bytes` then says how much to read."""
+    _require(len(buf) >= MESSAGE_HEADER.size, "message header",
+             f"{MESSAGE_HEADER.size} bytes", f"{len(buf)} (truncated)")
+    header = MessageHeader(*MESSAGE_HEADER.unpack_from(buf, 0))
+    check_message_header(header)
+    return header
+
+
+# ---------------------------------------------------------------------------
+# Sampling block (spec §2.3, our layout)
+# ---------------------------------------------------------------------------
+_SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty")
+
+
+def _check_sampling_values(cfg: SamplingConfig) -> None:
+    for name in _SAMPLING_FLOATS:
+        value = getattr(cfg, name)
+        _require(math.isfinite(value), f"sampling.{name}", "a finite number", value)
+    for token, bias in cfg.logit_bias.items():
+        _require(not math.isnan(bias), f"sampling.logit_bias[{token}]", "a number (not NaN)", bias)
+
+
+def encode_sampling(cfg: SamplingConfig) -> bytes:
+    _check_sampling_values(cfg)
+    entries = sorted(cfg.logit_bias.items())  # canonical order: ascending token id
+    _require(len(entries) <= MAX_LOGIT_BIAS_COUNT, "sampling.logit_bias",
+             f"<= {MAX_LOGIT_BIAS_COUNT} entries", len(entries))
+    flags = SamplingFlags.HAS_SEED if cfg.seed is not None else SamplingFlags(0)
+    try:
+        parts = [SAMPLING_BLOCK.pack(
+            cfg.temperature, cfg.top_p, cfg.min_p, cfg.repetition_penalty, cfg.presence_penalty,
+            cfg.frequency_penalty, 0 if cfg.seed is None else cfg.seed, cfg.top_k,
+            cfg.penalty_last_n, int(flags), len(entries))]
+        parts += [LOGIT_BIAS_ENTRY.pack(token, bias) for token, bias in entries]
+    except struct.error as error:
+        raise FrameError(f"sampling block: a value does not fit its wire type ({error}); "
+                         "seed is i64, top_k, penalty_last_n and token ids are i32") from error
+    return b"".join(parts)
+
+
+def decode_sampling(buf: Buffer) -> SamplingConfig:
+    _require(len(buf) >= SAMPLING_BLOCK.size, "sampling block", f">= {SAMPLING_BLOCK.size} bytes",
+             len(buf))
+    (temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed,
+     top_k, penalty_last_n, flags, bias_count) = SAMPLING_BLOCK.unpack_from(buf, 0)
+    _require(bias_count <= MAX_LOGIT_BIAS_COUNT, "sampling.logit_bias_count",
+             f"<= {MAX_LOGIT_BIAS_COUNT}", bias_count)
+    expected = SAMPLING_BLOCK.size + bias_count * LOGIT_BIAS_ENTRY.size
+    _require(len(buf) == expected, "sampling_bytes", f"{expected} for {bias_count} logit-bias entries",
+             len(buf))
+    _require(flags & ~SamplingFlags.HAS_SEED == 0, "sampling.flags",
+             f"only bits {int(SamplingFlags.HAS_SEED):#x}", f"{flags:#x}")
+    has_seed = bool(flags & SamplingFlags.HAS_SEED)
+    _require(has_seed or seed == 0, "sampling.seed", "0 without HAS_SEED", seed)
+    logit_bias: dict[int, float] = {}
+    previous = None
+    for index in range(bias_count):
+        token, bias = LOGIT_BIAS_ENTRY.unpack_from(buf, SAMPLING_BLOCK.size + index * LOGIT_BIAS_ENTRY.size)
+        _require(previous is None or token > previous, f"sampling.logit_bias[{index}].token",
+                 f"> {previous} (ascending, no duplicates)", token)
+        logit_bias[token] = bias
+        previous = token
+    try:
+        cfg = SamplingConfig(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
+            logit_bias=logit_bias, seed=seed if has_seed else None)
+    except ValueError as error:
+        raise FrameError(f"sampling block: {error}") from error
+    _check_sampling_values(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------
+# Stage message encode / decode
+# ---------------------------------------------------------------------------
+def _pack(layout: struct.Struct, fields: tuple, values: tuple, what: str) -> bytes:
+    try:
+        return layout.pack(*values)
+    except struct.error:
+        for spec, value in zip(fields, values):
+            try:
+                struct.pack("<" + spec.fmt, value)
+            except struct.error as error:
+                raise FrameError(f"{what}.{spec.name}: expected a value of wire type "
+                                 f"'{spec.fmt}', got {value!r}") from error
+        raise
+
+
+def encode_message_parts(msg: StageMessage) -> list[bytes | memoryview]:
+    """Header, then the non-empty body sections, without copying the activation."""
+    sampling = encode_sampling(msg.sampling) if msg.sampling is not None else b""
+    metadata = msg.chat_metadata if msg.chat_metadata is not None else b""
+    values = (MESSAGE_MAGIC, PROTOCOL_VERSION, msg.request_id, msg.session_id,
+              msg.activation.nbytes, int(msg.kind), msg.pos_start, msg.token_count,
+              len(msg.tokens), len(msg.positions), msg.seq_id, int(msg.phase), int(msg.flags),
+              msg.checkpoint_generation, msg.prompt_token_count, msg.decode_step,
+              msg.current_token, msg.source_stage_index, int(msg.activation_dtype),
+              msg.activation_rows, msg.activation_width, len(sampling), len(metadata))
+    header = _pack(MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, values, "message")
+    check_message_header(MessageHeader(*values))  # never emit what a peer would reject
+    if msg.kind == MessageKind.DiscardStaleWindows:
+        _check_discard_range(msg.tokens)
+    # Fixed-stride arrays first, so they stay 4-byte aligned for zero-copy views.
+    sections = (header, memoryview(np.ascontiguousarray(msg.tokens)).cast("B"),
+                memoryview(np.ascontiguousarray(msg.positions)).cast("B"), msg.activation,
+                sampling, metadata)
+    return [section for section in sections if len(section)]
+
+
+def encode_message(msg: StageMessage) -> bytes:
+    return b"".join(encode_message_parts(msg))
+
+
+def _check_discard_range(tokens: np.ndarray) -> None:
+    _require(int(tokens[0]) <= int(tokens[1]), "DiscardStaleWindows tokens",
+             "[min_window_id, max_window_id] with min <= max", tokens.tolist())
+
+
+def decode_message_body(header: MessageHeader, body: Buffer) -> StageMessage:
+    """Decode the body that follows an already checked header; arrays are views of `body`."""
+    view = _byte_view(body)
+    _require(len(view) >= header.body_bytes, "message body", f"{header.body_bytes} bytes",
+             f"{len(view)} (truncated)")
+    offset = 0
+
+    def take(nbytes: int) -> memoryview:
+        nonlocal offset
+        section = view[offset:offset + nbytes]
+        offset += nbytes
+        return section
+
+    tokens = np.frombuffer(take(4 * header.token_sideband_count), dtype=_I32)
+    positions = np.frombuffer(take(4 * header.position_sideband_count), dtype=_I32)
+    activation = take(header.activation_bytes)
+    sampling_view = take(header.sampling_bytes)
+    sampling = decode_sampling(sampling_view) if header.flags & StateFlags.SAMPLING else None
+    metadata_view = take(header.metadata_bytes)
+    metadata = bytes(metadata_view) if header.flags & StateFlags.CHAT_METADATA else None
+    if header.kind == MessageKind.DiscardStaleWindows:
+        _check_discard_range(tokens)
+    _require(len(view) == offset, "frame length", f"{offset} body bytes",
+             f"{len(view)} ({len(view) - offset} trailing)")
+    return StageMessage(
+        kind=MessageKind(header.kind), pos_start=header.pos_start, token_count=header.token_count,
+        request_id=header.request_id, session_id=header.session_id, seq_id=header.seq_id,
+        checkpoint_generation=header.checkpoint_generation,
+        prompt_token_count=header.prompt_token_count, decode_step=header.decode_step,
+        current_token=header.current_token, source_stage_index=header.source_stage_index,
+        sampling=sampling, chat_metadata=metadata, tokens=tokens, positions=positions,
+        activation_dtype=ActivationDtype(header.activation_dtype),
+        activation_rows=header.activation_rows, activation_width=header.activation_width,
+        activation=activation)
+
+
+def decode_message(buf: Buffer) -> StageMessage:
+    """Decode exactly one stage message from `buf` (header and body, nothing after)."""
+    view = _byte_view(buf)
+    header = parse_message_header(view)
+    return decode_message_body(header, view[MESSAGE_HEADER.size:])
+
+
+# ---------------------------------------------------------------------------
+# Replies (spec §2.5)
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class StageReply:
+    """A reply upstream: an Ack, one predicted token, or a verify window's predictions.
+
+    `predicted_tokens[0] == predicted` for the prediction kinds (a PredictedToken
+    built with no tokens gets `[predicted]`). `draft_tokens` is the optional native
+    MTP draft, kept apart so it is never confused with target predictions.
+    """
+
+    kind: ReplyKind
+    predicted: int = 0
+    predicted_tokens: list[int] = field(default_factory=list)
+    window_id: int = 0                  # echoes a VerifyWindow's seq_id
+    stats: StageReplyStats = field(default_factory=StageReplyStats)
+    draft_tokens: list[int] | None = None
+    draft_compute_us: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ReplyKind(self.kind))
+        tokens = [int(t) for t in self.predicted_tokens]
+        if not tokens and self.kind == ReplyKind.PredictedToken:
+            tokens = [self.predicted]
+        object.__setattr__(self, "predicted_tokens", tokens)
+        if self.draft_tokens is not None:
+            object.__setattr__(self, "draft_tokens", [int(t) for t in self.draft_tokens])
+
+    @classmethod
+    def ack(cls, stats: StageReplyStats | None = None) -> StageReply:
+        return cls(ReplyKind.Ack, stats=stats or StageReplyStats())
+
+    @classmethod
+    def token(cls, predicted: int, stats: StageReplyStats | None = None,
+              predicted_tokens: list[int] | None = None) -> StageReply:
+        return cls(ReplyKind.PredictedToken, predicted, predicted_tokens or [predicted],
+                   stats=stats or StageReplyStats())
+
+    @classmethod
+    def window(cls, predicted_tokens: list[int], window_id: int,
+               stats: StageReplyStats | None = None) -> StageReply:
+        return cls(ReplyKind.PredictedTokens, predicted_tokens[0] if predicted_tokens else 0,
+                   list(predicted_tokens), window_id, stats or StageReplyStats())
+
+
+class ReplyHeader(namedtuple("ReplyHeader", [f.name for f in REPLY_HEADER_FIELDS])):
+    __slots__ = ()
+
+    @property
+    def body_bytes(self) -> int:
+        """Bytes after the fixed part (header + stats block)."""
+        return 4 * (self.predicted_count + self.draft_count)
+
+
+def check_reply_header(h: ReplyHeader) -> None:
+    _require(h.magic == REPLY_MAGIC, "reply magic", f"{REPLY_MAGIC:#010x}", f"{h.magic:#010x}")
+    if h.version != PROTOCOL_VERSION:
+        raise VersionMismatch("reply", PROTOCOL_VERSION, h.version)
+    _require(0 <= h.predicted_count <= MAX_PREDICTED_COUNT, "predicted_count",
+             f"0..{MAX_PREDICTED_COUNT}", h.predicted_count)
+    _require(0 <= h.draft_count <= MAX_DRAFT_COUNT, "draft_count", f"0..{MAX_DRAFT_COUNT}",
+             h.draft_count)
+    _require(h.kind in _REPLY_KIND_CODES, "reply kind",
+             f"one of {[int(k) for k in ReplyKind]}", h.kind)
+    _require(h.has_draft in (0, 1), "has_draft", "0 or 1", h.has_draft)
+    if not h.has_draft:
+        _require(h.draft_count == 0 and h.draft_compute_us == 0, "draft_count/draft_compute_us",
+                 "0 without a draft", (h.draft_count, h.draft_compute_us))
+    if h.kind == ReplyKind.Ack:
+        _require(h.predicted == 0 and h.predicted_count == 0 and not h.has_draft, "Ack reply",
+                 "no predictions and no draft", (h.predicted, h.predicted_count, h.has_draft))
+    else:
+        _require(h.predicted_count >= 1, "predicted_count", f">= 1 for {ReplyKind(h.kind).name}",
+                 h.predicted_count)
+
+
+def _check_first_prediction(predicted: int, tokens: list[int] | np.ndarray) -> None:
+    if len(tokens):
+        _require(int(tokens[0]) == predicted, "predicted_tokens[0]", f"== predicted ({predicted})",
+                 int(tokens[0]))
+
+
+def parse_reply_header(buf: Buffer) -> ReplyHeader:
+    _require(len(buf) >= REPLY_HEADER.size, "reply header", f"{REPLY_HEADER.size} bytes",
+             f"{len(buf)} (truncated)")
+    header = ReplyHeader(*REPLY_HEADER.unpack_from(buf, 0))
+    check_reply_header(header)
+    return header
+
+
+def encode_reply(reply: StageReply) -> bytes:
+    draft = reply.draft_tokens
+    values = (REPLY_MAGIC, PROTOCOL_VERSION, int(reply.kind), reply.predicted, reply.window_id,
+              len(reply.predicted_tokens), int(draft is not None), len(draft or ()),
+              reply.draft_compute_us)
+    header = _pack(REPLY_HEADER, REPLY_HEADER_FIELDS, values, "reply")
+    check_reply_header(ReplyHeader(*values))
+    _check_first_prediction(reply.predicted, reply.predicted_tokens)
+    try:
+        arrays = struct.pack(f"<{len(reply.predicted_tokens) + len(draft or ())}i",
+                             *reply.predicted_tokens, *(draft or ()))
+    except struct.error as error:
+        raise FrameError(f"reply tokens: expected i32 token ids ({error})") from error
+    return header + encode_stats(reply.stats) + arrays
+
+
+def decode_reply_body(header: ReplyHeader, body: Buffer) -> StageReply:
+    """Decode what follows the reply header: the stats block and the token arrays."""
+    view = _byte_view(body)
+    expected = STATS_BLOCK.size + header.body_bytes
+    _require(len(view) == expected, "reply length", f"{expected} bytes after the header",
+             len(view))
+    stats = decode_stats(view[:STATS_BLOCK.size])
+    tokens = np.frombuffer(view, dtype=_I32, offset=STATS_BLOCK.size)
+    predicted = tokens[:header.predicted_count].tolist()
+    _check_first_prediction(header.predicted, predicted)
+    return StageReply(
+        kind=ReplyKind(header.kind), predicted=header.predicted, predicted_tokens=predicted,
+        window_id=header.window_id, stats=stats,
+        draft_tokens=tokens[header.predicted_count:].tolist() if header.has_draft else None,
+        draft_compute_us=header.draft_compute_us)
+
+
+def decode_reply(buf: Buffer) -> StageReply:
+    view = _byte_view(buf)
+    header = parse_reply_header(view)
+    return decode_reply_body(header, view[REPLY_HEADER.size:])

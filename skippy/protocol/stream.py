@@ -1,0 +1,121 @@
+"""The protocol package's only I/O: frames and the handshake over asyncio streams.
+
+Each read takes the fixed header first and checks every count and limit on it
+before reading (and allocating) the body, so an oversized length never allocates.
+A clean EOF between frames returns None; an EOF inside a frame is a FrameError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from .constants import AUTH_PREFIX, MESSAGE_HEADER, READY, REPLY_HEADER, STATS_BLOCK
+from .errors import AuthError, FrameError
+from .frames import (
+    StageMessage, StageReply, decode_message_body, decode_reply_body, encode_message_parts,
+    encode_reply, parse_message_header, parse_reply_header,
+)
+from .handshake import AuthPreamble, Ready, auth_token_length, check_auth, token_bytes
+
+HANDSHAKE_TIMEOUT_S = 20.0  # READY read timeout used by the direct-return dial (spec §2.7)
+
+
+async def _read_exactly(reader: asyncio.StreamReader, nbytes: int, what: str) -> bytes:
+    if nbytes == 0:
+        return b""
+    try:
+        return await reader.readexactly(nbytes)
+    except asyncio.IncompleteReadError as error:
+        raise FrameError(f"{what}: expected {nbytes} bytes, got {len(error.partial)} before EOF "
+                         "(truncated)") from None
+
+
+async def _read_frame_start(reader: asyncio.StreamReader, nbytes: int, what: str) -> bytes | None:
+    """The first `nbytes` of a frame, or None on a clean EOF before its first byte."""
+    try:
+        return await reader.readexactly(nbytes)
+    except asyncio.IncompleteReadError as error:
+        if not error.partial:
+            return None
+        raise FrameError(f"{what}: expected {nbytes} bytes, got {len(error.partial)} before EOF "
+                         "(truncated)") from None
+
+
+async def read_message(reader: asyncio.StreamReader) -> StageMessage | None:
+    """Read one stage message; None means the peer closed cleanly between frames."""
+    head = await _read_frame_start(reader, MESSAGE_HEADER.size, "message header")
+    if head is None:
+        return None
+    header = parse_message_header(head)  # limits checked here, before the body is read
+    body = await _read_exactly(reader, header.body_bytes, "message body")
+    return decode_message_body(header, body)
+
+
+async def write_message(writer: asyncio.StreamWriter, msg: StageMessage) -> None:
+    # One write per section: writelines() would join (copy) the activation into one
+    # buffer first, while write() sends straight from it when the socket has room.
+    for part in encode_message_parts(msg):
+        writer.write(part)
+    await writer.drain()
+
+
+async def read_reply(reader: asyncio.StreamReader) -> StageReply | None:
+    """Read one reply; None means the peer closed cleanly between frames."""
+    head = await _read_frame_start(reader, REPLY_HEADER.size, "reply header")
+    if head is None:
+        return None
+    header = parse_reply_header(head)
+    body = await _read_exactly(reader, STATS_BLOCK.size + header.body_bytes, "reply body")
+    return decode_reply_body(header, body)
+
+
+async def write_reply(writer: asyncio.StreamWriter, reply: StageReply) -> None:
+    writer.write(encode_reply(reply))
+    await writer.drain()
+
+
+async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           token: str | bytes | None = None, *,
+                           timeout: float = HANDSHAKE_TIMEOUT_S) -> Ready:
+    """Dialer side (spec §2.1): send the auth preamble if we have a token, then await READY.
+
+    Raises VersionMismatch if the server speaks another version, FrameError if it
+    closes (for example after refusing our token) or stays silent past `timeout`.
+    """
+    if token is not None:
+        writer.write(AuthPreamble(token_bytes(token)).encode())
+        await writer.drain()
+    try:
+        data = await asyncio.wait_for(_read_exactly(reader, READY.size, "READY"), timeout)
+    except TimeoutError:
+        raise FrameError(f"READY: none within {timeout} s") from None
+    except FrameError as error:
+        raise FrameError(f"{error} (did the server refuse our auth token?)") from None
+    return Ready.decode(data)
+
+
+async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           expected_token: str | bytes | None = None, *,
+                           timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
+    """Server side (spec §2.1): check the auth preamble if a token is configured, send READY.
+
+    Raises AuthError on a missing, malformed, late or wrong token; the caller
+    then drops the connection without sending anything.
+    """
+    if expected_token is not None:
+        expected = token_bytes(expected_token)
+
+        async def read_preamble() -> AuthPreamble:
+            prefix = await _read_exactly(reader, AUTH_PREFIX.size, "auth preamble")
+            return AuthPreamble(await _read_exactly(reader, auth_token_length(prefix),
+                                                    "auth token"))
+
+        try:
+            preamble = await asyncio.wait_for(read_preamble(), timeout)
+        except TimeoutError:
+            raise AuthError(f"auth preamble: none within {timeout} s") from None
+        except FrameError as error:
+            raise AuthError(str(error)) from None
+        check_auth(preamble, expected)
+    writer.write(Ready().encode())
+    await writer.drain()
