@@ -68,6 +68,7 @@ class StateFlags(IntFlag):
     CHAT_METADATA = 1 << 5  # a chat-sampling metadata section follows (spec: CHAT_SAMPLING_METADATA)
 
 
+# Masks are compared as plain ints: `~` on an IntFlag only complements within the known bits.
 KNOWN_STATE_FLAGS = StateFlags.FINAL_CHUNK | StateFlags.SAMPLING | StateFlags.CHAT_METADATA
 
 

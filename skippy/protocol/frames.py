@@ -180,7 +180,7 @@ def check_message_header(h: MessageHeader) -> None:
     info = KIND_INFO[kind]
     _require(h.phase == info.phase, "phase", f"{int(info.phase)} ({info.phase.name}) for {kind.name}",
              h.phase)
-    _require(h.flags & ~KNOWN_STATE_FLAGS == 0, "flags", f"only bits {int(KNOWN_STATE_FLAGS):#x}",
+    _require(h.flags & ~int(KNOWN_STATE_FLAGS) == 0, "flags", f"only bits {int(KNOWN_STATE_FLAGS):#x}",
              f"{h.flags:#x}")
     is_final, want_final = bool(h.flags & StateFlags.FINAL_CHUNK), kind == MessageKind.PrefillFinalEmbd
     _require(is_final == want_final, "flags.FINAL_CHUNK",
@@ -265,7 +265,7 @@ def decode_sampling(buf: Buffer) -> SamplingConfig:
     expected = SAMPLING_BLOCK.size + bias_count * LOGIT_BIAS_ENTRY.size
     _require(len(buf) == expected, "sampling_bytes", f"{expected} for {bias_count} logit-bias entries",
              len(buf))
-    _require(flags & ~SamplingFlags.HAS_SEED == 0, "sampling.flags",
+    _require(flags & ~int(SamplingFlags.HAS_SEED) == 0, "sampling.flags",
              f"only bits {int(SamplingFlags.HAS_SEED):#x}", f"{flags:#x}")
     has_seed = bool(flags & SamplingFlags.HAS_SEED)
     _require(has_seed or seed == 0, "sampling.seed", "0 without HAS_SEED", seed)

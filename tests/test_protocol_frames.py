@@ -1,0 +1,619 @@
+"""Stage message and reply frames: golden bytes, round trips, validation and fuzzing."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from skippy.protocol import (
+    ActivationDtype, FrameError, MessageKind, ProtocolError, ReplyKind, SamplingConfig,
+    StageMessage, StageReply, StageReplyStats, VersionMismatch, decode_message, decode_reply,
+    encode_message, encode_message_parts, encode_reply,
+)
+from skippy.protocol.constants import (
+    I32_MAX, I32_MIN, I64_MAX, I64_MIN, KIND_INFO, MAX_ACTIVATION_BYTES, MAX_LOGIT_BIAS_COUNT,
+    MAX_METADATA_BYTES, MAX_PREDICTED_COUNT, MAX_SIDEBAND_COUNT, MESSAGE_HEADER,
+    MESSAGE_HEADER_FIELDS, REPLY_HEADER, REPLY_HEADER_FIELDS, U64_MAX, header_offset,
+)
+from skippy.protocol.frames import decode_sampling, encode_sampling, parse_message_header
+
+K = MessageKind
+
+
+def unhex(text: str) -> bytes:
+    return bytes.fromhex(text)
+
+
+# One frame of each kind: (message, header hex, body hex). Any change to the layout
+# shows up here as a byte diff; docs/protocol.md describes the same bytes.
+GOLDEN = [
+    # PrefillEmbd: driver prefill chunk: token ids only, no activation (source -1)
+    (StageMessage(K.PrefillEmbd, pos_start=0, token_count=3, request_id=7, session_id=11,
+                  tokens=[1, 2, 3]),
+     "47534d53 01000000 07000000 00000000"
+     "0b000000 00000000 00000000 00000000"
+     "01000000 00000000 03000000 03000000"
+     "00000000 00000000 01000000 00000000"
+     "00000000 00000000 00000000 00000000"
+     "ffffffff 00000000 00000000 00000000"
+     "00000000 00000000",
+     "01000000 02000000 03000000"),
+    # DecodeEmbd: one decode step from stage 0: f16 activation 1x2, current token 42
+    (StageMessage(K.DecodeEmbd, pos_start=5, token_count=1, request_id=7, session_id=11,
+                  decode_step=1, current_token=42, source_stage_index=0, prompt_token_count=5,
+                  tokens=[42], activation_dtype=ActivationDtype.f16, activation_rows=1,
+                  activation_width=2, activation=np.array([[1.0, -2.0]], "<f2").tobytes()),
+     "47534d53 01000000 07000000 00000000"
+     "0b000000 00000000 04000000 00000000"
+     "02000000 05000000 01000000 01000000"
+     "00000000 00000000 02000000 00000000"
+     "00000000 05000000 01000000 2a000000"
+     "00000000 01000000 01000000 02000000"
+     "00000000 00000000",
+     "2a000000 003c00c0"),
+    # Stop: end of session: header only
+    (StageMessage(K.Stop, request_id=7, session_id=11),
+     "47534d53 01000000 07000000 00000000"
+     "0b000000 00000000 00000000 00000000"
+     "03000000 00000000 00000000 00000000"
+     "00000000 00000000 02000000 00000000"
+     "00000000 00000000 00000000 00000000"
+     "ffffffff 00000000 00000000 00000000"
+     "00000000 00000000",
+     ""),
+    # PrefillFinalEmbd: last prefill chunk: FINAL_CHUNK flag, explicit positions, bf16 2x1
+    (StageMessage(K.PrefillFinalEmbd, pos_start=3, token_count=2, request_id=7, session_id=11,
+                  source_stage_index=0, tokens=[4, 5], positions=[3, 4],
+                  activation_dtype=ActivationDtype.bf16, activation_rows=2, activation_width=1,
+                  activation=bytes.fromhex("803f0040")),
+     "47534d53 01000000 07000000 00000000"
+     "0b000000 00000000 04000000 00000000"
+     "04000000 03000000 02000000 02000000"
+     "02000000 00000000 01000000 01000000"
+     "00000000 00000000 00000000 00000000"
+     "00000000 02000000 02000000 01000000"
+     "00000000 00000000",
+     "04000000 05000000 03000000 04000000"
+     "803f0040"),
+    # ConfigureGeneration: sampling block (seed, one logit bias) and chat metadata
+    (StageMessage(K.ConfigureGeneration, request_id=7, session_id=11, prompt_token_count=5,
+                  sampling=SamplingConfig(temperature=0.5, top_k=40, logit_bias={50: -100.0},
+                                          seed=1234),
+                  chat_metadata=b'{"tools":[]}'),
+     "47534d53 01000000 07000000 00000000"
+     "0b000000 00000000 00000000 00000000"
+     "0e000000 00000000 00000000 00000000"
+     "00000000 00000000 01000000 28000000"
+     "00000000 05000000 00000000 00000000"
+     "ffffffff 00000000 00000000 00000000"
+     "54000000 0c000000",
+     "00000000 0000e03f 00000000 0000f03f"
+     "00000000 00000000 00000000 0000f03f"
+     "00000000 00000000 00000000 00000000"
+     "d2040000 00000000 28000000 40000000"
+     "01000000 01000000 32000000 00000000"
+     "000059c0 7b22746f 6f6c7322 3a5b5d7d"),
+    # TryRestorePrefill: prefix to restore as the token sideband, no activation
+    (StageMessage(K.TryRestorePrefill, token_count=4, request_id=7, session_id=11,
+                  tokens=[1, 2, 3, 4]),
+     "47534d53 01000000 07000000 00000000"
+     "0b000000 00000000 00000000 00000000"
+     "11000000 00000000 04000000 04000000"
+     "00000000 00000000 01000000 00000000"
+     "00000000 00000000 00000000 00000000"
+     "ffffffff 00000000 00000000 00000000"
+     "00000000 00000000",
+     "01000000 02000000 03000000 04000000"),
+    # TryRestorePrefillDecode: prefix + current token, default sampling block without seed
+    (StageMessage(K.TryRestorePrefillDecode, pos_start=3, token_count=1, request_id=7,
+                  session_id=11, current_token=9, prompt_token_count=3, tokens=[1, 2, 3, 9],
+                  sampling=SamplingConfig()),
+     "47534d53 01000000 07000000 00000000"
+     "0b000000 00000000 00000000 00000000"
+     "12000000 03000000 01000000 04000000"
+     "00000000 00000000 01000000 08000000"
+     "00000000 03000000 00000000 09000000"
+     "ffffffff 00000000 00000000 00000000"
+     "48000000 00000000",
+     "01000000 02000000 03000000 09000000"
+     "00000000 00000000 00000000 0000f03f"
+     "00000000 00000000 00000000 0000f03f"
+     "00000000 00000000 00000000 00000000"
+     "00000000 00000000 00000000 40000000"
+     "00000000 00000000"),
+    # TrimSession: truncate to token_count=12
+    (StageMessage(K.TrimSession, token_count=12, request_id=7, session_id=11),
+     "47534d53 01000000 07000000 00000000"
+     "0b000000 00000000 00000000 00000000"
+     "13000000 00000000 0c000000 00000000"
+     "00000000 00000000 01000000 00000000"
+     "00000000 00000000 00000000 00000000"
+     "ffffffff 00000000 00000000 00000000"
+     "00000000 00000000",
+     ""),
+    # PredictionReturnOpen: first frame of a prediction-return stream
+    (StageMessage(K.PredictionReturnOpen, request_id=7, session_id=11),
+     "47534d53 01000000 07000000 00000000"
+     "0b000000 00000000 00000000 00000000"
+     "14000000 00000000 00000000 00000000"
+     "00000000 00000000 02000000 00000000"
+     "00000000 00000000 00000000 00000000"
+     "ffffffff 00000000 00000000 00000000"
+     "00000000 00000000",
+     ""),
+    # VerifyWindow: window 5 at base 8: [current, 2 drafts], f32 activation 3x1
+    (StageMessage(K.VerifyWindow, pos_start=8, token_count=3, request_id=7, session_id=11,
+                  seq_id=5, decode_step=2, prompt_token_count=5, source_stage_index=0,
+                  tokens=[9, 10, 11], activation_rows=3, activation_width=1,
+                  activation=np.array([0.5, 1.5, -1.0], "<f4").tobytes()),
+     "47534d53 01000000 07000000 00000000"
+     "0b000000 00000000 0c000000 00000000"
+     "15000000 08000000 03000000 03000000"
+     "00000000 05000000 02000000 00000000"
+     "00000000 05000000 02000000 00000000"
+     "00000000 00000000 03000000 01000000"
+     "00000000 00000000",
+     "09000000 0a000000 0b000000 0000003f"
+     "0000c03f 000080bf"),
+    # RetireVerifyWindow: release verify checkpoints [8, 11)
+    (StageMessage(K.RetireVerifyWindow, pos_start=8, token_count=3, request_id=7, session_id=11),
+     "47534d53 01000000 07000000 00000000"
+     "0b000000 00000000 00000000 00000000"
+     "16000000 08000000 03000000 00000000"
+     "00000000 00000000 01000000 00000000"
+     "00000000 00000000 00000000 00000000"
+     "ffffffff 00000000 00000000 00000000"
+     "00000000 00000000",
+     ""),
+    # DiscardStaleWindows: skip windows 2..4
+    (StageMessage(K.DiscardStaleWindows, request_id=7, session_id=11, tokens=[2, 4]),
+     "47534d53 01000000 07000000 00000000"
+     "0b000000 00000000 00000000 00000000"
+     "17000000 00000000 00000000 02000000"
+     "00000000 00000000 02000000 00000000"
+     "00000000 00000000 00000000 00000000"
+     "ffffffff 00000000 00000000 00000000"
+     "00000000 00000000",
+     "02000000 04000000"),
+]
+
+
+def test_golden_table_covers_every_kind():
+    assert sorted(msg.kind for msg, _, _ in GOLDEN) == sorted(MessageKind)
+
+
+@pytest.mark.parametrize("msg, header_hex, body_hex", GOLDEN, ids=[m.kind.name for m, _, _ in GOLDEN])
+def test_golden_bytes(msg, header_hex, body_hex):
+    wire = unhex(header_hex) + unhex(body_hex)
+    assert len(unhex(header_hex)) == MESSAGE_HEADER.size
+    assert encode_message(msg) == wire
+    assert b"".join(encode_message_parts(msg)) == wire
+    decoded = decode_message(wire)
+    assert decoded == msg
+    assert encode_message(decoded) == wire
+
+
+def test_header_layout_matches_the_documented_offsets():
+    # Built by hand from the docs/protocol.md offsets table, not from the encoder's tables.
+    msg = StageMessage(K.VerifyWindow, pos_start=8, token_count=2, request_id=2**64 - 1,
+                       session_id=3, seq_id=9, checkpoint_generation=4, prompt_token_count=6,
+                       decode_step=7, current_token=-1, source_stage_index=1, tokens=[5, 6],
+                       activation_rows=2, activation_width=1,
+                       activation=np.array([1.0, 2.0], "<f4").tobytes())
+    expected = (struct.pack("<I", 0x534D5347) + struct.pack("<i", 1)
+                + struct.pack("<QQQ", 2**64 - 1, 3, 8)
+                + struct.pack("<5i", 21, 8, 2, 2, 0)
+                + struct.pack("<iiI", 9, 2, 0)
+                + struct.pack("<5i", 4, 6, 7, -1, 1)
+                + struct.pack("<3i", 0, 2, 1) + struct.pack("<II", 0, 0)
+                + struct.pack("<2i", 5, 6) + struct.pack("<2f", 1.0, 2.0))
+    assert encode_message(msg) == expected
+
+
+def test_decoded_arrays_are_views_of_the_input():
+    msg, header_hex, body_hex = GOLDEN[9]  # VerifyWindow, f32 activation
+    wire = bytearray(unhex(header_hex) + unhex(body_hex))
+    decoded = decode_message(wire)
+    assert decoded.activation_array().tolist() == [[0.5], [1.5], [-1.0]]
+    wire[MESSAGE_HEADER.size] = 99  # first token id, little-endian low byte
+    assert decoded.tokens[0] == 99
+    assert decoded.activation.obj is not None
+
+
+def test_activation_array_shapes_and_dtypes():
+    rows = np.arange(6, dtype="<f2").reshape(2, 3)
+    msg = StageMessage(K.PrefillEmbd, token_count=2, activation_dtype=ActivationDtype.f16,
+                       activation_rows=2, activation_width=3, activation=rows)
+    assert np.array_equal(decode_message(encode_message(msg)).activation_array(), rows)
+    bf16_bits = np.array([[0x3F80, 0x4000]], "<u2")  # 1.0, 2.0 in bfloat16
+    msg = StageMessage(K.PrefillEmbd, token_count=1, activation_dtype=ActivationDtype.bf16,
+                       activation_rows=1, activation_width=2, activation=bf16_bits)
+    assert decode_message(encode_message(msg)).activation_array().tolist() == [[0x3F80, 0x4000]]
+
+
+def test_derived_phase_and_flags():
+    final = StageMessage(K.PrefillFinalEmbd, sampling=SamplingConfig(), chat_metadata=b"")
+    assert final.phase.name == "Prefill"
+    assert final.flags == 0b101001  # FINAL_CHUNK | SAMPLING | CHAT_METADATA
+    assert StageMessage(K.DecodeEmbd).flags == 0
+    assert StageMessage(K.Stop).version == 1
+
+
+# ---------------------------------------------------------------------------
+# Hypothesis round trips
+# ---------------------------------------------------------------------------
+i32 = st.integers(I32_MIN, I32_MAX)
+counts = st.integers(0, I32_MAX)
+u64 = st.integers(0, U64_MAX)
+
+samplings = st.builds(
+    SamplingConfig,
+    temperature=st.floats(0.0, 5.0),
+    top_k=st.integers(0, 1000),
+    top_p=st.floats(0.0, 1.0, exclude_min=True),
+    min_p=st.floats(0.0, 1.0),
+    repetition_penalty=st.floats(0.0, 4.0, exclude_min=True),
+    presence_penalty=st.floats(-2.0, 2.0),
+    frequency_penalty=st.floats(-2.0, 2.0),
+    penalty_last_n=st.integers(-1, 1 << 20),
+    logit_bias=st.dictionaries(i32, st.floats(allow_nan=False), max_size=8),
+    seed=st.none() | st.integers(I64_MIN, I64_MAX),
+)
+
+
+@st.composite
+def messages(draw, kinds=st.sampled_from(list(MessageKind))):
+    kind = draw(kinds)
+    tokens = draw(st.lists(i32, max_size=12))
+    if kind == K.DiscardStaleWindows:
+        tokens = sorted(draw(st.lists(i32, min_size=2, max_size=2)))
+    fields = dict(
+        pos_start=draw(counts), token_count=draw(counts), request_id=draw(u64),
+        session_id=draw(u64), seq_id=draw(i32), checkpoint_generation=draw(i32),
+        prompt_token_count=draw(counts), decode_step=draw(i32), current_token=draw(i32),
+        source_stage_index=draw(st.integers(-1, 64)), tokens=tokens,
+        positions=draw(st.lists(i32, max_size=12)),
+        sampling=draw(st.none() | samplings),
+        chat_metadata=draw(st.none() | st.binary(max_size=48)),
+    )
+    if KIND_INFO[kind].has_activation and draw(st.booleans()):
+        dtype = draw(st.sampled_from(list(ActivationDtype)))
+        rows, width = draw(st.integers(0, 5)), draw(st.integers(0, 7))
+        nbytes = rows * width * dtype.itemsize
+        fields.update(activation_dtype=dtype, activation_rows=rows, activation_width=width,
+                      activation=draw(st.binary(min_size=nbytes, max_size=nbytes)))
+    return StageMessage(kind, **fields)
+
+
+@given(messages())
+def test_every_kind_round_trips(msg):
+    wire = encode_message(msg)
+    decoded = decode_message(wire)
+    assert decoded == msg
+    assert encode_message(decoded) == wire
+
+
+@given(samplings)
+def test_sampling_block_round_trips_exactly(cfg):
+    assert decode_sampling(encode_sampling(cfg)) == cfg
+
+
+# ---------------------------------------------------------------------------
+# Validation: each row mutates one header field of a valid frame.
+# ---------------------------------------------------------------------------
+def _frame(msg: StageMessage) -> bytearray:
+    return bytearray(encode_message(msg))
+
+
+def _set(wire: bytearray, name: str, value: int) -> bytearray:
+    fmt = next(f.fmt for f in MESSAGE_HEADER_FIELDS if f.name == name)
+    struct.pack_into("<" + fmt, wire, header_offset(MESSAGE_HEADER_FIELDS, name), value)
+    return wire
+
+
+DECODE_PREFILL = StageMessage(K.PrefillEmbd, token_count=2, tokens=[1, 2], activation_rows=2,
+                              activation_width=2, activation=bytes(16))
+CONFIGURE = StageMessage(K.ConfigureGeneration, sampling=SamplingConfig(logit_bias={3: 1.0}),
+                         chat_metadata=b"{}")
+
+HEADER_CASES = [
+    # (base message, field, new value, error type, message fragment)
+    # wrong frame magic (e.g. a reply read as a message)
+    (DECODE_PREFILL, "magic", 0x53525059, FrameError, "magic"),
+    # a peer of another protocol version fails closed
+    (DECODE_PREFILL, "version", 2, VersionMismatch, "version: expected 1, got 2"),
+    # negative counts
+    (DECODE_PREFILL, "token_count", -1, FrameError, "token_count: expected >= 0"),
+    (DECODE_PREFILL, "pos_start", -5, FrameError, "pos_start"),
+    (DECODE_PREFILL, "token_sideband_count", -1, FrameError, "token_sideband_count"),
+    # sideband over the 1,048,576 cap
+    (DECODE_PREFILL, "token_sideband_count", MAX_SIDEBAND_COUNT + 1, FrameError, "token_sideband"),
+    (DECODE_PREFILL, "position_sideband_count", MAX_SIDEBAND_COUNT + 1, FrameError, "position"),
+    # activation over 512 MiB, even though rows x width would agree
+    (DECODE_PREFILL, "activation_bytes", MAX_ACTIVATION_BYTES + 4, FrameError, "activation_bytes"),
+    # metadata over 8 MiB
+    (CONFIGURE, "metadata_bytes", MAX_METADATA_BYTES + 1, FrameError, "metadata_bytes"),
+    # sampling section larger than 256 logit-bias entries allow
+    (CONFIGURE, "sampling_bytes", 1 << 20, FrameError, "sampling_bytes"),
+    # unknown kind codes, including ones the Rust peers had (StateImport=7)
+    (DECODE_PREFILL, "kind", 7, FrameError, "kind"),
+    (DECODE_PREFILL, "kind", 0, FrameError, "kind"),
+    # phase disagrees with kind
+    (DECODE_PREFILL, "phase", 2, FrameError, "phase"),
+    (DECODE_PREFILL, "phase", 3, FrameError, "phase"),
+    # FINAL_CHUNK on a non-final prefill
+    (DECODE_PREFILL, "flags", 1, FrameError, "FINAL_CHUNK"),
+    # an unknown flag bit (spec LIGHT_CONTEXT)
+    (DECODE_PREFILL, "flags", 1 << 1, FrameError, "flags"),
+    (DECODE_PREFILL, "flags", 1 << 31, FrameError, "flags"),
+    # SAMPLING flag without a sampling block
+    (DECODE_PREFILL, "flags", 1 << 3, FrameError, "sampling_bytes"),
+    # sampling bytes without the SAMPLING flag
+    (CONFIGURE, "flags", 1 << 5, FrameError, "sampling_bytes"),
+    # metadata bytes without the CHAT_METADATA flag
+    (CONFIGURE, "flags", 1 << 3, FrameError, "metadata_bytes"),
+    # unknown activation dtype
+    (DECODE_PREFILL, "activation_dtype", 3, FrameError, "activation_dtype"),
+    # explicit activation length disagrees with rows x width x itemsize
+    (DECODE_PREFILL, "activation_width", 3, FrameError, "activation_bytes"),
+    (DECODE_PREFILL, "activation_dtype", 1, FrameError, "activation_bytes"),
+    # activation on a kind that carries none
+    (StageMessage(K.Stop), "activation_rows", 1, FrameError, "activation_rows"),
+    # DiscardStaleWindows needs exactly [min, max]
+    (StageMessage(K.DiscardStaleWindows, tokens=[1, 2]), "token_sideband_count", 1, FrameError,
+     "token_sideband_count"),
+    # body length no longer matches (one sideband value more than is present)
+    (DECODE_PREFILL, "token_sideband_count", 3, FrameError, "truncated"),
+    (DECODE_PREFILL, "token_sideband_count", 1, FrameError, "trailing"),
+]
+
+
+@pytest.mark.parametrize("base, name, value, error, fragment", HEADER_CASES)
+def test_header_validation(base, name, value, error, fragment):
+    wire = _set(_frame(base), name, value)
+    with pytest.raises(error, match=fragment):
+        decode_message(wire)
+
+
+def test_validation_order_magic_before_version_before_limits():
+    wire = _set(_set(_set(_frame(DECODE_PREFILL), "token_count", -1), "version", 9), "magic", 0)
+    with pytest.raises(FrameError, match="magic"):
+        decode_message(wire)
+    with pytest.raises(VersionMismatch):
+        decode_message(_set(wire, "magic", 0x534D5347))
+
+
+BODY_CASES = [
+    # (description, base message, transform of the wire bytes, message fragment)
+    ("empty buffer", DECODE_PREFILL, lambda w: b"", "truncated"),
+    ("header cut short", DECODE_PREFILL, lambda w: w[:50], "truncated"),
+    ("body cut short", DECODE_PREFILL, lambda w: w[:-1], "truncated"),
+    ("one trailing byte", DECODE_PREFILL, lambda w: w + b"\0", "trailing"),
+    ("a second frame glued on", DECODE_PREFILL, lambda w: w + w, "trailing"),
+    ("DiscardStaleWindows with min > max",
+     StageMessage(K.DiscardStaleWindows, tokens=[1, 2]),
+     lambda w: w[:-8] + struct.pack("<2i", 5, 4), "min <= max"),
+]
+
+
+@pytest.mark.parametrize("what, base, transform, fragment", BODY_CASES,
+                         ids=[row[0] for row in BODY_CASES])
+def test_body_validation(what, base, transform, fragment):
+    with pytest.raises(FrameError, match=fragment):
+        decode_message(transform(bytes(_frame(base))))
+
+
+def _sampling_frame(**block_fields: float) -> bytes:
+    """A ConfigureGeneration frame whose sampling block fields are overwritten."""
+    from skippy.protocol.constants import SAMPLING_BLOCK, SAMPLING_FIELDS
+    wire = _frame(StageMessage(K.ConfigureGeneration, sampling=SamplingConfig(logit_bias={1: 0.5, 9: 1.0})))
+    start = MESSAGE_HEADER.size
+    values = list(SAMPLING_BLOCK.unpack_from(wire, start))
+    names = [f.name for f in SAMPLING_FIELDS]
+    for name, value in block_fields.items():
+        values[names.index(name)] = value
+    SAMPLING_BLOCK.pack_into(wire, start, *values)
+    return bytes(wire)
+
+
+SAMPLING_CASES = [
+    # (block fields to overwrite, message fragment)
+    ({"temperature": float("nan")}, "temperature"),          # NaN fails SamplingConfig
+    ({"presence_penalty": float("inf")}, "presence_penalty"),  # non-finite scalar
+    ({"top_p": 0.0}, "top_p"),                                 # SamplingConfig range check
+    ({"sampling_flags": 2}, "sampling.flags"),                 # unknown sampling flag bit
+    ({"seed": 5}, "seed"),                                     # a seed without HAS_SEED
+    ({"logit_bias_count": 1}, "sampling_bytes"),               # count disagrees with length
+    ({"logit_bias_count": MAX_LOGIT_BIAS_COUNT + 1}, "logit_bias_count"),
+]
+
+
+@pytest.mark.parametrize("fields, fragment", SAMPLING_CASES)
+def test_sampling_block_validation(fields, fragment):
+    with pytest.raises(FrameError, match=fragment):
+        decode_message(_sampling_frame(**fields))
+
+
+def test_logit_bias_must_be_ascending():
+    wire = bytearray(_sampling_frame())
+    first = len(wire) - 24  # two 12-byte entries: token 1, token 9
+    struct.pack_into("<i", wire, first + 12, 1)  # second token id == first
+    with pytest.raises(FrameError, match="ascending"):
+        decode_message(bytes(wire))
+
+
+ENCODE_CASES = [
+    # (message that cannot go on the wire, message fragment)
+    (StageMessage(K.PrefillEmbd, pos_start=1 << 31), "pos_start"),        # i32 overflow
+    (StageMessage(K.PrefillEmbd, request_id=-1), "request_id"),          # u64 underflow
+    (StageMessage(K.PrefillEmbd, token_count=-1), "token_count"),        # negative count
+    (StageMessage(K.PrefillEmbd, activation_rows=2, activation_width=2,
+                  activation=bytes(15)), "activation_bytes"),            # shape disagrees
+    (StageMessage(K.Stop, activation_rows=1, activation_width=1,
+                  activation=bytes(4)), "activation"),                   # kind carries none
+    (StageMessage(K.DiscardStaleWindows, tokens=[1]), "token_sideband_count"),
+    (StageMessage(K.DiscardStaleWindows, tokens=[3, 1]), "min <= max"),
+    (StageMessage(K.ConfigureGeneration, sampling=SamplingConfig(seed=1 << 64)), "seed"),
+    (StageMessage(K.ConfigureGeneration, sampling=SamplingConfig(
+        logit_bias={i: 0.0 for i in range(MAX_LOGIT_BIAS_COUNT + 1)})), "logit_bias"),
+    (StageMessage(K.ConfigureGeneration, sampling=SamplingConfig(
+        logit_bias={1: float("nan")})), "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("msg, fragment", ENCODE_CASES)
+def test_encoder_refuses_what_a_peer_would_reject(msg, fragment):
+    with pytest.raises(FrameError, match=fragment):
+        encode_message(msg)
+
+
+def test_construction_rejects_tokens_outside_i32():
+    with pytest.raises(ValueError, match="tokens"):
+        StageMessage(K.PrefillEmbd, tokens=[1 << 31])
+    with pytest.raises(ValueError):
+        StageMessage(99)  # type: ignore[arg-type]
+
+
+def test_parse_header_alone_gives_body_length():
+    wire = _frame(CONFIGURE)
+    header = parse_message_header(wire[:MESSAGE_HEADER.size])
+    assert MESSAGE_HEADER.size + header.body_bytes == len(wire)
+
+
+# ---------------------------------------------------------------------------
+# Fuzzing: random mutations of valid frames decode cleanly or raise ProtocolError.
+# ---------------------------------------------------------------------------
+mutations = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, 10_000), st.integers(1, 255)),
+    st.tuples(st.just("truncate"), st.integers(0, 10_000), st.just(0)),
+    st.tuples(st.just("insert"), st.integers(0, 10_000), st.integers(0, 255)),
+    st.tuples(st.just("delete"), st.integers(0, 10_000), st.just(0)),
+    st.tuples(st.just("set32"), st.integers(0, 10_000), st.integers(0, (1 << 32) - 1)),
+)
+
+
+def _mutate(wire: bytes, ops) -> bytes:
+    data = bytearray(wire)
+    for op, position, value in ops:
+        position = position % (len(data) + 1)
+        if op == "flip" and position < len(data):
+            data[position] ^= value
+        elif op == "truncate":
+            del data[position:]
+        elif op == "insert":
+            data.insert(position, value)
+        elif op == "delete" and position < len(data):
+            del data[position]
+        elif op == "set32":
+            data[position:position + 4] = value.to_bytes(4, "little")
+    return bytes(data)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(messages(), st.lists(mutations, min_size=1, max_size=4))
+def test_fuzzed_message_frames_raise_only_protocol_errors(msg, ops):
+    mutated = _mutate(encode_message(msg), ops)
+    try:
+        decoded = decode_message(mutated)
+    except ProtocolError:
+        return
+    # Anything accepted is canonical: it re-encodes to exactly the same bytes.
+    assert encode_message(decoded) == mutated
+
+
+# ---------------------------------------------------------------------------
+# Replies
+# ---------------------------------------------------------------------------
+STATS = StageReplyStats(kv_lookup_hits=2, kv_hit_stage_mask=0b101, prefill_edge_stage_index=1,
+                        prefill_compute_us_at_slowest_rate=-1)
+
+REPLY_CASES = [
+    # Ack carrying merged stats
+    StageReply.ack(STATS),
+    # one predicted token (the tokens list defaults to [predicted])
+    StageReply.token(42),
+    # a PredictedToken with extra sideband tokens
+    StageReply.token(42, STATS, [42, 43, 123]),
+    # a verify window's target predictions, echoing window id 7
+    StageReply.window([5, 6, 7, 8], 7, STATS),
+    # a prediction with a native MTP draft, kept apart from the predictions
+    StageReply(ReplyKind.PredictedToken, 42, [42], draft_tokens=[43, 44], draft_compute_us=12_345),
+    # an empty draft is still a draft
+    StageReply(ReplyKind.PredictedToken, -1, [-1], draft_tokens=[]),
+]
+
+
+@pytest.mark.parametrize("reply", REPLY_CASES)
+def test_reply_round_trips(reply):
+    wire = encode_reply(reply)
+    assert decode_reply(wire) == reply
+    assert encode_reply(decode_reply(wire)) == wire
+
+
+def test_reply_golden_bytes():
+    wire = encode_reply(StageReply.window([5, 6], 3, StageReplyStats(kv_lookup_hits=1)))
+    assert wire[:REPLY_HEADER.size] == unhex(
+        "59505253 01000000 03000000 05000000"   # magic "SRPY", version 1, PredictedTokens, 5
+        "03000000 02000000 00000000 00000000"   # window 3, 2 predictions, no draft, 0 draft
+        "00000000 00000000")                    # draft_compute_us
+    assert wire[REPLY_HEADER.size:REPLY_HEADER.size + 8] == unhex("01000000 00000000")
+    assert wire[256:] == unhex("05000000 06000000")
+
+
+def _set_reply(wire: bytes, name: str, value: int) -> bytes:
+    data = bytearray(wire)
+    fmt = next(f.fmt for f in REPLY_HEADER_FIELDS if f.name == name)
+    struct.pack_into("<" + fmt, data, header_offset(REPLY_HEADER_FIELDS, name), value)
+    return bytes(data)
+
+
+TOKEN_REPLY = encode_reply(StageReply.token(42))
+ACK_REPLY = encode_reply(StageReply.ack())
+
+REPLY_ERROR_CASES = [
+    # (wire bytes, error, message fragment)
+    (_set_reply(TOKEN_REPLY, "magic", 0x534D5347), FrameError, "magic"),    # a message magic
+    (_set_reply(TOKEN_REPLY, "version", 0), VersionMismatch, "version"),
+    (_set_reply(TOKEN_REPLY, "predicted_count", MAX_PREDICTED_COUNT + 1), FrameError,
+     "predicted_count"),                                                     # over 262,144
+    (_set_reply(TOKEN_REPLY, "predicted_count", -1), FrameError, "predicted_count"),
+    (_set_reply(TOKEN_REPLY, "kind", 4), FrameError, "reply kind"),
+    (_set_reply(TOKEN_REPLY, "has_draft", 2), FrameError, "has_draft"),
+    (_set_reply(TOKEN_REPLY, "draft_count", 1), FrameError, "without a draft"),
+    (_set_reply(TOKEN_REPLY, "predicted", 41), FrameError, "predicted_tokens"),  # first != predicted
+    (_set_reply(ACK_REPLY, "predicted", 1), FrameError, "Ack"),
+    (_set_reply(TOKEN_REPLY, "predicted_count", 0), FrameError, "predicted_count"),
+    (TOKEN_REPLY[:-1], FrameError, "reply length"),                           # truncated
+    (TOKEN_REPLY + b"\0\0\0\0", FrameError, "reply length"),                  # trailing
+    (TOKEN_REPLY[:10], FrameError, "truncated"),
+]
+
+
+@pytest.mark.parametrize("wire, error, fragment", REPLY_ERROR_CASES)
+def test_reply_validation(wire, error, fragment):
+    with pytest.raises(error, match=fragment):
+        decode_reply(wire)
+
+
+@settings(max_examples=300)
+@given(st.sampled_from(REPLY_CASES), st.lists(mutations, min_size=1, max_size=4))
+def test_fuzzed_replies_raise_only_protocol_errors(reply, ops):
+    mutated = _mutate(encode_reply(reply), ops)
+    try:
+        decoded = decode_reply(mutated)
+    except ProtocolError:
+        return
+    assert encode_reply(decoded) == mutated
+
+
+def test_reply_encoder_refuses_bad_tokens():
+    with pytest.raises(FrameError):
+        encode_reply(StageReply.token(1 << 40))
+    with pytest.raises(FrameError, match="predicted_tokens"):
+        encode_reply(StageReply(ReplyKind.PredictedTokens, 1, [2, 3]))
+    with pytest.raises(FrameError, match="stats"):
+        encode_reply(StageReply.ack(StageReplyStats(kv_lookup_hits=1 << 63)))
