@@ -38,3 +38,41 @@ def hf_model(gguf_path):
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def full_weights(gguf_path):
+    """(args, float32 weights of every layer), dequantized once per session."""
+    import torch
+
+    from skippy.model.args import LayerRange
+    from skippy.model.gguf_loader import load_gguf_tensors, open_gguf, read_model_args
+
+    reader = open_gguf(gguf_path)
+    args = read_model_args(reader)
+    weights = load_gguf_tensors(reader, args, LayerRange.full(args.num_layers), torch.float32, torch.device("cpu"))
+    return args, weights
+
+
+@pytest.fixture(scope="session")
+def make_stage(full_weights):
+    """make_stage(start, end) -> StageModel sharing the session's weights."""
+    import torch
+
+    from skippy.model.args import LayerRange
+    from skippy.model.llama import StageModel
+
+    args, weights = full_weights
+
+    def make(start: int = 0, end: int | None = None) -> StageModel:
+        layers = LayerRange(start, args.num_layers if end is None else end, args.num_layers)
+        return StageModel(args, layers, weights, torch.device("cpu"))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tokenizer(gguf_path):
+    from skippy.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(gguf_path)

@@ -56,10 +56,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> 
         key_pos = torch.arange(k.shape[1], device=q.device)
         query_pos = torch.arange(start, start + n, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
+    # a leading batch dim of 1: torch's CPU kernels take a much slower path on 3-D inputs
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(head_dim), enable_gqa=heads != k.shape[0]
+        q[None], k[None], v[None], attn_mask=mask, scale=1.0 / math.sqrt(head_dim), enable_gqa=heads != k.shape[0]
     )
-    return out.transpose(0, 1).reshape(n, heads * head_dim)
+    return out[0].transpose(0, 1).reshape(n, heads * head_dim)
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,147 @@
+"""Split composition, KV-cache semantics and batched forward of StageModel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skippy.model.errors import ContextOverflowError
+from skippy.model.llama import Segment
+
+PROMPT = list(range(300, 340))  # 40 token ids
+
+
+def max_relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Max abs difference over the largest |logit|: BLAS picks different kernels
+    for different row counts, so batched rows differ from solo rows by a few ulps."""
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+def run(model, ids, cache, start=None):
+    start = cache.length if start is None else start
+    return model.forward(torch.tensor(ids), [Segment(cache, start, len(ids))])
+
+
+def logits_of(model, ids, cache, start=None):
+    return model.compute_logits(run(model, ids, cache, start))
+
+
+def decode(model, cache, token, steps):
+    out = []
+    for _ in range(steps):
+        token = int(logits_of(model, [token], cache)[-1].argmax())
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("split", [1, 7, 15, 29])
+def test_split_stages_compose_to_full_model(split, make_stage):
+    full, first, second = make_stage(), make_stage(0, split), make_stage(split, 30)
+    expected = logits_of(full, PROMPT, full.new_cache())
+    c1, c2 = first.new_cache(), second.new_cache()
+    hidden = first.forward(torch.tensor(PROMPT), [Segment(c1, 0, len(PROMPT))])
+    got = second.compute_logits(second.forward(hidden, [Segment(c2, 0, len(PROMPT))]))
+    assert (got - expected).abs().max().item() <= 1e-5
+    # and a decode step through both halves
+    h = first.forward(torch.tensor([5]), [Segment(c1, 40, 1)])
+    got = second.compute_logits(second.forward(h, [Segment(c2, 40, 1)]))
+    ref_cache = full.new_cache()
+    logits_of(full, PROMPT, ref_cache)
+    assert (got - logits_of(full, [5], ref_cache)).abs().max().item() <= 1e-5
+
+
+def test_trim_then_decode_equals_fresh_run(make_stage):
+    model = make_stage()
+    fresh = model.new_cache()
+    last = int(logits_of(model, PROMPT, fresh)[-1].argmax())
+    expected = decode(model, fresh, last, 5)
+
+    cache = model.new_cache()
+    logits_of(model, PROMPT, cache)
+    decode(model, cache, 77, 5)  # wander off
+    cache.truncate(40)
+    assert decode(model, cache, last, 5) == expected
+
+
+def test_checkpoint_rollback_restores_state(make_stage):
+    model = make_stage()
+    cache = model.new_cache()
+    last = int(logits_of(model, PROMPT, cache)[-1].argmax())
+    checkpoint = cache.checkpoint()
+    logits_of(model, [11, 12, 13], cache)  # a provisional verify window
+    cache.rollback(checkpoint)
+    assert cache.length == 40
+    fresh = model.new_cache()
+    logits_of(model, PROMPT, fresh)
+    assert decode(model, cache, last, 4) == decode(model, fresh, last, 4)
+
+
+def test_write_below_checkpoint_invalidates_it(make_stage):
+    model = make_stage(0, 2)
+    cache = model.new_cache()
+    run(model, PROMPT, cache)
+    checkpoint = cache.checkpoint()
+    run(model, [1, 2], cache, start=30)
+    with pytest.raises(KeyError):
+        cache.rollback(checkpoint)
+
+
+def test_authoritative_start_overwrites_speculative_tail(make_stage):
+    model = make_stage()
+    fresh = model.new_cache()
+    logits_of(model, PROMPT, fresh)
+    expected = logits_of(model, [9], fresh)
+
+    cache = model.new_cache()
+    logits_of(model, PROMPT + [1, 2, 3], cache)  # ahead by 3 uncommitted rows
+    got = logits_of(model, [9], cache, start=40)
+    assert cache.length == 41
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
+def test_batched_forward_equals_per_session(make_stage):
+    model = make_stage()
+    prompts = [PROMPT, PROMPT[:13], [5, 6, 7, 8, 9, 10, 11]]
+    solo_caches = [model.new_cache() for _ in prompts]
+    solo = [logits_of(model, p, c) for p, c in zip(prompts, solo_caches)]
+
+    caches = [model.new_cache() for _ in prompts]
+    ids = torch.tensor([t for p in prompts for t in p])
+    batched = model.compute_logits(model.forward(ids, [Segment(c, 0, len(p)) for p, c in zip(prompts, caches)]))
+    assert max_relative_error(batched, torch.cat(solo)) <= 1e-5
+    assert batched.argmax(-1).tolist() == torch.cat(solo).argmax(-1).tolist()
+
+    # one decode row per session, at different positions, in one call
+    tokens = [3, 4, 5]
+    expected = torch.cat([logits_of(model, [t], c) for t, c in zip(tokens, solo_caches)])
+    got = model.compute_logits(model.forward(torch.tensor(tokens), [Segment(c, c.length, 1) for c in caches]))
+    assert max_relative_error(got, expected) <= 1e-5
+    assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+def test_snapshot_restore_equals_original(make_stage):
+    model = make_stage(0, 3)
+    cache = model.new_cache()
+    run(model, PROMPT, cache)
+    snapshot = cache.snapshot(32)
+    other = model.new_cache()
+    other.restore(snapshot)
+    assert other.length == 32
+    assert torch.equal(run(model, PROMPT[32:], other), run(model, PROMPT[32:], cache, start=32))
+
+
+def test_context_overflow_is_a_clear_error(make_stage):
+    model = make_stage(0, 1)
+    cache = model.new_cache(max_tokens=16)
+    with pytest.raises(ContextOverflowError, match="context size is 16"):
+        run(model, PROMPT, cache)
+    assert cache.length == 0
+
+
+def test_sparse_stages_hold_about_half_the_weights(make_stage):
+    full = make_stage().parameter_bytes
+    first, second = make_stage(0, 15).parameter_bytes, make_stage(15, 30).parameter_bytes
+    # the tied embedding/head sits on both ends, so each half is a bit over 50%
+    assert 0.4 < first / full < 0.7 and 0.4 < second / full < 0.7
+    middle = make_stage(10, 20).parameter_bytes
+    assert middle < first
