@@ -12,6 +12,7 @@ import math
 import struct
 from collections import namedtuple
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 
@@ -148,75 +149,90 @@ class MessageHeader(namedtuple("MessageHeader", [f.name for f in MESSAGE_HEADER_
 _KIND_CODES = frozenset(MessageKind)
 _REPLY_KIND_CODES = frozenset(ReplyKind)
 _DTYPE_CODES = frozenset(ActivationDtype)
+# Plain ints: IntFlag arithmetic is slow, and `~` on an IntFlag keeps only known bits.
+_FINAL, _SAMPLING, _METADATA = (int(StateFlags.FINAL_CHUNK), int(StateFlags.SAMPLING),
+                                int(StateFlags.CHAT_METADATA))
+_UNKNOWN_FLAGS = ~int(KNOWN_STATE_FLAGS)
+_COUNT_FIELDS = ("pos_start", "token_count", "prompt_token_count", "activation_rows",
+                 "activation_width")
+
+
+def _fail(field_name: str, expected: object, got: object) -> NoReturn:
+    raise FrameError(f"{field_name}: expected {expected}, got {got}")
+
 
 def _require(ok: bool, field_name: str, expected: str, got: object) -> None:
+    """For cold paths; hot paths use `if ...: _fail(...)` so no message is built."""
     if not ok:
-        raise FrameError(f"{field_name}: expected {expected}, got {got}")
+        _fail(field_name, expected, got)
 
 
 def check_message_header(h: MessageHeader) -> None:
     """Everything that can be checked before the body is read, in the spec's order."""
-    _require(h.magic == MESSAGE_MAGIC, "magic", f"{MESSAGE_MAGIC:#010x}", f"{h.magic:#010x}")
+    if h.magic != MESSAGE_MAGIC:
+        _fail("magic", f"{MESSAGE_MAGIC:#010x}", f"{h.magic:#010x}")
     if h.version != PROTOCOL_VERSION:
         raise VersionMismatch("stage message", PROTOCOL_VERSION, h.version)
     # Counts and limits: nothing below allocates more than these allow.
-    for name in ("pos_start", "token_count", "prompt_token_count", "activation_rows",
-                 "activation_width"):
-        _require(getattr(h, name) >= 0, name, ">= 0", getattr(h, name))
-    _require(h.source_stage_index >= -1, "source_stage_index", ">= -1", h.source_stage_index)
-    for name in ("token_sideband_count", "position_sideband_count"):
-        value = getattr(h, name)
-        _require(0 <= value <= MAX_SIDEBAND_COUNT, name, f"0..{MAX_SIDEBAND_COUNT}", value)
-    _require(h.activation_bytes <= MAX_ACTIVATION_BYTES, "activation_bytes",
-             f"<= {MAX_ACTIVATION_BYTES}", h.activation_bytes)
-    _require(h.sampling_bytes <= MAX_SAMPLING_BYTES, "sampling_bytes",
-             f"<= {MAX_SAMPLING_BYTES}", h.sampling_bytes)
-    _require(h.metadata_bytes <= MAX_METADATA_BYTES, "metadata_bytes",
-             f"<= {MAX_METADATA_BYTES}", h.metadata_bytes)
+    for name in _COUNT_FIELDS:
+        if getattr(h, name) < 0:
+            _fail(name, ">= 0", getattr(h, name))
+    if h.source_stage_index < -1:
+        _fail("source_stage_index", ">= -1", h.source_stage_index)
+    if not 0 <= h.token_sideband_count <= MAX_SIDEBAND_COUNT:
+        _fail("token_sideband_count", f"0..{MAX_SIDEBAND_COUNT}", h.token_sideband_count)
+    if not 0 <= h.position_sideband_count <= MAX_SIDEBAND_COUNT:
+        _fail("position_sideband_count", f"0..{MAX_SIDEBAND_COUNT}", h.position_sideband_count)
+    if h.activation_bytes > MAX_ACTIVATION_BYTES:
+        _fail("activation_bytes", f"<= {MAX_ACTIVATION_BYTES}", h.activation_bytes)
+    if h.sampling_bytes > MAX_SAMPLING_BYTES:
+        _fail("sampling_bytes", f"<= {MAX_SAMPLING_BYTES}", h.sampling_bytes)
+    if h.metadata_bytes > MAX_METADATA_BYTES:
+        _fail("metadata_bytes", f"<= {MAX_METADATA_BYTES}", h.metadata_bytes)
     # Kind, phase and flags agree.
-    _require(h.kind in _KIND_CODES, "kind",
-             f"one of {sorted(int(k) for k in MessageKind)}", h.kind)
+    if h.kind not in _KIND_CODES:
+        _fail("kind", f"one of {sorted(int(k) for k in MessageKind)}", h.kind)
     kind = MessageKind(h.kind)
     info = KIND_INFO[kind]
-    _require(h.phase == info.phase, "phase", f"{int(info.phase)} ({info.phase.name}) for {kind.name}",
-             h.phase)
-    _require(h.flags & ~int(KNOWN_STATE_FLAGS) == 0, "flags", f"only bits {int(KNOWN_STATE_FLAGS):#x}",
-             f"{h.flags:#x}")
-    is_final, want_final = bool(h.flags & StateFlags.FINAL_CHUNK), kind == MessageKind.PrefillFinalEmbd
-    _require(is_final == want_final, "flags.FINAL_CHUNK",
-             f"{'set' if want_final else 'clear'} for {kind.name}", "set" if is_final else "clear")
-    _require(h.activation_dtype in _DTYPE_CODES, "activation_dtype",
-             f"one of {[int(d) for d in ActivationDtype]}", h.activation_dtype)
+    if h.phase != info.phase:
+        _fail("phase", f"{int(info.phase)} ({info.phase.name}) for {kind.name}", h.phase)
+    if h.flags & _UNKNOWN_FLAGS:
+        _fail("flags", f"only bits {int(KNOWN_STATE_FLAGS):#x}", f"{h.flags:#x}")
+    is_final, want_final = bool(h.flags & _FINAL), kind == MessageKind.PrefillFinalEmbd
+    if is_final != want_final:
+        _fail("flags.FINAL_CHUNK", f"{'set' if want_final else 'clear'} for {kind.name}",
+              "set" if is_final else "clear")
+    if h.activation_dtype not in _DTYPE_CODES:
+        _fail("activation_dtype", f"one of {[int(d) for d in ActivationDtype]}", h.activation_dtype)
     if not info.has_activation:
         for name in ("activation_bytes", "activation_rows", "activation_width"):
-            _require(getattr(h, name) == 0, name, f"0 for {kind.name}", getattr(h, name))
-    if kind == MessageKind.DiscardStaleWindows:
-        _require(h.token_sideband_count == 2, "token_sideband_count",
-                 "2 ([min_window_id, max_window_id]) for DiscardStaleWindows", h.token_sideband_count)
+            if getattr(h, name) != 0:
+                _fail(name, f"0 for {kind.name}", getattr(h, name))
+    if kind == MessageKind.DiscardStaleWindows and h.token_sideband_count != 2:
+        _fail("token_sideband_count", "2 ([min_window_id, max_window_id]) for DiscardStaleWindows",
+              h.token_sideband_count)
     # Section lengths.
-    has_sampling = bool(h.flags & StateFlags.SAMPLING)
-    if has_sampling:
-        _require(h.sampling_bytes >= SAMPLING_BLOCK.size
-                 and (h.sampling_bytes - SAMPLING_BLOCK.size) % LOGIT_BIAS_ENTRY.size == 0,
-                 "sampling_bytes", f"{SAMPLING_BLOCK.size} + n * {LOGIT_BIAS_ENTRY.size}",
-                 h.sampling_bytes)
-    else:
-        _require(h.sampling_bytes == 0, "sampling_bytes", "0 without the SAMPLING flag",
-                 h.sampling_bytes)
-    if not h.flags & StateFlags.CHAT_METADATA:
-        _require(h.metadata_bytes == 0, "metadata_bytes", "0 without the CHAT_METADATA flag",
-                 h.metadata_bytes)
-    dtype = ActivationDtype(h.activation_dtype)
-    expected_bytes = h.activation_rows * h.activation_width * ACTIVATION_ITEMSIZE[dtype]
-    _require(h.activation_bytes == expected_bytes, "activation_bytes",
-             f"{expected_bytes} (rows {h.activation_rows} x width {h.activation_width} x "
-             f"{ACTIVATION_ITEMSIZE[dtype]} bytes of {dtype.name})", h.activation_bytes)
+    if h.flags & _SAMPLING:
+        if (h.sampling_bytes < SAMPLING_BLOCK.size
+                or (h.sampling_bytes - SAMPLING_BLOCK.size) % LOGIT_BIAS_ENTRY.size):
+            _fail("sampling_bytes", f"{SAMPLING_BLOCK.size} + n * {LOGIT_BIAS_ENTRY.size}",
+                  h.sampling_bytes)
+    elif h.sampling_bytes:
+        _fail("sampling_bytes", "0 without the SAMPLING flag", h.sampling_bytes)
+    if h.metadata_bytes and not h.flags & _METADATA:
+        _fail("metadata_bytes", "0 without the CHAT_METADATA flag", h.metadata_bytes)
+    itemsize = ACTIVATION_ITEMSIZE[h.activation_dtype]
+    if h.activation_bytes != h.activation_rows * h.activation_width * itemsize:
+        _fail("activation_bytes",
+              f"{h.activation_rows * h.activation_width * itemsize} (rows {h.activation_rows} x "
+              f"width {h.activation_width} x {itemsize} bytes of "
+              f"{ActivationDtype(h.activation_dtype).name})", h.activation_bytes)
 
 
 def parse_message_header(buf: Buffer) -> MessageHeader:
     """Unpack and check the fixed header; `header.body_bytes` then says how much to read."""
-    _require(len(buf) >= MESSAGE_HEADER.size, "message header",
-             f"{MESSAGE_HEADER.size} bytes", f"{len(buf)} (truncated)")
+    if len(buf) < MESSAGE_HEADER.size:
+        _fail("message header", f"{MESSAGE_HEADER.size} bytes", f"{len(buf)} (truncated)")
     header = MessageHeader(*MESSAGE_HEADER.unpack_from(buf, 0))
     check_message_header(header)
     return header
@@ -338,8 +354,8 @@ def _check_discard_range(tokens: np.ndarray) -> None:
 def decode_message_body(header: MessageHeader, body: Buffer) -> StageMessage:
     """Decode the body that follows an already checked header; arrays are views of `body`."""
     view = _byte_view(body)
-    _require(len(view) >= header.body_bytes, "message body", f"{header.body_bytes} bytes",
-             f"{len(view)} (truncated)")
+    if len(view) < header.body_bytes:
+        _fail("message body", f"{header.body_bytes} bytes", f"{len(view)} (truncated)")
     offset = 0
 
     def take(nbytes: int) -> memoryview:
@@ -352,13 +368,13 @@ def decode_message_body(header: MessageHeader, body: Buffer) -> StageMessage:
     positions = np.frombuffer(take(4 * header.position_sideband_count), dtype=_I32)
     activation = take(header.activation_bytes)
     sampling_view = take(header.sampling_bytes)
-    sampling = decode_sampling(sampling_view) if header.flags & StateFlags.SAMPLING else None
+    sampling = decode_sampling(sampling_view) if header.flags & _SAMPLING else None
     metadata_view = take(header.metadata_bytes)
-    metadata = bytes(metadata_view) if header.flags & StateFlags.CHAT_METADATA else None
+    metadata = bytes(metadata_view) if header.flags & _METADATA else None
     if header.kind == MessageKind.DiscardStaleWindows:
         _check_discard_range(tokens)
-    _require(len(view) == offset, "frame length", f"{offset} body bytes",
-             f"{len(view)} ({len(view) - offset} trailing)")
+    if len(view) != offset:
+        _fail("frame length", f"{offset} body bytes", f"{len(view)} ({len(view) - offset} trailing)")
     return StageMessage(
         kind=MessageKind(header.kind), pos_start=header.pos_start, token_count=header.token_count,
         request_id=header.request_id, session_id=header.session_id, seq_id=header.seq_id,
@@ -434,36 +450,37 @@ class ReplyHeader(namedtuple("ReplyHeader", [f.name for f in REPLY_HEADER_FIELDS
 
 
 def check_reply_header(h: ReplyHeader) -> None:
-    _require(h.magic == REPLY_MAGIC, "reply magic", f"{REPLY_MAGIC:#010x}", f"{h.magic:#010x}")
+    if h.magic != REPLY_MAGIC:
+        _fail("reply magic", f"{REPLY_MAGIC:#010x}", f"{h.magic:#010x}")
     if h.version != PROTOCOL_VERSION:
         raise VersionMismatch("reply", PROTOCOL_VERSION, h.version)
-    _require(0 <= h.predicted_count <= MAX_PREDICTED_COUNT, "predicted_count",
-             f"0..{MAX_PREDICTED_COUNT}", h.predicted_count)
-    _require(0 <= h.draft_count <= MAX_DRAFT_COUNT, "draft_count", f"0..{MAX_DRAFT_COUNT}",
-             h.draft_count)
-    _require(h.kind in _REPLY_KIND_CODES, "reply kind",
-             f"one of {[int(k) for k in ReplyKind]}", h.kind)
-    _require(h.has_draft in (0, 1), "has_draft", "0 or 1", h.has_draft)
-    if not h.has_draft:
-        _require(h.draft_count == 0 and h.draft_compute_us == 0, "draft_count/draft_compute_us",
-                 "0 without a draft", (h.draft_count, h.draft_compute_us))
+    if not 0 <= h.predicted_count <= MAX_PREDICTED_COUNT:
+        _fail("predicted_count", f"0..{MAX_PREDICTED_COUNT}", h.predicted_count)
+    if not 0 <= h.draft_count <= MAX_DRAFT_COUNT:
+        _fail("draft_count", f"0..{MAX_DRAFT_COUNT}", h.draft_count)
+    if h.kind not in _REPLY_KIND_CODES:
+        _fail("reply kind", f"one of {[int(k) for k in ReplyKind]}", h.kind)
+    if h.has_draft not in (0, 1):
+        _fail("has_draft", "0 or 1", h.has_draft)
+    if not h.has_draft and (h.draft_count or h.draft_compute_us):
+        _fail("draft_count/draft_compute_us", "0 without a draft",
+              (h.draft_count, h.draft_compute_us))
     if h.kind == ReplyKind.Ack:
-        _require(h.predicted == 0 and h.predicted_count == 0 and not h.has_draft, "Ack reply",
-                 "no predictions and no draft", (h.predicted, h.predicted_count, h.has_draft))
-    else:
-        _require(h.predicted_count >= 1, "predicted_count", f">= 1 for {ReplyKind(h.kind).name}",
-                 h.predicted_count)
+        if h.predicted or h.predicted_count or h.has_draft:
+            _fail("Ack reply", "no predictions and no draft",
+                  (h.predicted, h.predicted_count, h.has_draft))
+    elif h.predicted_count < 1:
+        _fail("predicted_count", f">= 1 for {ReplyKind(h.kind).name}", h.predicted_count)
 
 
 def _check_first_prediction(predicted: int, tokens: list[int] | np.ndarray) -> None:
-    if len(tokens):
-        _require(int(tokens[0]) == predicted, "predicted_tokens[0]", f"== predicted ({predicted})",
-                 int(tokens[0]))
+    if len(tokens) and int(tokens[0]) != predicted:
+        _fail("predicted_tokens[0]", f"== predicted ({predicted})", int(tokens[0]))
 
 
 def parse_reply_header(buf: Buffer) -> ReplyHeader:
-    _require(len(buf) >= REPLY_HEADER.size, "reply header", f"{REPLY_HEADER.size} bytes",
-             f"{len(buf)} (truncated)")
+    if len(buf) < REPLY_HEADER.size:
+        _fail("reply header", f"{REPLY_HEADER.size} bytes", f"{len(buf)} (truncated)")
     header = ReplyHeader(*REPLY_HEADER.unpack_from(buf, 0))
     check_reply_header(header)
     return header
@@ -489,8 +506,8 @@ def decode_reply_body(header: ReplyHeader, body: Buffer) -> StageReply:
     """Decode what follows the reply header: the stats block and the token arrays."""
     view = _byte_view(body)
     expected = STATS_BLOCK.size + header.body_bytes
-    _require(len(view) == expected, "reply length", f"{expected} bytes after the header",
-             len(view))
+    if len(view) != expected:
+        _fail("reply length", f"{expected} bytes after the header", len(view))
     stats = decode_stats(view[:STATS_BLOCK.size])
     tokens = np.frombuffer(view, dtype=_I32, offset=STATS_BLOCK.size)
     predicted = tokens[:header.predicted_count].tolist()
