@@ -22,7 +22,8 @@ def _topology(*stages: dict) -> dict:
 
 
 def test_valid_topology():
-    topo = Topology.model_validate(_topology(_stage(0, 0, 10), _stage(1, 10, 20), _stage(2, 20, 30)))
+    topo = Topology.model_validate(
+        _topology(_stage(0, 0, 10), _stage(1, 10, 20), _stage(2, 20, 30)))
     assert topo.num_layers == 30
     assert topo.driver_endpoint == "10.0.0.1:9000"
     assert topo.stage(1).layer_start == 10

@@ -186,7 +186,8 @@ def test_golden_table_covers_every_kind():
     assert sorted(msg.kind for msg, _, _ in GOLDEN) == sorted(MessageKind)
 
 
-@pytest.mark.parametrize("msg, header_hex, body_hex", GOLDEN, ids=[m.kind.name for m, _, _ in GOLDEN])
+@pytest.mark.parametrize("msg, header_hex, body_hex", GOLDEN,
+                         ids=[m.kind.name for m, _, _ in GOLDEN])
 def test_golden_bytes(msg, header_hex, body_hex):
     wire = unhex(header_hex) + unhex(body_hex)
     assert len(unhex(header_hex)) == MESSAGE_HEADER.size
@@ -410,7 +411,8 @@ def test_body_validation(what, base, transform, fragment):
 def _sampling_frame(**block_fields: float) -> bytes:
     """A ConfigureGeneration frame whose sampling block fields are overwritten."""
     from skippy.protocol.constants import SAMPLING_BLOCK, SAMPLING_FIELDS
-    wire = _frame(StageMessage(K.ConfigureGeneration, sampling=SamplingConfig(logit_bias={1: 0.5, 9: 1.0})))
+    wire = _frame(StageMessage(K.ConfigureGeneration,
+                               sampling=SamplingConfig(logit_bias={1: 0.5, 9: 1.0})))
     start = MESSAGE_HEADER.size
     values = list(SAMPLING_BLOCK.unpack_from(wire, start))
     names = [f.name for f in SAMPLING_FIELDS]
@@ -584,7 +586,8 @@ REPLY_ERROR_CASES = [
     (_set_reply(TOKEN_REPLY, "kind", 4), FrameError, "reply kind"),
     (_set_reply(TOKEN_REPLY, "has_draft", 2), FrameError, "has_draft"),
     (_set_reply(TOKEN_REPLY, "draft_count", 1), FrameError, "without a draft"),
-    (_set_reply(TOKEN_REPLY, "predicted", 41), FrameError, "predicted_tokens"),  # first != predicted
+    # predicted_tokens[0] != predicted
+    (_set_reply(TOKEN_REPLY, "predicted", 41), FrameError, "predicted_tokens"),
     (_set_reply(ACK_REPLY, "predicted", 1), FrameError, "Ack"),
     (_set_reply(TOKEN_REPLY, "predicted_count", 0), FrameError, "predicted_count"),
     (TOKEN_REPLY[:-1], FrameError, "reply length"),                           # truncated

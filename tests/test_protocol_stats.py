@@ -77,7 +77,8 @@ def _edge(total: int, stage: int, nbytes: int) -> S:
 
 WORST_EDGE_CASES = [
     # (a, b, winner): the whole (total, stage, bytes) entry moves together
-    (_edge(15_000, 2, 1 << 20), _edge(44_000, 1, 1 << 19), _edge(44_000, 1, 1 << 19)),  # larger total
+    # the larger total wins
+    (_edge(15_000, 2, 1 << 20), _edge(44_000, 1, 1 << 19), _edge(44_000, 1, 1 << 19)),
     (_edge(50, 3, 10), _edge(40, 1, 1 << 30), _edge(50, 3, 10)),  # bytes do not decide
     (_edge(0, 0, 0), _edge(0, 2, 4096), _edge(0, 2, 4096)),       # empty vs a 0 us observation
     (_edge(7, 1, 5), _edge(7, 2, 3), _edge(7, 2, 3)),             # tie: larger stage index

@@ -24,8 +24,8 @@ MESSAGES = [
     StageMessage(K.ConfigureGeneration, request_id=1, session_id=2,
                  sampling=SamplingConfig(temperature=0.8, seed=7), chat_metadata=b"{}"),
     StageMessage(K.PrefillEmbd, token_count=3, tokens=[1, 2, 3], request_id=1, session_id=2),
-    StageMessage(K.PrefillFinalEmbd, pos_start=3, token_count=2, tokens=[4, 5], source_stage_index=0,
-                 activation_rows=2, activation_width=4096,
+    StageMessage(K.PrefillFinalEmbd, pos_start=3, token_count=2, tokens=[4, 5],
+                 source_stage_index=0, activation_rows=2, activation_width=4096,
                  activation=np.random.default_rng(0).standard_normal((2, 4096), dtype=np.float32)),
     StageMessage(K.Stop, request_id=1, session_id=2),
 ]

@@ -1,4 +1,4 @@
-"""Configs that cross a process boundary or a file: `StageConfig` and `Topology` (spec §9.1, §9.2).
+"""Configs that cross a process or a file: `StageConfig` and `Topology` (spec §9.1, §9.2).
 
 pydantic models, frozen and strict about unknown keys, validated once on load.
 `plan_layer_split` is the pure layer planner behind `skippy plan`.

@@ -65,7 +65,7 @@ class StateFlags(IntFlag):
 
     FINAL_CHUNK   = 1 << 0  # set iff kind is PrefillFinalEmbd
     SAMPLING      = 1 << 3  # a sampling block follows
-    CHAT_METADATA = 1 << 5  # a chat-sampling metadata section follows (spec: CHAT_SAMPLING_METADATA)
+    CHAT_METADATA = 1 << 5  # chat-sampling metadata follows (spec: CHAT_SAMPLING_METADATA)
 
 
 # Masks are compared as plain ints: `~` on an IntFlag only complements within the known bits.
@@ -79,7 +79,7 @@ class SamplingFlags(IntFlag):
 
 
 class ActivationDtype(IntEnum):
-    """Element type of the activation payload (spec §2.2 "version drift": f32, plus lossless f16/bf16)."""
+    """Element type of the activation payload (spec §2.2 "version drift": f32, f16, bf16)."""
 
     f32  = 0
     f16  = 1
@@ -220,18 +220,18 @@ class KindInfo(NamedTuple):
 K, P, R = MessageKind, Phase, ReplyKind
 KIND_INFO: dict[MessageKind, KindInfo] = {
     #  kind                        phase      activation  reply
-    K.PrefillEmbd:             KindInfo(P.Prefill, True,  R.Ack),              # early ACK on receipt
+    K.PrefillEmbd:             KindInfo(P.Prefill, True,  R.Ack),             # early, on receipt
     K.DecodeEmbd:              KindInfo(P.Decode,  True,  R.PredictedToken),
-    K.Stop:                    KindInfo(P.Decode,  False, R.Ack),              # Ack carries merged stats
+    K.Stop:                    KindInfo(P.Decode,  False, R.Ack),             # with merged stats
     K.PrefillFinalEmbd:        KindInfo(P.Prefill, True,  R.PredictedToken),
     K.ConfigureGeneration:     KindInfo(P.Prefill, False, R.Ack),
-    K.TryRestorePrefill:       KindInfo(P.Prefill, False, R.Ack),              # Ack + kv stats
-    K.TryRestorePrefillDecode: KindInfo(P.Prefill, True,  R.PredictedToken),   # Ack on a miss
+    K.TryRestorePrefill:       KindInfo(P.Prefill, False, R.Ack),             # with kv stats
+    K.TryRestorePrefillDecode: KindInfo(P.Prefill, True,  R.PredictedToken),  # Ack on a miss
     K.TrimSession:             KindInfo(P.Prefill, False, R.Ack),
-    K.PredictionReturnOpen:    KindInfo(P.Decode,  False, None),               # then the stream carries replies
+    K.PredictionReturnOpen:    KindInfo(P.Decode,  False, None),              # replies follow
     K.VerifyWindow:            KindInfo(P.Decode,  True,  R.PredictedTokens),
     K.RetireVerifyWindow:      KindInfo(P.Prefill, False, None),
-    K.DiscardStaleWindows:     KindInfo(P.Decode,  False, None),               # tokens = [min, max] window id
+    K.DiscardStaleWindows:     KindInfo(P.Decode,  False, None),              # tokens [min, max]
 }
 del K, P, R
 

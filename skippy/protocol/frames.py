@@ -38,9 +38,12 @@ def _empty_i32() -> np.ndarray:
 
 def _as_i32_array(name: str, values: object) -> np.ndarray:
     array = np.asarray(values)
+    if array.dtype != _I32 and array.size:
+        if (array.dtype.kind not in "iuO"
+                or not I32_MIN <= array.min() <= array.max() <= I32_MAX):
+            raise ValueError(f"{name}: expected integers in [{I32_MIN}, {I32_MAX}], got "
+                             f"{array.dtype} values {array.ravel()[:4].tolist()}...")
     if array.dtype != _I32:
-        if array.size and not (I32_MIN <= array.min() and array.max() <= I32_MAX):
-            raise ValueError(f"{name}: expected i32 values, got a value outside [{I32_MIN}, {I32_MAX}]")
         array = array.astype(_I32)
     if array.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D sequence, got shape {array.shape}")
@@ -65,7 +68,7 @@ class StageMessage:
 
     kind: MessageKind
     pos_start: int = 0               # decode/verify kinds: authoritative committed position (§3.4)
-    token_count: int = 0             # rows of compute; RetireVerifyWindow: retired count; Trim: new length
+    token_count: int = 0             # rows; RetireVerifyWindow: retired count; Trim: new length
     request_id: int = 0              # u64
     session_id: int = 0              # u64
     seq_id: int = 0                  # VerifyWindow: the window id
@@ -111,6 +114,11 @@ class StageMessage:
         if self.chat_metadata is not None:
             flags |= StateFlags.CHAT_METADATA
         return flags
+
+    @property
+    def window_id(self) -> int:
+        """VerifyWindow / DiscardStaleWindows vocabulary for `seq_id`."""
+        return self.seq_id
 
     def activation_array(self) -> np.ndarray:
         """The activation as a (rows, width) view; bf16 comes back as raw uint16 bits."""
@@ -279,8 +287,8 @@ def decode_sampling(buf: Buffer) -> SamplingConfig:
     _require(bias_count <= MAX_LOGIT_BIAS_COUNT, "sampling.logit_bias_count",
              f"<= {MAX_LOGIT_BIAS_COUNT}", bias_count)
     expected = SAMPLING_BLOCK.size + bias_count * LOGIT_BIAS_ENTRY.size
-    _require(len(buf) == expected, "sampling_bytes", f"{expected} for {bias_count} logit-bias entries",
-             len(buf))
+    _require(len(buf) == expected, "sampling_bytes",
+             f"{expected} for {bias_count} logit-bias entries", len(buf))
     _require(flags & ~int(SamplingFlags.HAS_SEED) == 0, "sampling.flags",
              f"only bits {int(SamplingFlags.HAS_SEED):#x}", f"{flags:#x}")
     has_seed = bool(flags & SamplingFlags.HAS_SEED)
@@ -288,7 +296,8 @@ def decode_sampling(buf: Buffer) -> SamplingConfig:
     logit_bias: dict[int, float] = {}
     previous = None
     for index in range(bias_count):
-        token, bias = LOGIT_BIAS_ENTRY.unpack_from(buf, SAMPLING_BLOCK.size + index * LOGIT_BIAS_ENTRY.size)
+        offset = SAMPLING_BLOCK.size + index * LOGIT_BIAS_ENTRY.size
+        token, bias = LOGIT_BIAS_ENTRY.unpack_from(buf, offset)
         _require(previous is None or token > previous, f"sampling.logit_bias[{index}].token",
                  f"> {previous} (ascending, no duplicates)", token)
         logit_bias[token] = bias
@@ -374,7 +383,8 @@ def decode_message_body(header: MessageHeader, body: Buffer) -> StageMessage:
     if header.kind == MessageKind.DiscardStaleWindows:
         _check_discard_range(tokens)
     if len(view) != offset:
-        _fail("frame length", f"{offset} body bytes", f"{len(view)} ({len(view) - offset} trailing)")
+        _fail("frame length", f"{offset} body bytes",
+              f"{len(view)} ({len(view) - offset} trailing)")
     return StageMessage(
         kind=MessageKind(header.kind), pos_start=header.pos_start, token_count=header.token_count,
         request_id=header.request_id, session_id=header.session_id, seq_id=header.seq_id,

@@ -40,14 +40,16 @@ class AuthPreamble:
     def decode(cls, buf: bytes) -> AuthPreamble:
         length = auth_token_length(buf[:AUTH_PREFIX.size])
         if len(buf) != AUTH_PREFIX.size + length:
-            raise AuthError(f"auth preamble: expected {AUTH_PREFIX.size + length} bytes, got {len(buf)}")
+            raise AuthError(f"auth preamble: expected {AUTH_PREFIX.size + length} bytes, "
+                            f"got {len(buf)}")
         return cls(bytes(buf[AUTH_PREFIX.size:]))
 
 
 def auth_token_length(prefix: bytes) -> int:
     """Check the 5-byte preamble prefix and return how many token bytes follow."""
     if len(prefix) != AUTH_PREFIX.size:
-        raise AuthError(f"auth preamble: expected {AUTH_PREFIX.size} prefix bytes, got {len(prefix)}")
+        raise AuthError(f"auth preamble: expected {AUTH_PREFIX.size} prefix bytes, "
+                        f"got {len(prefix)}")
     magic, length = AUTH_PREFIX.unpack(prefix)
     if magic != AUTH_MAGIC:
         raise AuthError(f"auth preamble magic: expected {AUTH_MAGIC:#010x}, got {magic:#010x} "
