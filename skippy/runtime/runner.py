@@ -1,0 +1,175 @@
+"""Turns steps into tensors, runs the stage model, samples. The only torch module in runtime.
+
+Called from the scheduler's worker thread only, so nothing here locks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..model.errors import ContextOverflowError
+from ..model.llama import Segment, StageModel
+from ..model.sampling import RequestSampler
+from ..protocol.constants import ActivationDtype
+from ..protocol.sampling_config import SamplingConfig
+from .session import Session, SessionError, VerifyCheckpoint
+from .step import SampleMode, Step, StepResult
+
+
+def rows_to_tensor(rows: np.ndarray, dtype: ActivationDtype) -> torch.Tensor:
+    """Wire rows (f32, f16, or bf16 as uint16 bits) -> float32 tensor. `rows` must be writable."""
+    if dtype == ActivationDtype.bf16:
+        return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16).float()
+    return torch.from_numpy(rows).float()
+
+
+def tensor_to_rows(hidden: torch.Tensor, dtype: ActivationDtype) -> np.ndarray:
+    """float32 hidden [T, D] -> contiguous wire rows in `dtype` (bf16 as uint16 bits)."""
+    hidden = hidden.detach().cpu()
+    if dtype == ActivationDtype.f32:
+        return hidden.contiguous().numpy()
+    if dtype == ActivationDtype.f16:
+        return hidden.to(torch.float16).contiguous().numpy()
+    # round-to-nearest-even to bf16, then the raw bits
+    return hidden.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+class Runner:
+    def __init__(self, model: StageModel, ctx_size: int, *, record_logits: bool = False):
+        self.model = model
+        self.ctx_size = min(ctx_size, model.args.context_length)
+        self.is_first, self.is_last = model.layers.is_first, model.layers.is_last
+        self.record_logits = record_logits
+        self.last_logits: dict = {}   # session key -> logits of its last sampled rows (tests)
+
+    # -- iterations ---------------------------------------------------------------
+    def run_batch(self, steps: list[Step]) -> list[StepResult | Exception]:
+        """One forward over every step that passes its checks; per-step errors are returned."""
+        results: list[StepResult | Exception | None] = [None] * len(steps)
+        ready, aligned = [], {}
+        for i, step in enumerate(steps):
+            try:
+                aligned[i] = self._prepare(step)
+                ready.append(i)
+            except (SessionError, ContextOverflowError, ValueError) as error:
+                results[i] = error
+        if ready:
+            with torch.inference_mode():
+                self._forward([steps[i] for i in ready], [aligned[i] for i in ready], ready,
+                              results)
+        return results  # type: ignore[return-value]
+
+    def _prepare(self, step: Step) -> int | None:
+        session = step.session
+        session.check_active()
+        if session.cache is None:
+            session.cache = self.model.new_cache(self.ctx_size)
+        cache = session.cache
+        if step.num_rows < 1:
+            raise ValueError(f"Expected at least one row, got {step.num_rows}")
+        if step.start > cache.length:
+            raise SessionError(f"position {step.start} is past the session's {cache.length} "
+                               "positions (a chunk or step was lost)")
+        if step.start + step.num_rows > cache.max_tokens:
+            raise ContextOverflowError(f"Session needs {step.start + step.num_rows} positions but "
+                                       f"its context size is {cache.max_tokens}")
+        aligned_from = None
+        if step.start < cache.length:  # auto-align: the authoritative start wins (spec §3.4)
+            aligned_from = cache.length
+            cache.truncate(step.start)
+            session.num_auto_aligns += 1
+        session.record_tokens(step.start, step.tokens, step.num_rows)
+        if step.window_id is not None:
+            session.verify_windows[step.window_id] = VerifyCheckpoint(
+                step.window_id, step.start, step.num_rows, cache.checkpoint())
+        return aligned_from
+
+    def _forward(self, steps: list[Step], aligned: list[int | None], indices: list[int],
+                 results: list) -> None:
+        model = self.model
+        if self.is_first:
+            ids = [t for s in steps for t in s.tokens[:s.num_rows]]
+            if len(ids) != sum(s.num_rows for s in steps):
+                raise ValueError("the first stage needs a token id for every row")
+            x = torch.tensor(ids, dtype=torch.long)
+        else:
+            dtype = steps[0].rows_dtype
+            if any(s.rows is None or s.rows_dtype != dtype for s in steps):
+                raise ValueError("later stages need input rows of one dtype for every step")
+            x = rows_to_tensor(np.concatenate([s.rows for s in steps]), dtype)  # a writable copy
+        hidden = model.forward(x, [Segment(s.session.cache, s.start, s.num_rows) for s in steps])
+
+        offsets, row = [], 0
+        for s in steps:
+            offsets.append(row)
+            row += s.num_rows
+        sampled = self._sample(steps, offsets, hidden)
+        for step, offset, index, aligned_from, tokens in zip(steps, offsets, indices, aligned,
+                                                              sampled):
+            rows = None
+            if step.out_dtype is not None:
+                rows = tensor_to_rows(hidden[offset:offset + step.num_rows], step.out_dtype)
+            results[index] = StepResult(rows, tokens, aligned_from)
+
+    def _sample(self, steps: list[Step], offsets: list[int], hidden: torch.Tensor) -> list:
+        picks: list[int] = []  # hidden rows whose logits are needed
+        for step, offset in zip(steps, offsets):
+            if step.sample is SampleMode.LAST:
+                picks.append(offset + step.num_rows - 1)
+            elif step.sample is SampleMode.ALL:
+                picks.extend(range(offset, offset + step.num_rows))
+        if not picks:
+            return [None] * len(steps)
+        if not self.is_last:
+            raise ValueError(f"stage {self.model.layers} has no output head to sample with")
+        logits = self.model.compute_logits(hidden[picks] if len(picks) < hidden.shape[0] else hidden)
+        out, row = [], 0
+        for step in steps:
+            if step.sample is SampleMode.NONE:
+                out.append(None)
+                continue
+            session = step.session
+            sampler = session.sampler or self._new_sampler(session)
+            if step.sample is SampleMode.LAST:
+                mine = logits[row]
+                out.append([sampler.sample(mine, session.history(step.start + step.num_rows))])
+                row += 1
+            else:
+                mine = logits[row:row + step.num_rows]
+                drafts = session.ledger[step.start + 1:step.start + step.num_rows]
+                out.append(list(sampler.sample(mine, session.history(step.start + 1), drafts)))
+                row += step.num_rows
+            if self.record_logits:
+                self.last_logits[session.key] = mine.clone()
+        return out
+
+    # -- session operations ---------------------------------------------------------
+    def configure(self, session: Session, sampling: SamplingConfig | None) -> None:
+        session.sampling = sampling
+        session.sampler = self._new_sampler(session) if self.is_last else None
+
+    def _new_sampler(self, session: Session) -> RequestSampler:
+        session.sampler = RequestSampler(session.sampling or SamplingConfig(), self.model.device)
+        return session.sampler
+
+    @staticmethod
+    def trim(session: Session, num_tokens: int) -> int:
+        """Cut the session to `num_tokens` positions (TrimSession); returns the old length."""
+        session.check_active()
+        length = 0 if session.cache is None else session.cache.length
+        if num_tokens > length:
+            raise SessionError(f"cannot trim a {length}-token session to {num_tokens} tokens")
+        if session.cache is not None:
+            session.cache.truncate(num_tokens)
+        del session.ledger[num_tokens:]
+        return length
+
+    @staticmethod
+    def retire(session: Session, start: int, count: int) -> int:
+        """Free the checkpoints of verify windows based in [start, start + count)."""
+        retired = session.retire_windows(start, count)
+        if session.cache is not None:
+            for window in retired:
+                session.cache.release(window.checkpoint_id)
+        return len(retired)

@@ -1,0 +1,204 @@
+"""The iteration scheduler (spec §6.1): one worker thread owns the model.
+
+Everyone else submits commands and awaits asyncio futures:
+
+* `submit_iteration(step)`: one decode or verify step of one session. Steps that
+  are waiting together run as ONE batched forward (spec §6.5, "direct iterations").
+* `submit_op(fn)`: any other runtime work (a prefill chunk, trim, drop...), run alone.
+
+Each turn the worker takes one kind of work, alternating when both are waiting so
+neither starves. When several sessions are decoding, a lone step waits up to
+`batch_wait_s` for its peers so they share one forward instead of queueing behind
+each other; a single stream never waits.
+
+Decides only: no torch. `run_batch` (the runner) turns steps into tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger("skippy.runtime")
+
+MAX_COMMANDS_PER_TURN = 64
+RECENT_DECODER_S = 0.05  # a session that submitted a step this recently counts as decoding
+
+
+class SchedulerBusyError(RuntimeError):
+    """The bounded command queue is full ("generation queue full", spec §6.1)."""
+
+
+class SchedulerClosedError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Timed(Generic[T]):
+    value: T
+    wait_s: float      # queued before the worker took it: the runtime-lock wait (spec §3.5)
+    run_s: float       # the worker's time on it (for a batch: the whole batch)
+    batch_size: int = 1
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    iterations: int = 0          # batched forwards run
+    steps: int = 0               # steps inside them
+    batched_iterations: int = 0  # forwards that carried more than one step
+    max_batch_size: int = 0
+    ops: int = 0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Command:
+    payload: Any                       # the step, or the callable of an op
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    submitted: float
+    key: Hashable = None
+
+
+class IterationScheduler:
+    def __init__(self, run_batch: Callable[[list[Any]], list[Any]], *, capacity: int = 72,
+                 batch_wait_s: float = 0.002, max_batch_steps: int = 32,
+                 on_batch: Callable[[int], None] | None = None, name: str = "skippy-runtime"):
+        """`run_batch(steps)` returns one result per step: a value, or an Exception for that
+        step alone. `on_batch(size)` is called after every iteration (telemetry counters)."""
+        self._run_batch = run_batch
+        self._on_batch = on_batch
+        self.capacity = max(8, capacity)
+        self.batch_wait_s = batch_wait_s
+        self.max_batch_steps = max_batch_steps
+        self.stats = SchedulerStats()
+        self._cv = threading.Condition()
+        self._iterations: deque[_Command] = deque()
+        self._ops: deque[_Command] = deque()
+        self._recent: dict[Hashable, float] = {}
+        self._closed = False
+        self._last_kind = "op"
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    # -- submitting (event-loop side) -------------------------------------------------
+    def submit_iteration(self, step: Any, key: Hashable) -> asyncio.Future:
+        return self._submit(self._iterations, step, key)
+
+    def submit_op(self, fn: Callable[[], T]) -> asyncio.Future:
+        return self._submit(self._ops, fn, None)
+
+    def _submit(self, queue: deque, payload: Any, key: Hashable) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        command = _Command(payload, loop.create_future(), loop, time.perf_counter(), key)
+        with self._cv:
+            if self._closed:
+                raise SchedulerClosedError("the runtime is shut down")
+            if len(self._iterations) + len(self._ops) >= self.capacity:
+                raise SchedulerBusyError(f"generation queue full ({self.capacity} commands)")
+            queue.append(command)
+            self._cv.notify()
+        return command.future
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closed = True
+            pending = list(self._iterations) + list(self._ops)
+            self._iterations.clear()
+            self._ops.clear()
+            self._cv.notify()
+        for command in pending:
+            _resolve(command, SchedulerClosedError("the runtime is shut down"), None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    # -- the worker -----------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._iterations or self._ops or self._closed):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                run_iterations = bool(self._iterations) and (not self._ops or self._last_kind == "op")
+                if run_iterations:
+                    self._wait_for_peers()
+                    batch = [self._iterations.popleft()
+                             for _ in range(min(self.max_batch_steps, len(self._iterations)))]
+                else:
+                    op = self._ops.popleft()
+            if run_iterations:
+                self._last_kind = "iteration"
+                self._run_iterations(batch)
+            else:
+                self._last_kind = "op"
+                self._run_op(op)
+
+    def _wait_for_peers(self) -> None:
+        """Called with the lock held: give recently decoding sessions a moment to join."""
+        now = time.perf_counter()
+        self._recent = {k: t for k, t in self._recent.items() if now - t < RECENT_DECODER_S}
+        deadline = now + self.batch_wait_s
+        while not self._closed:
+            waiting = {c.key for c in self._iterations}
+            if len(self._recent.keys() - waiting) == 0 or len(waiting) >= self.max_batch_steps:
+                return
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._cv.wait(remaining)
+
+    def _run_iterations(self, batch: list[_Command]) -> None:
+        started = time.perf_counter()
+        try:
+            results = self._run_batch([c.payload for c in batch])
+        except Exception as error:  # contained: fail this batch, keep serving (spec §6.1)
+            log.exception("runtime worker: batch of %d steps failed", len(batch))
+            results = [error] * len(batch)
+        finished = time.perf_counter()
+        for command in batch:
+            self._recent[command.key] = finished
+        size = len(batch)
+        stats = self.stats
+        stats.iterations += 1
+        stats.steps += size
+        stats.batched_iterations += size > 1
+        stats.max_batch_size = max(stats.max_batch_size, size)
+        stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
+        if self._on_batch is not None:
+            self._on_batch(size)
+        for command, result in zip(batch, results):
+            timed = Timed(result, started - command.submitted, finished - started, size)
+            _resolve(command, result if isinstance(result, Exception) else None, timed)
+
+    def _run_op(self, command: _Command) -> None:
+        started = time.perf_counter()
+        try:
+            value, error = command.payload(), None
+        except Exception as exc:
+            value, error = None, exc
+        self.stats.ops += 1
+        _resolve(command, error, Timed(value, started - command.submitted,
+                                       time.perf_counter() - started))
+
+
+def _resolve(command: _Command, error: Exception | None, timed: Timed | None) -> None:
+    def settle() -> None:
+        if command.future.done():  # the awaiting task was cancelled
+            return
+        if error is not None:
+            command.future.set_exception(error)
+        else:
+            command.future.set_result(timed)
+
+    try:
+        command.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        pass

@@ -1,0 +1,161 @@
+"""Sessions and the iteration scheduler, with a fake model: no torch, milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from skippy.runtime.scheduler import IterationScheduler, SchedulerBusyError
+from skippy.runtime.session import LaneLimitError, SessionError, SessionTable
+
+
+def test_bookkeeping_modules_do_not_import_torch():
+    code = ("import sys, skippy.runtime, skippy.runtime.session, skippy.runtime.scheduler, "
+            "skippy.runtime.step, skippy.telemetry; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_session_table_is_bounded_by_lane_count():
+    table = SessionTable(2)
+    table.open((1, 10), request_id=5)
+    table.open((1, 11), request_id=6)
+    with pytest.raises(LaneLimitError, match="at most 2"):
+        table.open((2, 10), request_id=7)
+    assert table.open((1, 10), request_id=5) is table.get((1, 10))  # same request: same session
+
+
+def test_drop_lane_reclaims_only_that_lane():
+    table = SessionTable(4)
+    for key in [(1, 1), (1, 2), (2, 1)]:
+        table.open(key, 0)
+    dropped = table.drop_lane(1)
+    assert sorted(s.key for s in dropped) == [(1, 1), (1, 2)]
+    assert table.keys() == [(2, 1)]
+    with pytest.raises(SessionError, match="no session"):
+        table.get((1, 1))
+
+
+def test_new_request_on_a_key_starts_a_fresh_session():
+    table = SessionTable(1)
+    first = table.open((1, 1), request_id=1)
+    first.record_tokens(0, [5, 6, 7], 3)
+    second = table.open((1, 1), request_id=2)
+    assert second is not first and second.ledger == [] and first.cache is None
+
+
+def test_ledger_follows_authoritative_positions():
+    session = SessionTable(1).open((0, 0), 0)
+    session.record_tokens(0, [1, 2, 3, 4], 4)
+    session.record_tokens(2, [9], 1)          # a write at 2 cuts the tail first
+    assert session.ledger == [1, 2, 9]
+    session.record_tokens(3, [], 2)           # rows without token ids stay unknown
+    assert session.ledger == [1, 2, 9, -1, -1] and session.history(5) == [1, 2, 9]
+    with pytest.raises(SessionError, match="gap"):
+        session.record_tokens(7, [1], 1)
+
+
+def test_verify_window_discard_ranges():
+    session = SessionTable(1).open((0, 0), 0)
+    session.discard_windows(3, 5)
+    assert [session.is_discarded(w) for w in (2, 3, 5, 6)] == [False, True, True, False]
+
+
+class FakeModel:
+    """run_batch that records batch sizes; 'boom' steps fail alone."""
+
+    def __init__(self, delay_s: float = 0.02):
+        self.delay_s = delay_s
+        self.batches: list[list] = []
+        self.threads: set[str] = set()
+
+    def __call__(self, steps):
+        self.threads.add(threading.current_thread().name)
+        self.batches.append(list(steps))
+        time.sleep(self.delay_s)
+        return [ValueError("boom") if s == "boom" else f"done {s}" for s in steps]
+
+
+async def _decode_loop(scheduler, key, steps):
+    out = []
+    for i in range(steps):
+        timed = await scheduler.submit_iteration(f"{key}:{i}", key)
+        out.append(timed.value)
+    return out
+
+
+def test_concurrent_decoders_share_one_forward():
+    model = FakeModel()
+    scheduler = IterationScheduler(model, batch_wait_s=0.01)
+
+    async def main():
+        return await asyncio.gather(*(_decode_loop(scheduler, k, 5) for k in ("a", "b", "c")))
+
+    results = asyncio.run(main())
+    scheduler.shutdown()
+    assert results[0] == [f"done a:{i}" for i in range(5)]
+    assert scheduler.stats.steps == 15
+    assert scheduler.stats.batched_iterations >= 3 and scheduler.stats.max_batch_size == 3
+    assert model.threads == {"skippy-runtime"}  # one worker owns the model
+
+
+def test_a_failing_step_fails_alone_and_the_worker_survives():
+    model = FakeModel(delay_s=0)
+    scheduler = IterationScheduler(model)
+
+    async def main():
+        bad = scheduler.submit_iteration("boom", "x")
+        good = scheduler.submit_iteration("ok", "y")
+        with pytest.raises(ValueError, match="boom"):
+            await bad
+        assert (await good).value == "done ok"
+
+        def explode():
+            raise RuntimeError("op failed")
+
+        with pytest.raises(RuntimeError, match="op failed"):
+            await scheduler.submit_op(explode)
+        assert (await scheduler.submit_op(lambda: 42)).value == 42
+
+    asyncio.run(main())
+    scheduler.shutdown()
+
+
+def test_ops_and_iterations_alternate():
+    order = []
+    gate = threading.Event()
+    scheduler = IterationScheduler(lambda steps: [order.append(("it", s)) or s for s in steps])
+
+    async def main():
+        blocker = scheduler.submit_op(gate.wait)  # hold the worker while we queue
+        futures = [scheduler.submit_op(lambda i=i: order.append(("op", i))) for i in range(2)]
+        futures += [scheduler.submit_iteration(i, i) for i in range(2)]
+        gate.set()
+        await asyncio.gather(blocker, *futures)
+
+    asyncio.run(main())
+    scheduler.shutdown()
+    assert order[:2] == [("it", 0), ("it", 1)]      # iterations ran as one batch ...
+    assert [kind for kind, _ in order[2:]] == ["op", "op"]  # ... before the remaining ops
+
+
+def test_full_queue_is_refused():
+    gate, started = threading.Event(), threading.Event()
+    scheduler = IterationScheduler(lambda steps: steps, capacity=8)
+
+    async def main():
+        futures = [scheduler.submit_op(lambda: started.set() or gate.wait())]
+        started.wait(5)  # the worker holds the first op; 8 more fill the queue
+        futures += [scheduler.submit_op(lambda: None) for _ in range(8)]
+        with pytest.raises(SchedulerBusyError, match="queue full"):
+            scheduler.submit_op(lambda: None)
+        gate.set()
+        await asyncio.gather(*futures)
+
+    asyncio.run(main())
+    scheduler.shutdown()
