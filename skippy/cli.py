@@ -38,6 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(generate)
     add_sampling_options(generate)
     generate.set_defaults(run=run_generate)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API (bundled SmolLM2, 2 local stages)")
+    serve.add_argument("--stages", type=int, default=2, help="local stage processes to start (1 = one process)")
+    serve.add_argument("--topology", default=None, help="topology JSON: stage 0 here, other stages already running")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=9337)
+    serve.add_argument("--concurrency", type=int, default=None, help="generations at once (default: the lanes)")
+    serve.add_argument("--queue", type=int, default=None, help="waiting requests (default: clamp(8 x lanes, 16, 256))")
+    serve.add_argument("--admission-timeout", type=float, default=60.0, help="seconds a request may wait (0 = no limit)")
+    serve.add_argument("--backend-timeout", type=float, default=600.0, help="seconds without a token before 504")
+    serve.add_argument("--auth-token", default=None, help="require Authorization: Bearer TOKEN on /v1/*")
+    add_model_options(serve)
+    serve.set_defaults(run=run_serve)
     return parser
 
 
@@ -85,6 +98,29 @@ def run_generate(args: argparse.Namespace) -> int:
     limits = GenerationLimits(max_tokens=args.max_tokens, stop_ids=tokenizer.eog_ids)
     tokens = generate_tokens(model, ids, limits, sampling_config(args), args.ctx_size)
     return emit(args, tokenizer, ids, tokens)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .frontend.serve import ServeConfig, serve
+
+    config = ServeConfig(
+        model=Path(model_path(args)),
+        num_stages=args.stages,
+        host=args.host,
+        port=args.port,
+        topology=Path(args.topology) if args.topology else None,
+        ctx_size=args.ctx_size,
+        concurrency=args.concurrency,
+        queue_size=args.queue,
+        auth_token=args.auth_token,
+        dtype=args.dtype,
+        device=args.device,
+        admission_timeout_s=args.admission_timeout,
+        backend_timeout_s=args.backend_timeout,
+    )
+    return serve(config)
 
 
 def emit(args: argparse.Namespace, tokenizer, ids: list[int], tokens) -> int:

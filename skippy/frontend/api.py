@@ -1,0 +1,239 @@
+"""The OpenAI-compatible HTTP API on stage 0: app factory, routes, error mapping.
+
+    GET  /v1/models                model list (one model)
+    POST /v1/chat/completions      chat, streaming (SSE) or not
+    POST /v1/completions           text completion, streaming (SSE) or not
+    GET  /v1/stages                each stage: id, layer range, endpoint, state, sessions
+    GET  /health                   liveness: the process answers
+    GET  /readyz                   readiness: every stage reachable (503 names the one that is not)
+    GET  /metrics                  Prometheus
+
+Every error leaves as the OpenAI envelope, through errors.to_api_error.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
+
+from ..model.chat_template import ChatTemplateError
+from ..model.errors import ContextOverflowError
+from ..model.tokenizer import Tokenizer
+from .admission import Admission, AdmissionError, ContextTooLong
+from .backend import BackendError, GenerationBackend
+from .completion import ServeContext, complete, finish, prepare_chat, prepare_text, start_generation, stream
+from .errors import ApiError, to_api_error
+from .metrics import Metrics
+from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StageInfo, StageList
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_DRAINED_BODY_BYTES = 64 * 1024 * 1024  # past this, an oversized body is not read to answer 413 politely
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSettings:
+    model_id: str
+    concurrency: int | None = None  # generation lanes; default: the backend's
+    queue_size: int | None = None  # default: clamp(8 x lanes, 16, 256)
+    admission_timeout_s: float = 60.0  # 0 = wait until the client gives up
+    backend_timeout_s: float = 600.0  # longest silence from the backend; 0 = none
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    auth_token: str | None = None  # when set, /v1/* needs `Authorization: Bearer <token>`
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that always closes its generator, so its lane and session are freed
+    promptly however the response ends (starlette may otherwise leave that to the GC)."""
+
+    def __init__(self, content, headers=None):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSettings) -> FastAPI:
+    concurrency = settings.concurrency or backend.num_lanes
+    if concurrency > backend.num_lanes:
+        raise ValueError(f"Expected --concurrency <= the backend's {backend.num_lanes} lanes, got {concurrency}")
+    metrics = Metrics()
+    admission = Admission(concurrency, settings.queue_size, settings.admission_timeout_s)
+    metrics.queue_depth.set_function(lambda: admission.num_waiting)
+    metrics.active_generations.set_function(lambda: admission.num_active)
+    ctx = ServeContext(backend, tokenizer, settings.model_id, admission, metrics, settings.backend_timeout_s)
+    created = int(time.time())
+
+    app = FastAPI(title="skippy", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    app.add_middleware(HttpEdge, settings=settings, metrics=metrics)
+
+    async def error_response(request: Request, exc: Exception) -> JSONResponse:
+        error = to_api_error(exc)
+        return JSONResponse(error.envelope(), status_code=error.status, headers=error.headers)
+
+    for cls in (ApiError, ValidationError, json.JSONDecodeError, HTTPException, ChatTemplateError,
+                ContextTooLong, ContextOverflowError, AdmissionError, BackendError, Exception):  # fmt: skip
+        app.add_exception_handler(cls, error_response)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz():
+        readiness = await backend.ready()
+        if not readiness.is_ready:
+            message = f"Stage {readiness.failed_stage} is not ready: {readiness.detail}"
+            raise ApiError(503, message, code="stage_unavailable")
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        for stage in await backend.status():
+            metrics.stage_sessions.labels(stage.stage_id).set(stage.num_active_sessions)
+            metrics.stage_up.labels(stage.stage_id).set(stage.state == "ready")
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def list_models():
+        return ModelList(data=[_model_card(ctx, created, len(await backend.status()))])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        if model_id != ctx.model_id:
+            raise ApiError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+        return _model_card(ctx, created, len(await backend.status()))
+
+    @app.get("/v1/stages")
+    async def stages():
+        return StageList(data=[
+            StageInfo(id=s.stage_id, layer_start=s.layer_start, layer_end=s.layer_end, endpoint=s.endpoint,
+                      state=s.state, active_sessions=s.num_active_sessions)
+            for s in await backend.status()
+        ])  # fmt: skip
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        received_at = time.perf_counter()
+        body = ChatCompletionRequest.model_validate_json(await request.body())
+        job = await prepare_chat(ctx, body, request.state.request_id, received_at)
+        return await _respond(ctx, job)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        received_at = time.perf_counter()
+        body = CompletionRequest.model_validate_json(await request.body())
+        job = await prepare_text(ctx, body, request.state.request_id, received_at)
+        return await _respond(ctx, job)
+
+    return app
+
+
+async def _respond(ctx: ServeContext, job) -> Response:
+    generation, lease = await start_generation(ctx, job)
+    if job.is_stream:
+        return EventStreamResponse(stream(job, generation, lease))
+    try:
+        return JSONResponse((await complete(job, generation)).model_dump(mode="json"))
+    finally:
+        await finish(generation, lease)
+
+
+def _model_card(ctx: ServeContext, created: int, num_stages: int) -> ModelCard:
+    return ModelCard(id=ctx.model_id, created=created, context_length=ctx.backend.ctx_size, num_stages=num_stages)
+
+
+class HttpEdge:
+    """Pure ASGI middleware (streams pass through untouched): request id, auth, body limit, request metrics."""
+
+    def __init__(self, app, settings: ApiSettings, metrics: Metrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        request_id = _request_id(headers.get("x-request-id"))
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = 500
+
+        async def send_with_id(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message).append("x-request-id", request_id)
+            await send(message)
+
+        try:
+            error = self._refusal(scope, headers)
+            if error is not None:
+                await _drain(receive, int(headers.get("content-length") or 0))
+                response = JSONResponse(error.envelope(), status_code=error.status, headers=error.headers)
+                return await response(scope, receive, send_with_id)
+            await self.app(scope, self._limited(receive), send_with_id)
+        finally:
+            route = scope.get("route")
+            self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
+
+    def _refusal(self, scope, headers: Headers) -> ApiError | None:
+        token = self.settings.auth_token
+        if token and scope["path"].startswith("/v1/"):
+            given = headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return ApiError(401, "Missing or wrong API key: send Authorization: Bearer <token>",
+                                code="invalid_api_key")  # fmt: skip
+        length = headers.get("content-length")
+        if length and length.isdigit() and int(length) > self.settings.max_body_bytes:
+            return _too_large(self.settings.max_body_bytes)
+        return None
+
+    def _limited(self, receive):
+        limit, num_bytes = self.settings.max_body_bytes, 0
+
+        async def receive_limited():
+            nonlocal num_bytes
+            message = await receive()
+            if message["type"] == "http.request":
+                num_bytes += len(message.get("body", b""))
+                if num_bytes > limit:
+                    raise _too_large(limit)
+            return message
+
+        return receive_limited
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body is over the limit of {limit} bytes", code="request_too_large")
+
+
+async def _drain(receive, content_length: int) -> None:
+    """Read and drop a refused body, so the client sees our answer rather than a reset connection."""
+    if content_length > MAX_DRAINED_BODY_BYTES:
+        return
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
+def _request_id(given: str | None) -> str:
+    """The client's x-request-id when it is a UUID (spec §8), else a fresh one."""
+    if given:
+        try:
+            return str(uuid.UUID(given))
+        except ValueError:
+            pass
+    return str(uuid.uuid4())

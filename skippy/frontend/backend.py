@@ -1,0 +1,115 @@
+"""The seam between the HTTP layer and whatever runs the model.
+
+The API only ever calls a `GenerationBackend`: one process holding the whole
+model (`LocalBackend`) or stage 0 of a chain (`ChainBackend`). A generation is an
+async iterator of events, always in this order:
+
+    PrefillDone -> Token* -> Finished
+
+A consumer that stops iterating early (stop string matched, client gone, timeout)
+closes the iterator; the backend must then stop the session and free it on every
+stage. Failures raise `BackendError` subclasses, which the API maps to HTTP
+statuses in one place (errors.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from ..protocol.sampling_config import SamplingConfig
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int  # already bounded by the context
+    sampling: SamplingConfig
+    stop_ids: frozenset[int]  # end-of-generation ids: never emitted, finish with "stop"
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("Expected a non-empty prompt")
+        if self.max_tokens < 1:
+            raise ValueError(f"Expected max_tokens >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens restored from a prefix cache, not computed
+    prefill_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    reason: FinishReason
+    num_completion_tokens: int
+    decode_ms: float  # first token to last
+    extra: dict[str, float] = field(default_factory=dict)  # backend-specific counters for `timings`
+
+
+GenerationEvent = PrefillDone | Token | Finished
+
+
+@dataclass(frozen=True, slots=True)
+class StageStatus:
+    stage_id: str
+    layer_start: int
+    layer_end: int
+    endpoint: str
+    state: str  # "ready", "down", "starting"
+    num_active_sessions: int
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    is_ready: bool
+    failed_stage: str | None = None
+    detail: str = ""
+
+
+class BackendError(RuntimeError):
+    """A generation the backend could not run."""
+
+
+class StageUnavailable(BackendError):
+    """A stage is down or unreachable (HTTP 503)."""
+
+    def __init__(self, stage_id: str, detail: str):
+        super().__init__(f"Stage {stage_id} is unavailable: {detail}")
+        self.stage_id = stage_id
+
+
+class BackendTimeout(BackendError):
+    """The backend produced nothing for longer than the backend timeout (HTTP 504)."""
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """What the API needs from the model side; see the module docstring for the event order."""
+
+    @property
+    def num_lanes(self) -> int:
+        """How many generations may run at once (the admission limit's ceiling)."""
+
+    @property
+    def ctx_size(self) -> int:
+        """Context tokens per session: prompt + completion must fit."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]: ...
+
+    async def status(self) -> list[StageStatus]: ...
+
+    async def ready(self) -> Readiness: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,251 @@
+"""pydantic models for the OpenAI-compatible API: requests, responses, the error envelope.
+
+Requests ignore fields they do not know (clients send many); fields we know but
+cannot honour are rejected in completion.py with a 400 that says why. Response
+fields that are extensions (`timings`, token ids) are left out when empty.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 4
+MAX_ABS_LOGIT_BIAS = 100.0
+
+
+def _omit_none(value: Any) -> bool:
+    return value is None
+
+
+# ---- requests ---------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class GenerationParams(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # extension, as llama-server and vLLM
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # extension
+    repetition_penalty: float | None = Field(None, gt=0.0)  # extension
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    return_token_ids: bool = False  # extension (as vLLM): prompt and completion token ids
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"Expected at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        if any(not s for s in value):
+            raise ValueError("Expected non-empty stop strings, got an empty one")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        for token_id, bias in (value or {}).items():
+            if token_id < 0:
+                raise ValueError(f"Expected logit_bias token ids >= 0, got {token_id}")
+            if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"Expected logit_bias values in [-100, 100], got {bias} for token {token_id}")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"Expected n=1, got {value}: one choice per request is supported; send {value} requests")
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id reach the template
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(GenerationParams):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(GenerationParams):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+# ---- responses --------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class Timings(BaseModel):
+    """llama-server's per-request figures (tools/server: `timings`)."""
+
+    model_config = ConfigDict(extra="allow")  # backend-specific counters
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+    token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: Timings | None = Field(None, exclude_if=_omit_none)
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = Field(None, exclude_if=_omit_none)
+    content: str | None = Field(None, exclude_if=_omit_none)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, exclude_if=_omit_none)
+    timings: Timings | None = Field(None, exclude_if=_omit_none)
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+
+
+class Completion(BaseModel):
+    """A text completion, or one chunk of a streamed one (same object, as in OpenAI's API)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, exclude_if=_omit_none)
+    timings: Timings | None = Field(None, exclude_if=_omit_none)
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "skippy"
+    context_length: int
+    num_stages: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class StageInfo(BaseModel):
+    id: str
+    layer_start: int
+    layer_end: int  # exclusive
+    endpoint: str
+    state: str
+    active_sessions: int
+
+
+class StageList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[StageInfo]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorEnvelope(BaseModel):
+    error: ErrorDetail
