@@ -65,7 +65,7 @@ def test_equal_identities_give_equal_keys():
     assert len(prefix_key(BASE, TOKENS)) == 64 and int(prefix_key(BASE, TOKENS), 16) >= 0
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=300), st.data())
 def test_incremental_keys_equal_keys_of_slices(tokens, data):
     lengths = data.draw(st.lists(st.integers(1, len(tokens)), min_size=1, max_size=5))

@@ -228,7 +228,7 @@ operations = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(operations, st.integers(1, 6), st.integers(0, 2000))
 def test_bounds_hold_and_pinned_entries_stay_under_any_sequence(ops, max_entries, max_tokens):
     cache = PrefixCache(max_entries=max_entries, max_bytes=max_tokens * BYTES_PER_TOKEN, min_tokens=64)
