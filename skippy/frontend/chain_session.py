@@ -1,0 +1,208 @@
+"""One request's session across the whole chain, driven from stage 0.
+
+`ChainSession` computes stage 0's layers in-process and sends each message down
+its leased lane; the final stage's predictions come back on the direct return
+stream (or, relayed, on the lane). Every wait has a timeout, and any failure
+raises `ChainError` naming the stage and the phase. With a single stage (the
+driver holds the whole model) the same calls run locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..protocol import (
+    ActivationDtype, MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply,
+    StageReplyStats, merge, prefill_compute_observation,
+)
+from ..runtime import SampleMode, Step
+from ..stage.downstream import LinkBroken
+
+if TYPE_CHECKING:
+    from .driver import ChainClient, Lane
+
+
+class ChainError(RuntimeError):
+    """The chain could not complete a request: a stage died, hung, or refused a message."""
+
+
+@dataclasses.dataclass(slots=True)
+class SessionTimings:
+    prefill_s: float = 0.0
+    first_token_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+
+
+class ChainSession:
+    def __init__(self, client: ChainClient, lane: Lane | None, request_id: int, session_id: int,
+                 sampling: SamplingConfig, prompt_token_count: int):
+        self.client, self.lane = client, lane
+        self.request_id, self.session_id = request_id, session_id
+        self.sampling = sampling
+        self.prompt_token_count = prompt_token_count
+        self.key = (0 if lane is None else lane.lane_id, session_id)
+        self.return_key = (request_id, session_id)
+        self.position = 0         # the next position to write: what every stage holds
+        self.decode_step = 0
+        self.stats = StageReplyStats()
+        self.timings = SessionTimings()
+        self.stopped = False
+        self.waiter: asyncio.Queue = asyncio.Queue()
+        self.session = client.runtime.open_session(self.key, request_id)
+        self.out_dtype = ActivationDtype[client.activation_dtype]
+
+    @property
+    def is_local(self) -> bool:
+        """One stage: the driver holds the head and samples itself."""
+        return self.lane is None
+
+    def _message(self, kind: MessageKind, **fields) -> StageMessage:
+        return StageMessage(kind, request_id=self.request_id, session_id=self.session_id,
+                            prompt_token_count=self.prompt_token_count, **fields)
+
+    def _with_rows(self, msg: StageMessage, rows) -> StageMessage:
+        return dataclasses.replace(msg, source_stage_index=0, activation_dtype=self.out_dtype,
+                                   activation_rows=rows.shape[0], activation_width=rows.shape[1],
+                                   activation=memoryview(rows).cast("B"))
+
+    async def _guard(self, phase: str, coro):
+        try:
+            return await coro
+        except LinkBroken as error:
+            raise ChainError(f"stage chain failed during {phase}: {error}") from error
+        except TimeoutError as error:
+            raise ChainError(f"stage chain failed during {phase}: no prediction within "
+                             f"{self.client.reply_timeout_s:g} s") from error
+
+    async def _control(self, msg: StageMessage) -> StageReply:
+        link = self.lane.link
+        await link.flush()
+        self.stats = merge(self.stats, await link.drain())
+        reply = await link.request(msg)
+        self.stats = merge(self.stats, reply.stats)
+        return reply
+
+    async def _prediction(self, window_id: int | None = None) -> StageReply:
+        deadline = time.monotonic() + self.client.reply_timeout_s
+        while True:
+            item = await asyncio.wait_for(self.waiter.get(), max(0.0, deadline - time.monotonic()))
+            if isinstance(item, BaseException):
+                raise item
+            if window_id is None or (item.kind == ReplyKind.PredictedTokens
+                                     and item.window_id == window_id):
+                self.stats = merge(self.stats, item.stats)
+                return item
+            # else: the answer to a window that was discarded as stale; ignore it
+
+    # -- the request's messages -------------------------------------------------------------
+    async def configure(self) -> None:
+        runtime = self.client.runtime
+        await runtime.configure(self.key, self.sampling, self.prompt_token_count)
+        if not self.is_local:
+            await self._guard("ConfigureGeneration", self._control(self._message(
+                MessageKind.ConfigureGeneration, sampling=self.sampling)))
+
+    async def prefill(self, tokens: Sequence[int]) -> int:
+        """Prefill `tokens` at the current position, in chunks; returns the first prediction."""
+        started = time.perf_counter()
+        sizes = self.client.chunk_policy.chunk_sizes(len(tokens))
+        runtime, link = self.client.runtime, None if self.is_local else self.lane.link
+        offset = 0
+        for index, size in enumerate(sizes):
+            chunk = list(tokens[offset:offset + size])
+            is_last = index == len(sizes) - 1
+            sample = SampleMode.LAST if is_last and self.is_local else SampleMode.NONE
+            step = Step(self.session, self.position, size, chunk, sample=sample,
+                        out_dtype=None if self.is_local else self.out_dtype)
+            timed = await runtime.run_alone(step)
+            self.stats = merge(self.stats, prefill_compute_observation(0, int(timed.run_s * 1e6),
+                                                                      size))
+            self.position += size
+            offset += size
+            if self.is_local:
+                continue
+            kind = MessageKind.PrefillFinalEmbd if is_last else MessageKind.PrefillEmbd
+            msg = self._with_rows(self._message(kind, pos_start=step.start, token_count=size,
+                                                tokens=chunk), timed.value.rows)
+            if is_last:
+                await self._guard("prefill", self._send_predicting(msg))
+            else:
+                await self._guard("prefill", link.forward_async(msg))
+                self.stats = merge(self.stats, await self._guard("prefill", link.note_deferred()))
+        self.timings.prefill_s += time.perf_counter() - started
+        if self.is_local:
+            return timed.value.tokens[0]
+        reply = await self._guard("prefill (first token)", self._prediction())
+        self.timings.first_token_s = time.perf_counter() - started
+        return reply.predicted
+
+    async def _send_predicting(self, msg: StageMessage) -> None:
+        link = self.lane.link
+        self.stats = merge(self.stats, await link.drain())  # spec §2.6: drain before predictions
+        await link.send(msg)
+
+    async def decode(self, token: int, *, pos_start: int | None = None) -> int:
+        """One decode step of `token` at `pos_start` (default: the current position)."""
+        started = time.perf_counter()
+        self.position = self.position if pos_start is None else pos_start
+        self.decode_step += 1
+        predictions = await self._iterate(MessageKind.DecodeEmbd, [token], None)
+        self.timings.decode_s += time.perf_counter() - started
+        self.timings.decode_steps += 1
+        return predictions[0]
+
+    async def verify(self, tokens: Sequence[int], window_id: int, *,
+                     pos_start: int | None = None) -> list[int]:
+        """A VerifyWindow of [current, draft...]: the target's prediction after every row."""
+        self.position = self.position if pos_start is None else pos_start
+        return await self._iterate(MessageKind.VerifyWindow, list(tokens), window_id)
+
+    async def _iterate(self, kind: MessageKind, tokens: list[int], window_id: int | None):
+        runtime = self.client.runtime
+        sample = SampleMode.NONE if not self.is_local else (
+            SampleMode.LAST if window_id is None else SampleMode.ALL)
+        step = Step(self.session, self.position, len(tokens), tokens, sample=sample,
+                    out_dtype=None if self.is_local else self.out_dtype, window_id=window_id)
+        timed = await runtime.iterate(step)
+        start, self.position = self.position, self.position + len(tokens)
+        if self.is_local:
+            return timed.value.tokens
+        msg = self._with_rows(self._message(
+            kind, pos_start=start, token_count=len(tokens), tokens=tokens,
+            current_token=tokens[0], decode_step=self.decode_step, seq_id=window_id or 0),
+            timed.value.rows)
+        phase = f"{kind.name} step {self.decode_step}"
+        await self._guard(phase, self._send_predicting(msg))
+        reply = await self._guard(phase, self._prediction(window_id))
+        return reply.predicted_tokens
+
+    async def retire(self, start: int, count: int) -> None:
+        await self.client.runtime.retire(self.key, start, count)
+        if not self.is_local:
+            msg = self._message(MessageKind.RetireVerifyWindow, pos_start=start, token_count=count)
+            await self._guard("RetireVerifyWindow", self.lane.link.send(msg))
+
+    async def discard_windows(self, low: int, high: int) -> None:
+        self.session.discard_windows(low, high)
+        if not self.is_local:
+            msg = self._message(MessageKind.DiscardStaleWindows, tokens=[low, high])
+            await self._guard("DiscardStaleWindows", self.lane.link.send(msg))
+
+    async def trim(self, num_tokens: int) -> None:
+        await self.client.runtime.trim(self.key, num_tokens)
+        self.position = num_tokens
+        if not self.is_local:
+            await self._guard("TrimSession", self._control(self._message(
+                MessageKind.TrimSession, token_count=num_tokens)))
+
+    async def stop(self) -> StageReplyStats:
+        """End the session on every stage; returns the request's merged stats."""
+        if not self.is_local:
+            await self._guard("Stop", self._control(self._message(MessageKind.Stop)))
+        self.stopped = True
+        return self.stats

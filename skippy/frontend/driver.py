@@ -1,0 +1,215 @@
+"""Stage 0: `ChainClient` drives generation down a chain of stages (spec §1.2).
+
+It owns the first stage's layers in-process (a `StageRuntime`), a pool of
+persistent lanes to stage 1 (one leased per request; Stop resets the session,
+not the socket; a broken lane is replaced on its next lease), and the listener
+that the final stage dials to return predictions directly.
+
+    client = ChainClient(first_stage_model, downstream="127.0.0.1:7001")
+    await client.start()
+    result = await client.generate(prompt_ids, max_tokens=64, stop_ids=tokenizer.eog_ids)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from ..model.llama import StageModel
+from ..protocol import SamplingConfig, StageReplyStats
+from ..runtime.engine import StageRuntime
+from ..stage.downstream import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, DownstreamLink, LinkBroken
+from ..stage.prediction_return import PredictionHub, ReturnListener
+from ..telemetry import Telemetry
+from .chain_session import ChainError, ChainSession, SessionTimings
+from .chunking import ChunkPolicy, FixedChunks
+
+log = logging.getLogger("skippy.driver")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    tokens: list[int]             # generated ids, without the stop id
+    finish_reason: str            # "stop", "length" or "context"
+    prompt_tokens: int
+    stats: StageReplyStats        # merged over every reply of the chain
+    timings: SessionTimings
+
+
+@dataclass(slots=True)
+class Lane:
+    lane_id: int
+    link: DownstreamLink | None = None
+    session: ChainSession | None = None   # the request holding the lease
+
+
+class ChainClient:
+    def __init__(self, model: StageModel, *, downstream: str | None = None,
+                 auth_token: str | None = None, return_bind: str = "127.0.0.1:0",
+                 concurrency: int = 1, ctx_size: int | None = None,
+                 activation_dtype: str = "f32", chunk_policy: ChunkPolicy | None = None,
+                 max_inflight: int = 4, reply_credit_limit: int = 3,
+                 reply_timeout_s: float = REPLY_TIMEOUT_S,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 telemetry: Telemetry | None = None, record_logits: bool = False,
+                 batch_wait_s: float = 0.002):
+        if not model.layers.is_first:
+            raise ValueError(f"Expected the first stage's layers [0, k), got {model.layers}")
+        if (downstream is None) != model.layers.is_last:
+            raise ValueError("Expected a downstream stage exactly when the driver does not hold "
+                             f"the last layer; got layers {model.layers}, downstream {downstream!r}")
+        self.downstream = downstream
+        self.auth_token = auth_token
+        self.activation_dtype = activation_dtype
+        self.chunk_policy = chunk_policy or FixedChunks(256)
+        self.max_inflight, self.reply_credit_limit = max_inflight, reply_credit_limit
+        self.reply_timeout_s, self.connect_timeout_s = reply_timeout_s, connect_timeout_s
+        self.telemetry = telemetry or Telemetry("skippy-stage0")
+        self.runtime = StageRuntime(model, lane_count=concurrency, ctx_size=ctx_size,
+                                    telemetry=self.telemetry, batch_wait_s=batch_wait_s,
+                                    record_logits=record_logits, name="skippy-stage0")
+        self.ctx_size = self.runtime.runner.ctx_size
+        self.hub = PredictionHub()
+        self.listener = ReturnListener(self.hub, return_bind, auth_token=auth_token)
+        self.return_endpoint: str | None = None
+        self._lanes: asyncio.Queue[Lane] = asyncio.Queue()
+        self._num_lanes = concurrency
+        self._ids = itertools.count(secrets.randbits(40) << 16)  # unique across drivers
+
+    async def start(self) -> None:
+        """Open the return listener and preconnect the lane pool (spec §3.2)."""
+        if self.downstream is not None:
+            self.return_endpoint = await self.listener.start()
+        for lane_id in range(1, self._num_lanes + 1):
+            lane = Lane(lane_id)
+            if self.downstream is not None:
+                await self._connect(lane)
+            self._lanes.put_nowait(lane)
+
+    async def _connect(self, lane: Lane) -> None:
+        def deliver(item) -> None:  # fallback relay, or the lane broke
+            if lane.session is not None:
+                lane.session.waiter.put_nowait(item)
+
+        lane.link = await DownstreamLink.connect(
+            self.downstream, auth_token=self.auth_token, connect_timeout_s=self.connect_timeout_s,
+            stage_index=0, max_inflight=self.max_inflight, max_deferred=self.reply_credit_limit,
+            reply_timeout_s=self.reply_timeout_s, on_prediction=deliver,
+            on_broken=lambda reason: deliver(LinkBroken(f"stage at {self.downstream}: {reason}")))
+
+    @contextlib.asynccontextmanager
+    async def session(self, sampling: SamplingConfig = SamplingConfig(),
+                      prompt_token_count: int = 0) -> AsyncIterator[ChainSession]:
+        """Lease a lane, configure generation, yield the session, Stop it (or drop the lane)."""
+        lane = await self._lanes.get()
+        session = None
+        try:
+            if self.downstream is not None and (lane.link is None or lane.link.broken):
+                await self._replace(lane)
+            request_id = next(self._ids)
+            session = lane.session = ChainSession(self, None if self.downstream is None else lane,
+                                                  request_id, request_id, sampling,
+                                                  prompt_token_count)
+            self.hub.register(session.return_key, session.waiter)
+            await session.configure()
+            yield session
+            if not session.stopped:
+                await session.stop()
+        finally:
+            await self._release(lane, session)
+
+    async def _replace(self, lane: Lane) -> None:
+        if lane.link is not None:
+            await lane.link.close()
+        try:
+            await self._connect(lane)
+        except LinkBroken as error:
+            raise ChainError(f"no lane to the chain: {error}") from error
+        self.telemetry.count("stage.openai_downstream_lane_replaced")
+        log.info("lane %d replaced", lane.lane_id)
+
+    async def _release(self, lane: Lane, session: ChainSession | None) -> None:
+        if session is not None:
+            self.hub.unregister(session.return_key)
+            if session.key in self.runtime.sessions:
+                await self.runtime.drop(session.key)
+            if not session.stopped and lane.link is not None:
+                # Mid-request failure: the lane's state is unknown. Closing it makes every
+                # stage reclaim the session; the next lease dials a fresh lane.
+                await lane.link.close()
+        lane.session = None
+        self._lanes.put_nowait(lane)
+
+    async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int = 256,
+                       sampling: SamplingConfig = SamplingConfig(),
+                       stop_ids: Sequence[int] = (),
+                       on_token: Callable[[int], None] | None = None) -> GenerationResult:
+        """Prefill, decode until a stop id, `max_tokens` or the context end, then Stop."""
+        if not prompt_ids:
+            raise ValueError("Expected a non-empty prompt")
+        stop_ids = frozenset(stop_ids)
+        tokens: list[int] = []
+        async with self.session(sampling, len(prompt_ids)) as session:
+            token = await session.prefill(prompt_ids)
+            while True:
+                if token in stop_ids:
+                    reason = "stop"
+                    break
+                tokens.append(token)
+                if on_token is not None:
+                    on_token(token)
+                if len(tokens) >= max_tokens:
+                    reason = "length"
+                    break
+                if session.position + 1 > self.ctx_size:
+                    reason = "context"
+                    break
+                token = await session.decode(token)
+            started = time.perf_counter()
+            stats = await session.stop()
+            self.telemetry.summary(
+                "stage0.generation_summary", prompt_tokens=len(prompt_ids),
+                completion_tokens=len(tokens), finish_reason=reason,
+                prefill_ms=session.timings.prefill_s * 1e3,
+                first_token_ms=session.timings.first_token_s * 1e3,
+                decode_ms=session.timings.decode_s * 1e3,
+                stop_ms=(time.perf_counter() - started) * 1e3)
+        return GenerationResult(tokens, reason, len(prompt_ids), stats, session.timings)
+
+    async def stream(self, prompt_ids: Sequence[int], **options) -> AsyncIterator[int]:
+        """`generate`, yielding each token as it arrives."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def run() -> None:
+            try:
+                await self.generate(prompt_ids, on_token=queue.put_nowait, **options)
+                queue.put_nowait(done)
+            except BaseException as error:  # handed to the consumer below
+                queue.put_nowait(error)
+
+        task = asyncio.create_task(run())
+        try:
+            while (item := await queue.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.listener.close()
+        while not self._lanes.empty():
+            lane = self._lanes.get_nowait()
+            if lane.link is not None:
+                await lane.link.close()
+        self.runtime.close()
+        self.telemetry.shutdown()

@@ -1,0 +1,188 @@
+"""One upstream connection on a stage: read-ahead, in-order handling, cleanup.
+
+A reader task parses frames ahead of execution into a bounded inbox (spec §2.9).
+It sends the early ACK of a prefill chunk the moment the chunk arrives, and it
+records `DiscardStaleWindows` before the windows queued ahead of it run. The
+processing loop hands each message to its handler, in order. Any error (a bad
+frame, a refused Stop, a broken downstream) closes this connection only; a
+connection that ends without Stop has its sessions reclaimed (spec §3.3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..protocol import (
+    ActivationDtype, FrameError, MessageKind, ProtocolError, StageMessage, StageReply,
+    StageReplyStats, merge, read_message, write_reply,
+)
+from ..runtime import SampleMode, Session, SessionKey, Step
+from .downstream import DownstreamLink
+from .handlers import HANDLERS, StageError
+
+if TYPE_CHECKING:
+    from .server import StageServer
+
+log = logging.getLogger("skippy.stage")
+
+INBOX_MESSAGES = 128   # read-ahead depth (spec §2.9: 2 x 64 messages)
+
+
+@dataclass(slots=True)
+class RequestSummary:
+    """Per-session totals for the summary line emitted at Stop (numbers only)."""
+
+    messages: int = 0
+    rows: int = 0
+    compute_ms: float = 0.0
+    lock_wait_ms: float = 0.0
+    forward_write_ms: float = 0.0
+    downstream_wait_ms: float = 0.0
+
+
+class StageConnection:
+    def __init__(self, server: StageServer, conn_id: int, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter):
+        self.server, self.conn_id = server, conn_id
+        self.config, self.runtime, self.telemetry = server.config, server.runtime, server.telemetry
+        self.reader, self.writer = reader, writer
+        self.link: DownstreamLink | None = None
+        self.pending_stats = StageReplyStats()
+        self.out_dtype = ActivationDtype[self.config.activation_dtype]
+        self.summaries: dict[int, RequestSummary] = {}
+        self.inbox: asyncio.Queue = asyncio.Queue(INBOX_MESSAGES)
+        self.close_reason: str | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.config.downstream is None
+
+    # -- sessions and steps ---------------------------------------------------------------
+    def key(self, session_id: int) -> SessionKey:
+        return (self.conn_id, session_id)
+
+    def open_session(self, msg: StageMessage) -> Session:
+        return self.runtime.open_session(self.key(msg.session_id), msg.request_id)
+
+    def step(self, session: Session, msg: StageMessage, sample: SampleMode, *,
+             window: bool = False) -> Step:
+        tokens = msg.tokens.tolist() or ([msg.current_token] if msg.token_count == 1 else [])
+        rows = None
+        if not self.runtime.is_first:
+            width = self.runtime.model.args.hidden_size
+            if msg.activation_rows != msg.token_count or msg.activation_width != width:
+                raise FrameError(f"activation: expected {msg.token_count} rows x {width}, got "
+                                 f"{msg.activation_rows} x {msg.activation_width}")
+            rows = msg.activation_array()
+        return Step(session, msg.pos_start, msg.token_count, tokens, rows, msg.activation_dtype,
+                    sample, None if self.is_final else self.out_dtype,
+                    msg.seq_id if window else None)
+
+    def forwarded(self, msg: StageMessage, rows: np.ndarray) -> StageMessage:
+        """`msg` with this stage's output activation in place of its input."""
+        return dataclasses.replace(
+            msg, source_stage_index=self.config.stage_index, activation_dtype=self.out_dtype,
+            activation_rows=rows.shape[0], activation_width=rows.shape[1],
+            activation=memoryview(rows).cast("B"))
+
+    def summary(self, session_id: int) -> RequestSummary:
+        return self.summaries.setdefault(session_id, RequestSummary())
+
+    # -- replies and stats ----------------------------------------------------------------
+    async def downstream(self) -> DownstreamLink | None:
+        """This lane's link to the next stage, dialed on first use (None on the final stage)."""
+        if self.is_final:
+            return None
+        if self.link is None:
+            config = self.config
+            self.link = await DownstreamLink.connect(
+                config.downstream.endpoint, auth_token=config.auth_token,
+                stage_index=config.stage_index, max_inflight=config.max_inflight,
+                max_deferred=config.max_deferred_replies,
+                reply_timeout_s=self.server.reply_timeout_s,
+                on_prediction=self.reply, on_broken=self._downstream_broken)
+        return self.link
+
+    def add_stats(self, stats: StageReplyStats) -> None:
+        self.pending_stats = merge(self.pending_stats, stats)
+
+    def take_stats(self) -> StageReplyStats:
+        """Stats owed upstream: early-ACKed chunks' own, deferred ACKs', edge writes'."""
+        stats, self.pending_stats = self.pending_stats, StageReplyStats()
+        if self.link is not None:
+            stats = merge(stats, self.link.take_edge_stats())
+        return stats
+
+    async def reply(self, reply: StageReply) -> None:
+        await write_reply(self.writer, reply)
+
+    async def return_prediction(self, msg: StageMessage, reply: StageReply) -> None:
+        """Final stage: straight to stage 0 when the return stream is open, else upstream."""
+        if not await self.server.returns.send((msg.request_id, msg.session_id), reply):
+            await self.reply(reply)
+
+    # -- the connection's life --------------------------------------------------------------
+    async def run(self) -> None:
+        reader_task = asyncio.create_task(self._read_ahead())
+        try:
+            while (msg := await self.inbox.get()) is not None:
+                if isinstance(msg, BaseException):
+                    raise msg
+                with self.telemetry.span("stage.binary_message", kind=msg.kind.name,
+                                         stage_index=self.config.stage_index,
+                                         bytes_in=msg.activation.nbytes) as span:
+                    await HANDLERS[msg.kind](self, msg, span)
+        except asyncio.CancelledError:
+            self.close_reason = self.close_reason or "stage shutting down"
+        except Exception as error:  # noqa: BLE001 - every failure closes this connection only
+            self.close_reason = f"{type(error).__name__}: {error}"
+            level = logging.WARNING if isinstance(error, ProtocolError | StageError) else logging.ERROR
+            log.log(level, "stage %d: closing connection %d: %s", self.config.stage_index,
+                    self.conn_id, self.close_reason)
+        finally:
+            reader_task.cancel()
+            # Shielded: a second cancellation must not skip reclaiming the sessions.
+            await asyncio.shield(self._cleanup(reader_task))
+
+    async def _read_ahead(self) -> None:
+        try:
+            while (msg := await read_message(self.reader)) is not None:
+                if msg.kind == MessageKind.PrefillEmbd:
+                    await self.reply(StageReply.ack())  # early ACK, before compute (spec §2.6)
+                elif msg.kind == MessageKind.DiscardStaleWindows:
+                    self._record_discard(msg)
+                await self.inbox.put(msg)
+            await self.inbox.put(None)
+        except (ProtocolError, ConnectionError, OSError, asyncio.IncompleteReadError) as error:
+            await self.inbox.put(error)
+
+    def _record_discard(self, msg: StageMessage) -> None:
+        key = self.key(msg.session_id)
+        if key in self.runtime.sessions:
+            low, high = (int(t) for t in msg.tokens)
+            self.runtime.session(key).discard_windows(low, high)
+
+    def _downstream_broken(self, reason: str) -> None:
+        # Propagate the failure upstream at once: closing our side ends the upstream's lane.
+        log.warning("stage %d: downstream link of connection %d broke: %s",
+                    self.config.stage_index, self.conn_id, reason)
+        self.close_reason = self.close_reason or f"downstream {reason}"
+        self.writer.close()
+
+    async def _cleanup(self, reader_task: asyncio.Task) -> None:
+        await asyncio.gather(reader_task, return_exceptions=True)
+        if self.link is not None:
+            await self.link.close()
+        orphans = self.runtime.reclaim_lane(self.conn_id)
+        for session in orphans:
+            self.server.returns.close((session.request_id, session.key[1]))
+        if orphans:
+            log.info("stage %d: connection %d ended without Stop; reclaimed %d session(s)",
+                     self.config.stage_index, self.conn_id, len(orphans))
+        self.writer.close()

@@ -1,0 +1,147 @@
+"""Direct prediction return (spec §2.7): the final stage sends tokens straight to stage 0.
+
+* Stage 0 runs a `ReturnListener` with a `PredictionHub` of waiters keyed by
+  (request_id, session_id). The driver registers a waiter before it generates.
+* At ConfigureGeneration the final stage dials that listener (`ReturnStreams.open`):
+  connect (2 s), auth, READY, then one `PredictionReturnOpen` frame naming the key.
+  After that only replies flow on the stream, final -> stage 0.
+* If the stream cannot be opened, the final stage replies upstream instead, and
+  every middle stage relays the reply (the hop-by-hop fallback).
+* The stream is closed on Stop, or when the session's connection ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..protocol import (
+    MessageKind, ProtocolError, StageMessage, StageReply, parse_endpoint, read_message, read_reply,
+    server_handshake, write_message, write_reply,
+)
+from .downstream import CONNECT_TIMEOUT_S, LinkBroken, open_connection
+
+log = logging.getLogger("skippy.stage")
+
+ReturnKey = tuple[int, int]  # (request_id, session_id)
+OPEN_TIMEOUT_S = 20.0         # the PredictionReturnOpen frame must follow READY within this
+
+
+class PredictionHub:
+    """Stage 0's waiters: one queue per in-flight request."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[ReturnKey, asyncio.Queue] = {}
+
+    def register(self, key: ReturnKey, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        queue = self._waiters[key] = asyncio.Queue() if queue is None else queue
+        return queue
+
+    def unregister(self, key: ReturnKey) -> None:
+        self._waiters.pop(key, None)
+
+    def deliver(self, key: ReturnKey, item: StageReply | Exception) -> bool:
+        queue = self._waiters.get(key)
+        if queue is None:
+            return False
+        queue.put_nowait(item)
+        return True
+
+
+class ReturnListener:
+    """Stage 0's endpoint for prediction-return streams."""
+
+    def __init__(self, hub: PredictionHub, bind_addr: str = "127.0.0.1:0", *,
+                 auth_token: str | None = None):
+        self.hub = hub
+        self.bind_addr = bind_addr
+        self.auth_token = auth_token
+        self.num_streams = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> str:
+        host, port = parse_endpoint(self.bind_addr, allow_port_zero=True)
+        self._server = await asyncio.start_server(self._serve, host, port)
+        bound = self._server.sockets[0].getsockname()
+        return f"{host}:{bound[1]}" if ":" not in host else f"[{host}]:{bound[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._tasks.add(asyncio.current_task())
+        key = None
+        try:
+            await server_handshake(reader, writer, self.auth_token)
+            opening = await asyncio.wait_for(read_message(reader), OPEN_TIMEOUT_S)
+            if opening is None or opening.kind != MessageKind.PredictionReturnOpen:
+                got = "EOF" if opening is None else opening.kind.name
+                raise ProtocolError(f"first frame: expected PredictionReturnOpen, got {got}")
+            key = (opening.request_id, opening.session_id)
+            self.num_streams += 1
+            while (reply := await read_reply(reader)) is not None:
+                if not self.hub.deliver(key, reply):
+                    log.debug("prediction for a finished request dropped")
+        except (ProtocolError, TimeoutError) as error:
+            log.warning("prediction-return stream refused or broken: %s", error)
+        except (ConnectionError, OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._tasks.discard(asyncio.current_task())
+            writer.close()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class ReturnStreams:
+    """The final stage's open streams back to stage 0."""
+
+    def __init__(self, driver_endpoint: str | None, *, auth_token: str | None = None):
+        self.driver_endpoint = driver_endpoint
+        self.auth_token = auth_token
+        self._writers: dict[ReturnKey, asyncio.StreamWriter] = {}
+
+    def __contains__(self, key: ReturnKey) -> bool:
+        return key in self._writers
+
+    async def open(self, key: ReturnKey) -> bool:
+        """Dial stage 0 for `key`; False (and the fallback path) if that is not possible."""
+        if key in self._writers:
+            return True
+        if self.driver_endpoint is None:
+            return False
+        try:
+            _, writer = await open_connection(self.driver_endpoint, auth_token=self.auth_token,
+                                              timeout_s=CONNECT_TIMEOUT_S)
+            await write_message(writer, StageMessage(MessageKind.PredictionReturnOpen,
+                                                     request_id=key[0], session_id=key[1]))
+        except (LinkBroken, ConnectionError, OSError) as error:
+            log.warning("direct prediction return unavailable, relaying upstream: %s", error)
+            return False
+        self._writers[key] = writer
+        return True
+
+    async def send(self, key: ReturnKey, reply: StageReply) -> bool:
+        """Write a prediction on the key's stream; False if there is none (or it broke)."""
+        writer = self._writers.get(key)
+        if writer is None:
+            return False
+        try:
+            await write_reply(writer, reply)
+            return True
+        except (ConnectionError, OSError) as error:
+            log.warning("direct prediction return lost, relaying upstream: %s", error)
+            self.close(key)
+            return False
+
+    def close(self, key: ReturnKey) -> None:
+        writer = self._writers.pop(key, None)
+        if writer is not None:
+            writer.close()
+
+    def close_all(self) -> None:
+        for key in list(self._writers):
+            self.close(key)
