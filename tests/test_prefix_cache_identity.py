@@ -19,6 +19,7 @@ from skippy.runtime.prefix_identity import (
     model_digest,
     prefix_key,
     prefix_keys,
+    record_lengths,
 )
 
 BASE = CacheNamespace(model_digest="full:abc", layer_start=0, layer_end=8, kv_dtype="float32", ctx_size=2048)
@@ -116,6 +117,34 @@ def test_candidate_ladder_of_a_long_prompt():
     ladder = candidate_lengths(8000)
     assert ladder[:3] == [8000, 7936, 7808] and ladder[-1] == 128 and len(ladder) == 63
     assert ladder == sorted(ladder, reverse=True)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "limit", "expected"),
+    [
+        (63, 4, []),                            # under the minimum
+        (64, 4, [64]),
+        (129, 4, [129, 128]),                   # fewer aligned lengths than the limit
+        (1015, 4, [1015, 896, 768, 640]),
+        (1030, 4, [1030, 1024, 896, 768]),
+        (1030, 2, [1030, 1024]),                # the original policy (spec §4.3)
+        (1030, 8, [1030, 1024, 896, 768, 512, 128]),  # ... then the lowest
+        (8000, 8, [8000, 7936, 7808, 7680, 7424, 6912, 5888, 3840]),  # gaps of 0, 1, 2, 4... strides
+        (8000, 1, [8000]),
+    ],
+)
+def test_record_lengths(num_tokens, limit, expected):
+    assert record_lengths(num_tokens, 128, 64, limit) == expected
+    assert set(expected) <= set(candidate_lengths(num_tokens, 128, 64))  # lookup probes every recorded length
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(64, 5000), st.integers(1, 2000), st.integers(3, 8))
+def test_record_lengths_reach_a_shared_prefix_within_reach(shared, tail, limit):
+    if tail > 2 ** (limit - 3) * 128 or shared < 128:
+        return
+    recorded = record_lengths(shared + tail, 128, 64, limit)
+    assert any(n <= shared for n in recorded)
 
 
 @pytest.mark.parametrize(("prompt_len", "expected"), [(0, 0), (1, 0), (2, 1), (1000, 999)])

@@ -57,6 +57,15 @@ def test_record_takes_the_top_of_the_ladder_and_skips_present_lengths():
     assert (stats.recorded_entries, stats.num_entries, stats.num_bytes) == (2, 2, 1915 * BYTES_PER_TOKEN)
 
 
+def test_a_shared_prefix_is_recorded_even_when_every_tail_passes_the_next_stride():
+    cache = PrefixCache()  # the original [exact, top aligned] policy would record 1152 and 1024 only
+    system = prompt(7, 1000)
+    first = system + prompt(8, 160)
+    record(cache, first[:-1])
+    second = system + prompt(9, 150)
+    assert cache.lookup_longest(NS, second[:-1]).num_tokens == 896
+
+
 def test_shared_system_prompt_with_a_new_tail_hits_the_longest_aligned_prefix():
     cache = PrefixCache()
     system = prompt(7, 1000)
@@ -85,7 +94,7 @@ def test_lookup_misses_on_another_namespace_start_or_prompt():
 def test_exact_lookup_never_returns_a_shorter_prefix():
     cache = PrefixCache()
     tokens = prompt(1, 300)
-    record(cache, tokens)  # records 300 and 256
+    record(cache, tokens)  # records 300, 256 and 128
     assert cache.lookup(NS, tokens[:256]).num_tokens == 256
     assert cache.lookup(NS, tokens[:290]) is None
     assert cache.lookup(NS, []) is None
@@ -213,12 +222,12 @@ def test_a_bad_lower_tier_read_falls_through_to_shorter_candidates():
 def test_record_policy_writes_through_and_flush_writes_the_rest():
     tier = DictTier()
     cache = PrefixCache(disk=tier, disk_policy="record")
-    record(cache, prompt(1, 300))
-    assert len(tier.store) == 2
+    record(cache, prompt(1, 300))  # 300, 256, 128
+    assert len(tier.store) == 3
     lazy = PrefixCache(disk=DictTier())
     record(lazy, prompt(1, 300))
     assert len(lazy.disk.store) == 0
-    assert lazy.flush() == 2 and lazy.flush() == 0 and len(lazy.disk.store) == 2
+    assert lazy.flush() == 3 and lazy.flush() == 0 and len(lazy.disk.store) == 3
     assert PrefixCache().flush() == 0
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, NamedTuple, Protocol, Sequence
 
 from ..protocol.configs import KvCacheConfig
-from .prefix_identity import CacheNamespace, candidate_lengths, prefix_keys
+from .prefix_identity import CacheNamespace, candidate_lengths, prefix_keys, record_lengths
 
 
 class LowerTier(Protocol):
@@ -58,7 +58,7 @@ class _Entry:
 
 class PrefixCache:
     def __init__(self, max_entries: int = 64, max_bytes: int = 0, min_tokens: int = 64, stride_tokens: int = 128,
-                 record_limit: int = 2, disk: LowerTier | None = None,
+                 record_limit: int = 4, disk: LowerTier | None = None,
                  disk_policy: Literal["evict", "record"] = "evict"):
         if disk_policy not in ("evict", "record"):
             raise ValueError(f"Expected disk_policy 'evict' or 'record', got {disk_policy!r}")
@@ -118,8 +118,8 @@ class PrefixCache:
 
     def record(self, ns: CacheNamespace, tokens: Sequence[int], snapshot_fn: Callable[[int], Any], *,
                token_start: int = 0) -> RecordResult:
-        """Store snapshot_fn(n) for the first `record_limit` ladder lengths not already cached."""
-        lengths = candidate_lengths(len(tokens), self.stride_tokens, self.min_tokens)[: self.record_limit]
+        """Store snapshot_fn(n) for each of record_lengths(...) not already cached, longest first."""
+        lengths = record_lengths(len(tokens), self.stride_tokens, self.min_tokens, self.record_limit)
         num_entries = num_bytes = 0
         for n, key in sorted(prefix_keys(ns, tokens, lengths, token_start).items(), reverse=True):
             if key in self._entries:

@@ -106,13 +106,32 @@ def cacheable_prefix_length(prompt_len: int) -> int:
 
 def candidate_lengths(num_tokens: int, stride: int = 128, min_tokens: int = 64) -> list[int]:
     """The exact length, then every multiple of `stride` below it, longest first, none under
-    `min_tokens`. Lookup probes them all; record takes the first few (spec §4.3)."""
+    `min_tokens`. Lookup probes them all, and the longest hit wins (spec §4.3)."""
     if stride < 1:
         raise ValueError(f"Expected stride >= 1, got {stride}")
     if num_tokens < max(min_tokens, 1):
         return []
     aligned = range((num_tokens - 1) // stride * stride, max(min_tokens, 1) - 1, -stride)
     return [num_tokens, *aligned]
+
+
+def record_lengths(num_tokens: int, stride: int = 128, min_tokens: int = 64, limit: int = 4) -> list[int]:
+    """The lengths to record, longest first: the exact length, then aligned lengths whose
+    distance below the longest aligned one doubles (0, 1, 2, 4, 8... strides, then the lowest).
+
+    Why not the top of the ladder: prompts that share a system prompt of B tokens and
+    differ after it need an entry at or below B, and every aligned length above B holds
+    tail tokens. The original policy, [exact, A] (spec §4.3), never records a shared prefix
+    once the tails reach past the next multiple of the stride. With doubling gaps, a prefix
+    shared by prompts at most 2**(limit - 3) strides longer than it is always recorded
+    (256 tokens at the defaults). Each entry is a full copy: the price is up to `limit`
+    times the prompt's KV per record, bounded by the cache's byte budget.
+    """
+    ladder = candidate_lengths(num_tokens, stride, min_tokens)
+    aligned = ladder[1:]
+    doubling = [0, *(2**j for j in range(len(aligned).bit_length())), len(aligned) - 1]
+    picks = sorted({min(i, len(aligned) - 1) for i in doubling})
+    return ([num_tokens] + [aligned[i] for i in picks if i >= 0])[:limit] if ladder else []
 
 
 def model_digest(path: str | Path, *, full: bool = False) -> str:
