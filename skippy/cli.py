@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(generate)
     add_sampling_options(generate)
     generate.set_defaults(run=run_generate)
+    add_chain_options(generate)
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API (bundled SmolLM2, 2 local stages)")
     serve.add_argument("--stages", type=int, default=2, help="local stage processes to start (1 = one process)")
@@ -51,7 +52,38 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--auth-token", default=None, help="require Authorization: Bearer TOKEN on /v1/*")
     add_model_options(serve)
     serve.set_defaults(run=run_serve)
+    add_stage_commands(commands)
     return parser
+
+
+def add_chain_options(parser: argparse.ArgumentParser) -> None:
+    """`generate` on a chain: --stages N starts local stage processes, --topology uses running ones."""
+    parser.add_argument("--stages", type=int, default=1, help="local stages (separate processes); 1 = one process")
+    parser.add_argument("--topology", default=None, help="topology JSON of running stages (stage 0 runs here)")
+    parser.add_argument("--auth-token", default=None, help="the chain's transport token (with --topology)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads in every stage process")
+    parser.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
+
+
+def add_stage_commands(commands) -> None:
+    stage = commands.add_parser("stage", help="run one stage of a chain (binary TCP server)")
+    stage.add_argument("--config", required=True, help="stage config JSON (see `skippy plan`)")
+    stage.add_argument("--topology", default=None, help="topology JSON (for the direct prediction return)")
+    stage.add_argument("--threads", type=int, default=None, help="torch threads")
+    stage.add_argument("--otlp-endpoint", default=None, help="export spans over OTLP gRPC (needs the exporter)")
+    stage.set_defaults(run=run_stage)
+
+    plan = commands.add_parser("plan", help="split the layers over hosts; write stage configs and topology")
+    plan.add_argument("--model", help="GGUF file or Hugging Face directory (default: the bundled SmolLM2)")
+    plan.add_argument("--stages", type=int, required=True)
+    plan.add_argument("--hosts", required=True, help="host:port per stage, comma-separated; stage 0 first")
+    plan.add_argument("--weights", default=None, help="relative share per stage, comma-separated")
+    plan.add_argument("--out", default=".", help="directory for topology.json and stage-N.json")
+    plan.add_argument("--auth-token", default=None)
+    plan.add_argument("--ctx-size", type=int, default=2048)
+    plan.add_argument("--lane-count", type=int, default=4)
+    plan.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
+    plan.set_defaults(run=run_plan)
 
 
 def model_path(args: argparse.Namespace):
@@ -94,6 +126,8 @@ def run_generate(args: argparse.Namespace) -> int:
     path = model_path(args)
     tokenizer = load_tokenizer(path)
     ids = prompt_ids(args, tokenizer)
+    if args.stages > 1 or args.topology:
+        return emit(args, tokenizer, ids, chain_tokens(args, path, ids, tokenizer))
     model = load_stage(path, dtype=args.dtype, device=args.device)
     limits = GenerationLimits(max_tokens=args.max_tokens, stop_ids=tokenizer.eog_ids)
     tokens = generate_tokens(model, ids, limits, sampling_config(args), args.ctx_size)
@@ -121,6 +155,49 @@ def run_serve(args: argparse.Namespace) -> int:
         backend_timeout_s=args.backend_timeout,
     )
     return serve(config)
+
+
+def chain_tokens(args: argparse.Namespace, path, ids: list[int], tokenizer):
+    from .frontend.local_chain import generate_on_chain
+    from .protocol import Topology
+
+    options = {"activation_dtype": args.activation_dtype, "dtype": args.dtype,
+               "ctx_size": args.ctx_size or 2048}
+    topology = Topology.load(args.topology) if args.topology else None
+    if topology is None:
+        options.update(threads=args.threads, log_level=args.log_level)
+    return generate_on_chain(ids, path, num_stages=args.stages, topology=topology, auth_token=args.auth_token,
+                             chain_options=options, max_tokens=args.max_tokens, sampling=sampling_config(args),
+                             stop_ids=tokenizer.eog_ids)
+
+
+def run_stage(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .protocol import StageConfig, Topology
+    from .stage.process import serve_stage
+
+    config = StageConfig.load(args.config)
+    topology = Topology.load(args.topology) if args.topology else None
+    asyncio.run(serve_stage(config, topology, threads=args.threads, otlp_endpoint=args.otlp_endpoint))
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from .frontend.local_chain import plan_chain, write_plan
+
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    if len(hosts) != args.stages:
+        raise ValueError(f"Expected {args.stages} host:port entries in --hosts, got {len(hosts)}")
+    weights = [float(w) for w in args.weights.split(",")] if args.weights else None
+    topology, configs = plan_chain(model_path(args), hosts, weights=weights, auth_token=args.auth_token,
+                                   ctx_size=args.ctx_size, lane_count=args.lane_count,
+                                   activation_dtype=args.activation_dtype)
+    for written in write_plan(topology, configs, args.out):
+        print(written)
+    for stage in topology.stages:
+        print(f"{stage.stage_id}: layers [{stage.layer_start}, {stage.layer_end}) @ {stage.endpoint}")
+    return 0
 
 
 def emit(args: argparse.Namespace, tokenizer, ids: list[int], tokens) -> int:

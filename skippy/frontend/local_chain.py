@@ -1,0 +1,242 @@
+"""Chains for `skippy generate` and `skippy plan`: plan the split, start or reach the stages.
+
+* `plan_chain` splits the layers and builds every stage's config plus the topology.
+* `LocalChain` starts stages 1..N-1 as separate processes on free loopback ports
+  and holds stage 0 in this process as a `ChainClient`.
+* `connect_topology` builds stage 0 for stages that are already running anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import secrets
+import socket
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from ..model.loader import load_stage
+from ..protocol import (
+    PeerEndpoint, StageConfig, Topology, TopologyStage, parse_endpoint, plan_layer_split,
+)
+from ..stage.process import READY_PREFIX
+from .driver import ChainClient
+
+log = logging.getLogger("skippy.driver")
+STARTUP_TIMEOUT_S = 600.0
+
+
+def model_num_layers(path: str | Path) -> int:
+    path = Path(path)
+    if path.is_dir():
+        from ..model.hf_loader import read_hf_args
+
+        return read_hf_args(path).num_layers
+    from ..model.gguf_loader import open_gguf, read_model_args
+
+    return read_model_args(open_gguf(path)).num_layers
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports the OS says are free now (held together, so they are distinct)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[float] | None = None,
+               num_layers: int | None = None, **stage_options) -> tuple[Topology, list[StageConfig]]:
+    """Topology and stage configs for one stage per endpoint; endpoint 0 is the driver's
+    return listener, the others are where stages 1..N-1 listen (their bind address)."""
+    num_layers = num_layers or model_num_layers(model_path)
+    ranges = plan_layer_split(num_layers, len(endpoints), weights)
+    stages = [TopologyStage(stage_id=f"stage-{i}", stage_index=i, endpoint=endpoint,
+                            layer_start=start, layer_end=end, host=parse_endpoint(endpoint)[0])
+              for i, (endpoint, (start, end)) in enumerate(zip(endpoints, ranges))]
+    topology = Topology(topology_id=f"chain-{secrets.token_hex(4)}",
+                        model_id=Path(model_path).stem, stages=stages)
+
+    def peer(i: int) -> PeerEndpoint | None:
+        if not 0 <= i < len(stages):
+            return None
+        return PeerEndpoint(stage_id=stages[i].stage_id, stage_index=i, endpoint=stages[i].endpoint)
+
+    configs = [StageConfig(stage_id=s.stage_id, stage_index=s.stage_index,
+                           layer_start=s.layer_start, layer_end=s.layer_end,
+                           model_path=str(model_path), bind_addr=s.endpoint,
+                           upstream=peer(s.stage_index - 1), downstream=peer(s.stage_index + 1),
+                           **stage_options)
+               for s in stages]
+    return topology, configs
+
+
+def write_plan(topology: Topology, configs: list[StageConfig], out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "topology.json"]
+    topology.save(paths[0])
+    for config in configs:
+        paths.append(out / f"stage-{config.stage_index}.json")
+        config.save(paths[-1])
+    return paths
+
+
+async def connect_topology(topology: Topology, model_path: str | Path, *,
+                           auth_token: str | None = None, dtype: str = "float32",
+                           device: str = "cpu", **client_options) -> ChainClient:
+    """Stage 0 for a running chain: load layers [0, k), listen on the topology's stage-0
+    endpoint for the direct return, connect the lanes to stage 1."""
+    first = topology.stages[0]
+    model = load_stage(model_path, (first.layer_start, first.layer_end), dtype=dtype,
+                       device=device, progress=False)
+    downstream = topology.stages[1].endpoint if len(topology.stages) > 1 else None
+    client = ChainClient(model, downstream=downstream, auth_token=auth_token,
+                         return_bind=first.endpoint, **client_options)
+    await client.start()
+    return client
+
+
+class LocalChain:
+    """Stages 1..N-1 as child processes on loopback, stage 0 in this process."""
+
+    def __init__(self, model_path: str | Path, num_stages: int, *, threads: int | None = None,
+                 activation_dtype: str = "f32", ctx_size: int = 2048, lane_count: int = 4,
+                 dtype: str = "float32", concurrency: int = 1, log_level: str = "WARNING",
+                 **client_options):
+        if num_stages < 2:
+            raise ValueError(f"Expected at least 2 stages for a chain, got {num_stages}")
+        self.model_path, self.num_stages, self.threads = Path(model_path), num_stages, threads
+        self.dtype, self.concurrency, self.log_level = dtype, concurrency, log_level
+        self.auth_token = secrets.token_hex(16)  # loopback, but still not open to anyone
+        self.client_options = client_options
+        endpoints = [f"127.0.0.1:{port}" for port in free_ports(num_stages)]
+        self.topology, self.configs = plan_chain(
+            model_path, endpoints, auth_token=self.auth_token, activation_dtype=activation_dtype,
+            ctx_size=ctx_size, lane_count=lane_count, weight_dtype=_WEIGHT_NAMES[dtype],
+            device="cpu")
+        self._dir = tempfile.TemporaryDirectory(prefix="skippy-chain-")
+        self.processes: list[asyncio.subprocess.Process] = []
+        self.client: ChainClient | None = None
+
+    async def start(self) -> ChainClient:
+        paths = write_plan(self.topology, self.configs, self._dir.name)
+        topology_path = paths[0]
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
+        try:
+            for config, config_path in zip(self.configs[1:], paths[2:]):
+                self.processes.append(await self._spawn(config_path, topology_path))
+            for config, process in zip(self.configs[1:], self.processes):
+                await self._wait_ready(config, process)
+            self.client = await connect_topology(
+                self.topology, self.model_path, auth_token=self.auth_token, dtype=self.dtype,
+                concurrency=self.concurrency, ctx_size=self.configs[0].ctx_size,
+                activation_dtype=self.configs[0].activation_dtype, **self.client_options)
+        except BaseException:
+            await self.close()
+            raise
+        return self.client
+
+    async def _spawn(self, config_path: Path, topology_path: Path):
+        command = [sys.executable, "-m", "skippy.cli", "--log-level", self.log_level, "stage",
+                   "--config", str(config_path), "--topology", str(topology_path)]
+        if self.threads:
+            command += ["--threads", str(self.threads)]
+        return await asyncio.create_subprocess_exec(
+            *command, stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    async def _wait_ready(self, config: StageConfig, process) -> None:
+        async def ready() -> None:
+            while line := await process.stdout.readline():
+                if line.decode(errors="replace").startswith(READY_PREFIX):
+                    return
+            code = await process.wait()
+            raise RuntimeError(f"stage {config.stage_index} exited with code {code} before it "
+                               "was ready (its error is above)")
+
+        try:
+            await asyncio.wait_for(ready(), STARTUP_TIMEOUT_S)
+        except TimeoutError:
+            raise RuntimeError(f"stage {config.stage_index} not ready within "
+                               f"{STARTUP_TIMEOUT_S:g} s") from None
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+        for process in self.processes:
+            if process.returncode is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                await asyncio.wait_for(process.wait(), 10)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        self.processes.clear()
+        self._dir.cleanup()
+
+    async def __aenter__(self) -> ChainClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+_WEIGHT_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def generate_on_chain(prompt_ids: Sequence[int], model_path: str | Path, *,
+                      num_stages: int | None = None, topology: Topology | None = None,
+                      auth_token: str | None = None, chain_options: dict | None = None,
+                      **generate_options) -> Iterator[int]:
+    """Tokens of one generation, as they arrive, on a local chain of `num_stages` processes
+    or on the running `topology`. The chain lives on an event loop in a helper thread."""
+    tokens: queue.Queue = queue.Queue()
+    done = object()
+    options = chain_options or {}
+
+    async def run() -> None:
+        chain = None
+        try:
+            if topology is not None:
+                client = await connect_topology(topology, model_path, auth_token=auth_token,
+                                                **options)
+            else:
+                chain = LocalChain(model_path, num_stages, **options)
+                client = await chain.start()
+            try:
+                await client.generate(prompt_ids, on_token=tokens.put, **generate_options)
+            finally:
+                if chain is None:
+                    await client.close()
+        finally:
+            if chain is not None:
+                await chain.close()
+
+    def thread_main() -> None:
+        try:
+            asyncio.run(run())
+            tokens.put(done)
+        except BaseException as error:  # handed to the consuming thread
+            tokens.put(error)
+
+    thread = threading.Thread(target=thread_main, name="skippy-chain", daemon=True)
+    thread.start()
+    while (item := tokens.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+    thread.join()

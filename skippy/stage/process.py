@@ -1,0 +1,50 @@
+"""`skippy stage`: one stage process, from its config to serving until a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import torch
+
+from ..model.loader import load_stage
+from ..protocol import StageConfig, Topology
+from ..runtime.engine import StageRuntime
+from ..telemetry import Telemetry
+from .server import StageServer
+
+log = logging.getLogger("skippy.stage")
+
+WEIGHT_DTYPES = {"auto": "float32", "f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+READY_PREFIX = "skippy: stage ready:"   # launchers wait for this line on stdout
+
+
+def load_stage_runtime(config: StageConfig, telemetry: Telemetry) -> StageRuntime:
+    model = load_stage(config.model_path, (config.layer_start, config.layer_end),
+                       dtype=WEIGHT_DTYPES[config.weight_dtype], device=config.device,
+                       progress=False)
+    return StageRuntime(model, lane_count=config.lane_count, ctx_size=config.ctx_size,
+                        telemetry=telemetry, name=f"skippy-stage{config.stage_index}")
+
+
+async def serve_stage(config: StageConfig, topology: Topology | None = None, *,
+                      threads: int | None = None, otlp_endpoint: str | None = None) -> None:
+    """Load this stage's layers, listen, print the ready line, serve until SIGINT/SIGTERM."""
+    if threads:
+        torch.set_num_threads(threads)
+    telemetry = Telemetry(f"skippy-stage{config.stage_index}", otlp_endpoint)
+    runtime = load_stage_runtime(config, telemetry)
+    server = StageServer(config, runtime, topology=topology, telemetry=telemetry)
+    endpoint = await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"{READY_PREFIX} {config.stage_id} index {config.stage_index} layers "
+          f"[{config.layer_start}, {config.layer_end}) on {endpoint}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.close()
+        telemetry.shutdown()
