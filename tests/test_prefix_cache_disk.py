@@ -13,6 +13,7 @@ import torch
 
 import skippy.runtime.disk_cache as disk_cache
 from skippy.model.kv_cache import KVCache, KVSnapshot
+from skippy.protocol.configs import KvCacheConfig
 from skippy.runtime.disk_cache import QUARANTINE_DIR, DiskCache, encode_entry, read_entry
 from skippy.runtime.prefix_cache import PrefixCache
 from skippy.runtime.prefix_identity import CacheNamespace, prefix_key
@@ -257,3 +258,10 @@ def test_quarantine_keeps_only_the_newest_files(tmp_path, monkeypatch):
         assert store.get(key(i)) is None
     kept = sorted(p.name.split(".")[0] for p in (tmp_path / QUARANTINE_DIR).iterdir())
     assert kept == sorted([key(1), key(2)]) and store.stats.quarantined == 3
+
+
+def test_from_config(tmp_path):
+    assert DiskCache.from_config(KvCacheConfig()) is None
+    assert DiskCache.from_config(KvCacheConfig(disk_dir=str(tmp_path), mode="disabled")) is None
+    store = DiskCache.from_config(KvCacheConfig(disk_dir=str(tmp_path / "kv"), disk_budget_bytes=1234))
+    assert store.root == tmp_path / "kv" and store.budget_bytes == 1234 and (tmp_path / "kv" / QUARANTINE_DIR).is_dir()

@@ -177,6 +177,7 @@ def test_zero_max_entries_stores_nothing():
 def test_from_config_copies_the_bounds():
     cache = PrefixCache.from_config(KvCacheConfig(max_entries=3, max_bytes=99, min_tokens=8, stride_tokens=16))
     assert (cache.max_entries, cache.max_bytes, cache.min_tokens, cache.stride_tokens) == (3, 99, 8, 16)
+    assert PrefixCache.from_config(KvCacheConfig(mode="disabled")).max_entries == 0
     with pytest.raises(ValueError, match="disk_policy"):
         PrefixCache(disk_policy="always")
 

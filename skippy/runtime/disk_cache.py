@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..model.kv_cache import KVSnapshot
+from ..protocol.configs import KvCacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +68,19 @@ class DiskCache:
         self.root = Path(root)
         self.budget_bytes = budget_bytes  # 0 = no budget
         self.quarantine_dir = self.root / QUARANTINE_DIR
-        self.quarantine_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.quarantine_dir.mkdir(exist_ok=True, mode=0o700)
         self._lock = threading.Lock()
         self._index: dict[str, tuple[int, int]] = {}  # key -> (file size, last use in ns)
         self._stats = DiskCacheStats()
         self._scan()
+
+    @classmethod
+    def from_config(cls, config: KvCacheConfig) -> DiskCache | None:
+        """The store under `disk_dir`, or None when the config names none."""
+        if config.disk_dir is None or config.mode == "disabled":
+            return None
+        return cls(config.disk_dir, config.disk_budget_bytes)
 
     def __contains__(self, key: str) -> bool:
         return key in self._index
@@ -227,7 +236,7 @@ def read_entry(path: Path) -> KVSnapshot:
     header = json.loads(header_bytes)
     start = PREFIX.size + header_len
     if len(buf) - start != header["payload_bytes"]:
-        raise CorruptEntryError(f"Expected {header['payload_bytes']} payload bytes, got {len(buf) - start} (truncated?)")
+        raise CorruptEntryError(f"Expected {header['payload_bytes']} payload bytes, got {len(buf) - start}")
     if header["byteorder"] != sys.byteorder or header["dtype"] not in DTYPES:
         raise CorruptEntryError(f"Expected native {sys.byteorder}-endian data of a known dtype, got {header}")
     if hashlib.blake2b(memoryview(buf)[start:], digest_size=32).hexdigest() != header["payload_digest"]:

@@ -72,7 +72,9 @@ class PrefixCache:
 
     @classmethod
     def from_config(cls, config: KvCacheConfig, disk: LowerTier | None = None, **kwargs: Any) -> PrefixCache:
-        return cls(config.max_entries, config.max_bytes, config.min_tokens, config.stride_tokens, disk=disk, **kwargs)
+        """Bounds from the stage config; mode "disabled" stores nothing (the mode is the handler's to apply)."""
+        max_entries = 0 if config.mode == "disabled" else config.max_entries
+        return cls(max_entries, config.max_bytes, config.min_tokens, config.stride_tokens, disk=disk, **kwargs)
 
     def __len__(self) -> int:
         return len(self._entries)

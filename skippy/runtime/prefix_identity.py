@@ -82,7 +82,8 @@ def _pack_tokens(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def prefix_keys(ns: CacheNamespace, tokens: Sequence[int], lengths: Iterable[int], token_start: int = 0) -> dict[int, str]:
+def prefix_keys(ns: CacheNamespace, tokens: Sequence[int], lengths: Iterable[int],
+                token_start: int = 0) -> dict[int, str]:
     """{n: key of tokens[:n]} for each n in lengths, hashing the tokens once."""
     h = _namespace_hasher(ns).copy()
     h.update(struct.pack("<Q", token_start))
@@ -148,7 +149,8 @@ def model_digest(path: str | Path, *, full: bool = False) -> str:
     if not root.is_dir():
         return _file_digest(str(root), *_stat(root), full)
     h = hashlib.blake2b(digest_size=32)
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    files = sorted(p for p in root.rglob("*")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
     if not files:
         raise ValueError(f"Expected model files under {root}, got an empty directory")
     for file in files:
