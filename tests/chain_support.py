@@ -72,15 +72,16 @@ async def start_chain(make_stage, num_stages: int, *, model_path: str = "bundled
 
 
 def reference_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """One process, whole model: greedy tokens and the first token's logits."""
+    """One process, whole model: greedy tokens and the logits that chose the last one."""
     cache = model.new_cache(2048)
     hidden = model.forward(torch.tensor(prompt), [Segment(cache, 0, len(prompt))])
-    first_logits = model.compute_logits(hidden[-1:])[0]
-    tokens = [int(first_logits.argmax())]
+    logits = model.compute_logits(hidden[-1:])[0]
+    tokens = [int(logits.argmax())]
     while len(tokens) < num_tokens:
         hidden = model.forward(torch.tensor(tokens[-1:]), [Segment(cache, cache.length, 1)])
-        tokens.append(int(model.compute_logits(hidden[-1:])[0].argmax()))
-    return tokens, first_logits
+        logits = model.compute_logits(hidden[-1:])[0]
+        tokens.append(int(logits.argmax()))
+    return tokens, logits
 
 
 def run(coro, timeout: float = 300):
