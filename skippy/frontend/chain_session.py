@@ -50,6 +50,7 @@ class ChainSession:
         self.position = 0         # the next position to write: what every stage holds
         self.decode_step = 0
         self.stats = StageReplyStats()
+        self.stop_ack_stats = StageReplyStats()   # what the Stop ACK itself carried
         self.timings = SessionTimings()
         self.stopped = False
         self.waiter: asyncio.Queue = asyncio.Queue()
@@ -158,11 +159,35 @@ class ChainSession:
 
     async def verify(self, tokens: Sequence[int], window_id: int, *,
                      pos_start: int | None = None) -> list[int]:
-        """A VerifyWindow of [current, draft...]: the target's prediction after every row."""
+        """A VerifyWindow of [current, draft...]: the target's prediction after every row.
+
+        The rows stay in every stage's KV provisionally; the next message's `pos_start`
+        (or a TrimSession) decides how many of them are kept.
+        """
+        local = await self.submit_verify(tokens, window_id, pos_start=pos_start)
+        return local if local is not None else await self.wait_window(window_id)
+
+    async def submit_verify(self, tokens: Sequence[int], window_id: int, *,
+                            pos_start: int | None = None) -> list[int] | None:
+        """Send a VerifyWindow without waiting for its predictions (see `wait_window`).
+        With a single stage the predictions are computed here and returned at once."""
         self.position = self.position if pos_start is None else pos_start
-        return await self._iterate(MessageKind.VerifyWindow, list(tokens), window_id)
+        return await self._submit(MessageKind.VerifyWindow, list(tokens), window_id)
+
+    async def wait_window(self, window_id: int) -> list[int]:
+        reply = await self._guard(f"VerifyWindow {window_id}", self._prediction(window_id))
+        return reply.predicted_tokens
 
     async def _iterate(self, kind: MessageKind, tokens: list[int], window_id: int | None):
+        local = await self._submit(kind, tokens, window_id)
+        if local is not None:
+            return local
+        reply = await self._guard(f"{kind.name} step {self.decode_step}", self._prediction())
+        return reply.predicted_tokens
+
+    async def _submit(self, kind: MessageKind, tokens: list[int],
+                      window_id: int | None) -> list[int] | None:
+        """Run stage 0's rows and send them down; the local predictions with one stage."""
         runtime = self.client.runtime
         sample = SampleMode.NONE if not self.is_local else (
             SampleMode.LAST if window_id is None else SampleMode.ALL)
@@ -176,10 +201,8 @@ class ChainSession:
             kind, pos_start=start, token_count=len(tokens), tokens=tokens,
             current_token=tokens[0], decode_step=self.decode_step, seq_id=window_id or 0),
             timed.value.rows)
-        phase = f"{kind.name} step {self.decode_step}"
-        await self._guard(phase, self._send_predicting(msg))
-        reply = await self._guard(phase, self._prediction(window_id))
-        return reply.predicted_tokens
+        await self._guard(f"{kind.name} step {self.decode_step}", self._send_predicting(msg))
+        return None
 
     async def retire(self, start: int, count: int) -> None:
         await self.client.runtime.retire(self.key, start, count)
@@ -203,6 +226,8 @@ class ChainSession:
     async def stop(self) -> StageReplyStats:
         """End the session on every stage; returns the request's merged stats."""
         if not self.is_local:
-            await self._guard("Stop", self._control(self._message(MessageKind.Stop)))
+            reply = await self._guard("Stop", self._control(self._message(MessageKind.Stop)))
+            self.stop_ack_stats = reply.stats
+            self.stats = merge(self.stats, self.lane.link.take_edge_stats())
         self.stopped = True
         return self.stats

@@ -56,6 +56,8 @@ class StageRuntime:
     def reclaim_lane(self, lane_id: int) -> list[Session]:
         """Drop every session of a lane that ended without Stop (spec §3.3 orphan reclaim)."""
         dropped = self.sessions.drop_lane(lane_id)
+        for session in dropped:
+            self.scheduler.forget(session.key)
         if dropped:
             self.telemetry.count("skippy.runtime.orphan_sessions_reclaimed", len(dropped))
         return dropped
@@ -101,6 +103,7 @@ class StageRuntime:
 
         timed = await self.scheduler.submit_op(reset)
         self.sessions.drop(key)
+        self.scheduler.forget(key)
         return timed
 
     def close(self) -> None:

@@ -9,7 +9,8 @@ Everyone else submits commands and awaits asyncio futures:
 Each turn the worker takes one kind of work, alternating when both are waiting so
 neither starves. When several sessions are decoding, a lone step waits up to
 `batch_wait_s` for its peers so they share one forward instead of queueing behind
-each other; a single stream never waits.
+each other; a single stream never waits. A wait as long as a chain round trip
+pulls pipelined sessions into phase, so every stage then batches them.
 
 Decides only: no torch. `run_batch` (the runner) turns steps into tensors.
 """
@@ -107,6 +108,11 @@ class IterationScheduler:
             self._cv.notify()
         return command.future
 
+    def forget(self, key: Hashable) -> None:
+        """The session ended: stop waiting for its steps."""
+        with self._cv:
+            self._recent.pop(key, None)
+
     def shutdown(self) -> None:
         with self._cv:
             self._closed = True
@@ -144,9 +150,10 @@ class IterationScheduler:
     def _wait_for_peers(self) -> None:
         """Called with the lock held: give recently decoding sessions a moment to join."""
         now = time.perf_counter()
-        self._recent = {k: t for k, t in self._recent.items() if now - t < RECENT_DECODER_S}
+        horizon = max(RECENT_DECODER_S, 2 * self.batch_wait_s)
+        self._recent = {k: t for k, t in self._recent.items() if now - t < horizon}
         deadline = now + self.batch_wait_s
-        while not self._closed:
+        while not self._closed and not self._ops:  # never hold other work back to wait
             waiting = {c.key for c in self._iterations}
             if len(self._recent.keys() - waiting) == 0 or len(waiting) >= self.max_batch_steps:
                 return
