@@ -1,0 +1,220 @@
+"""Protocol robustness at the server: bad frames close only their connection (spec §2.1-2.2).
+
+The server under test is a final stage holding one layer, so every request is cheap.
+Without a driver endpoint its predictions come back upstream (the relay fallback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+
+import numpy as np
+import pytest
+
+from chain_support import run, stage_config
+from skippy.protocol import (
+    FrameError, MessageKind, ReplyKind, StageMessage, client_handshake, encode_message,
+    read_reply, write_message,
+)
+from skippy.protocol.constants import MESSAGE_HEADER_FIELDS, header_offset
+from skippy.runtime.engine import StageRuntime
+from skippy.stage.server import StageServer
+
+WIDTH = 576
+
+
+async def start_server(make_stage, **options) -> StageServer:
+    lane_count = options.pop("lane_count", 4)
+    config = stage_config(1, (29, 30), "bundled.gguf", lane_count=lane_count, **options)
+    server = StageServer(config, StageRuntime(make_stage(29, 30), lane_count=lane_count))
+    await server.start()
+    return server
+
+
+async def connect(server: StageServer, token: str | None = None):
+    host, port = server.endpoint.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    await client_handshake(reader, writer, token)
+    return reader, writer
+
+
+def prefill_final(session_id: int = 1, rows: int = 3) -> StageMessage:
+    activation = np.random.default_rng(rows).standard_normal((rows, WIDTH), dtype=np.float32)
+    return StageMessage(MessageKind.PrefillFinalEmbd, pos_start=0, token_count=rows,
+                        request_id=session_id, session_id=session_id, tokens=list(range(rows)),
+                        source_stage_index=0, activation_rows=rows, activation_width=WIDTH,
+                        activation=activation.data)
+
+
+async def predict(reader, writer, session_id: int = 1) -> int:
+    """A full request on a good connection: configure, one prefill-final, the token, Stop."""
+    common = dict(request_id=session_id, session_id=session_id)
+    await write_message(writer, StageMessage(MessageKind.ConfigureGeneration, **common))
+    assert (await read_reply(reader)).kind == ReplyKind.Ack
+    await write_message(writer, prefill_final(session_id))
+    reply = await read_reply(reader)
+    assert reply.kind == ReplyKind.PredictedToken
+    await write_message(writer, StageMessage(MessageKind.Stop, **common))
+    assert (await read_reply(reader)).kind == ReplyKind.Ack
+    return reply.predicted
+
+
+async def expect_closed(reader, timeout: float = 10.0) -> None:
+    """The server closes the connection: EOF (or a reset) without any reply."""
+    try:
+        data = await asyncio.wait_for(reader.read(), timeout)
+    except ConnectionResetError:
+        return
+    assert data == b""
+
+
+def _patched(frame: bytes, field: str, fmt: str, value: int) -> bytes:
+    offset = header_offset(MESSAGE_HEADER_FIELDS, field)
+    return frame[:offset] + struct.pack("<" + fmt, value) + frame[offset + struct.calcsize(fmt):]
+
+
+GOOD = encode_message(prefill_final())
+BAD_FRAMES = [
+    # (case,                       bytes,                                              logged)
+    ("garbage",                    b"\x00\x01garbage" * 20,                            "magic"),
+    ("truncated body",             GOOD[:-100],                                        "truncated"),
+    ("truncated header",           GOOD[:50],                                          "truncated"),
+    ("oversized activation",       _patched(GOOD, "activation_bytes", "Q", 1 << 40),    "activation_bytes"),
+    ("phase does not match kind",  _patched(GOOD, "phase", "i", 2),                    "phase"),
+    ("unknown kind",               _patched(GOOD, "kind", "i", 99),                    "kind"),
+    ("other protocol version",     _patched(GOOD, "version", "i", 2),                  "version"),
+    ("negative token count",       _patched(GOOD, "token_count", "i", -1),             "token_count"),
+    ("rows disagree with tokens",  _patched(GOOD, "token_count", "i", 2),              "activation"),
+    ("return-open on a stage",     encode_message(StageMessage(MessageKind.PredictionReturnOpen)),
+                                                                                       "PredictionReturnOpen"),
+]
+
+
+def test_bad_frames_close_only_their_connection(make_stage, caplog):
+    caplog.set_level(logging.WARNING, logger="skippy.stage")
+
+    async def main():
+        server = await start_server(make_stage)
+        try:
+            good = await connect(server)
+            expected = await predict(*good)
+            for case, frame, logged in BAD_FRAMES:
+                caplog.clear()
+                reader, writer = await connect(server)
+                writer.write(frame)
+                writer.write_eof()
+                await expect_closed(reader)
+                writer.close()
+                assert "closing connection" in caplog.text and logged in caplog.text, case
+                # the stage keeps serving the good connection, with the same answer
+                assert await predict(*good) == expected, case
+            assert len(server.runtime.sessions) == 0
+        finally:
+            await server.close()
+
+    run(main())
+
+
+def test_mutated_frames_never_take_the_stage_down(make_stage):
+    """Seeded fuzzing: flip bytes of a valid frame; whatever happens, the stage survives."""
+    rng = np.random.default_rng(0)
+
+    async def main():
+        server = await start_server(make_stage)
+        try:
+            good = await connect(server)
+            expected = await predict(*good)
+            for _ in range(30):
+                frame = bytearray(GOOD)
+                for position in rng.integers(0, 120, size=rng.integers(1, 4)):
+                    frame[position] ^= int(rng.integers(1, 256))
+                reader, writer = await connect(server)
+                writer.write(bytes(frame))
+                writer.write_eof()
+                try:
+                    await asyncio.wait_for(reader.read(), 10)
+                except ConnectionResetError:
+                    pass
+                writer.close()
+            assert await predict(*good) == expected
+        finally:
+            await server.close()
+
+    run(main())
+
+
+def test_wrong_auth_token_is_refused_with_a_logged_reason(make_stage, caplog):
+    caplog.set_level(logging.WARNING, logger="skippy.stage")
+
+    async def main():
+        server = await start_server(make_stage, auth_token="s3cret")
+        try:
+            with pytest.raises(FrameError, match="refuse"):
+                await connect(server, token="wrong")
+            # a dialer without the token: its first frame is read as a bad preamble
+            host, port = server.endpoint.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(GOOD)
+            await expect_closed(reader)
+            writer.close()
+            assert len(server.refusals) == 2
+            assert all("AuthError" in reason for reason in server.refusals)
+            assert await predict(*await connect(server, token="s3cret")) >= 0
+        finally:
+            await server.close()
+
+    run(main())
+    assert "refused connection" in caplog.text and "auth token" in caplog.text
+
+
+def test_a_connection_that_ends_without_stop_has_its_sessions_reclaimed(make_stage, caplog):
+    caplog.set_level(logging.INFO, logger="skippy.stage")
+
+    async def main():
+        server = await start_server(make_stage)
+        try:
+            reader, writer = await connect(server)
+            for session_id in (1, 2):
+                await write_message(writer, StageMessage(
+                    MessageKind.ConfigureGeneration, request_id=session_id, session_id=session_id))
+                assert (await read_reply(reader)).kind == ReplyKind.Ack
+            assert len(server.runtime.sessions) == 2
+            writer.close()
+            for _ in range(100):
+                if not len(server.runtime.sessions):
+                    break
+                await asyncio.sleep(0.02)
+            assert len(server.runtime.sessions) == 0
+        finally:
+            await server.close()
+
+    run(main())
+    assert "reclaimed 2 session(s)" in caplog.text
+
+
+def test_sessions_beyond_lane_count_are_refused(make_stage, caplog):
+    caplog.set_level(logging.WARNING, logger="skippy.stage")
+
+    async def main():
+        server = await start_server(make_stage, lane_count=1)
+        try:
+            first = await connect(server)
+            await write_message(first[1], StageMessage(MessageKind.ConfigureGeneration,
+                                                       request_id=1, session_id=1))
+            assert (await read_reply(first[0])).kind == ReplyKind.Ack
+            reader, writer = await connect(server)
+            await write_message(writer, StageMessage(MessageKind.ConfigureGeneration,
+                                                     request_id=2, session_id=2))
+            await expect_closed(reader)
+            writer.close()
+            await write_message(first[1], StageMessage(MessageKind.Stop, request_id=1,
+                                                       session_id=1))
+            assert (await read_reply(first[0])).kind == ReplyKind.Ack
+            assert await predict(*first, session_id=3) >= 0   # the lane is free again
+        finally:
+            await server.close()
+
+    run(main())
+    assert "lane_count" in caplog.text
