@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--admission-timeout", type=float, default=60.0, help="seconds a request may wait (0 = no limit)")
     serve.add_argument("--backend-timeout", type=float, default=600.0, help="seconds without a token before 504")
     serve.add_argument("--auth-token", default=None, help="require Authorization: Bearer TOKEN on /v1/*")
+    serve.add_argument("--chain-auth-token", default=None, help="the stages' transport token (with --topology)")
+    serve.add_argument("--threads", type=int, default=None, help="torch threads in every stage process")
+    serve.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
     add_model_options(serve)
     serve.set_defaults(run=run_serve)
     add_stage_commands(commands)
@@ -149,10 +152,14 @@ def run_serve(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         queue_size=args.queue,
         auth_token=args.auth_token,
+        chain_auth_token=args.chain_auth_token,
         dtype=args.dtype,
         device=args.device,
+        activation_dtype=args.activation_dtype,
+        threads=args.threads,
         admission_timeout_s=args.admission_timeout,
         backend_timeout_s=args.backend_timeout,
+        log_level=args.log_level,
     )
     return serve(config)
 

@@ -1,8 +1,12 @@
-"""`skippy serve`: load the model (one process or a chain of stages), then run the API until a signal.
+"""`skippy serve`: load the model (one process, or a chain of stages), then run the API until a signal.
 
-Shutdown order on Ctrl-C or SIGTERM: stop accepting, end open streams (after a
-short grace period), close the backend (which stops every stage process it
-started), then exit. SIGTERM during loading takes the same path.
+    --stages 1          LocalBackend: the whole model in this process
+    --stages N (N>1)    LocalChain: stages 1..N-1 as child processes on loopback, stage 0 here
+    --topology FILE     stage 0 here, stages 1..N-1 already running where the file says
+
+Ctrl-C or SIGTERM: stop accepting, end open streams after a short grace period,
+close the backend (which stops every stage process it started), exit. A signal
+while loading takes the same path, so no stage process is left behind.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ from pathlib import Path
 
 import uvicorn
 
+from ..console import progress_bar
 from .api import DEFAULT_MAX_BODY_BYTES, ApiSettings, create_app
 from .backend import GenerationBackend, StageStatus
 
 GRACEFUL_SHUTDOWN_S = 5
+DEFAULT_LANES = 8
+PROBE_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,21 +37,31 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 9337
     topology: Path | None = None
-    ctx_size: int | None = None
-    concurrency: int | None = None
+    ctx_size: int | None = None  # default: the model's
+    concurrency: int | None = None  # generation lanes; default 8
     queue_size: int | None = None
-    auth_token: str | None = None
+    auth_token: str | None = None  # API bearer token
+    chain_auth_token: str | None = None  # the stages' transport token (with --topology)
     dtype: str = "float32"
     device: str = "auto"
+    activation_dtype: str = "f32"
+    threads: int | None = None  # torch threads per stage process
     admission_timeout_s: float = 60.0
     backend_timeout_s: float = 600.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_level: str = "WARNING"
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
             raise ValueError(f"Expected --stages >= 1, got {self.num_stages}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"Expected a port in [0, 65535], got {self.port}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"Expected --concurrency >= 1, got {self.concurrency}")
+
+    @property
+    def num_lanes(self) -> int:
+        return self.concurrency or DEFAULT_LANES
 
 
 def model_id_for(path: Path) -> str:
@@ -53,26 +70,78 @@ def model_id_for(path: Path) -> str:
     return path.name if path.is_dir() else path.stem
 
 
+def load_tokenizer(path: Path):
+    from ..model.gguf_loader import open_gguf
+    from ..model.tokenizer import Tokenizer
+
+    path = Path(path)
+    return Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(open_gguf(path))
+
+
 def load_local_backend(config: ServeConfig):
     """(tokenizer, LocalBackend) with the whole model in this process."""
-    from ..model.gguf_loader import open_gguf
     from ..model.loader import load_stage
-    from ..model.tokenizer import Tokenizer
     from .local_backend import LocalBackend
 
-    path = Path(config.model)
-    model = load_stage(path, dtype=config.dtype, device=config.device)
-    tokenizer = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(open_gguf(path))
-    lanes = config.concurrency or 8
-    return tokenizer, LocalBackend(model, num_lanes=lanes, ctx_size=config.ctx_size)
+    model = load_stage(config.model, dtype=config.dtype, device=config.device)
+    backend = LocalBackend(model, num_lanes=config.num_lanes, ctx_size=config.ctx_size)
+    return load_tokenizer(config.model), backend
 
 
-def build_backend(config: ServeConfig) -> tuple[object, GenerationBackend]:
+async def start_chain_backend(config: ServeConfig):
+    """(tokenizer, ChainBackend): a LocalChain of `num_stages` processes, or a running topology."""
+    from ..protocol import Topology
+    from .chain_backend import ChainBackend
+    from .local_chain import LocalChain, connect_topology
+
+    ctx_size = config.ctx_size or _model_context(config.model)
+    options = dict(concurrency=config.num_lanes, ctx_size=ctx_size, activation_dtype=config.activation_dtype)
+    if config.topology is not None:
+        topology = Topology.load(config.topology)
+        client = await connect_topology(topology, config.model, auth_token=config.chain_auth_token,
+                                        dtype=config.dtype, device=config.device, **options)  # fmt: skip
+        backend = ChainBackend(client, topology, num_lanes=config.num_lanes, auth_token=config.chain_auth_token)
+        return load_tokenizer(config.model), backend
+    chain = LocalChain(config.model, config.num_stages, threads=config.threads, lane_count=config.num_lanes,
+                       dtype=config.dtype, log_level=config.log_level, **options)  # fmt: skip
+    description = f"Starting {config.num_stages} stages of {Path(config.model).name}"
+    with progress_bar(description, config.num_stages) as advance:
+        watcher = asyncio.create_task(_advance_as_stages_come_up(chain, advance))
+        try:
+            client = await chain.start()
+        finally:
+            watcher.cancel()
+        advance()  # stage 0, here, loads last
+    backend = ChainBackend(client, chain.topology, num_lanes=config.num_lanes, auth_token=chain.auth_token,
+                           on_close=chain.close)  # fmt: skip
+    return load_tokenizer(config.model), backend
+
+
+async def _advance_as_stages_come_up(chain, advance) -> None:
+    """Advance the bar as each child stage finishes loading and starts answering handshakes."""
+    from .chain_backend import probe_stage
+
+    pending = list(chain.topology.stages[1:])
+    while pending:
+        await asyncio.sleep(PROBE_INTERVAL_S)
+        for stage in list(pending):
+            if await probe_stage(stage.endpoint, chain.auth_token):
+                pending.remove(stage)
+                advance()
+
+
+def _model_context(path: Path) -> int:
+    from ..model.gguf_loader import open_gguf, read_model_args
+    from ..model.hf_loader import read_hf_args
+
+    path = Path(path)
+    return (read_hf_args(path) if path.is_dir() else read_model_args(open_gguf(path))).context_length
+
+
+async def build_backend(config: ServeConfig):
     if config.num_stages == 1 and config.topology is None:
-        return load_local_backend(config)
-    raise ValueError(
-        "Expected --stages 1: the stage chain backend is not available in this build yet. Fix: pass --stages 1."
-    )
+        return await asyncio.to_thread(load_local_backend, config)
+    return await start_chain_backend(config)
 
 
 def describe_split(stages: list[StageStatus]) -> str:
@@ -96,15 +165,21 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def serve(config: ServeConfig) -> int:
-    previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM while loading: clean up too
-    backend = None
     try:
-        tokenizer, backend = build_backend(config)
+        asyncio.run(_main(config))
+    except (KeyboardInterrupt, asyncio.CancelledError):  # a signal while loading
+        return 130
+    return 0
+
+
+async def _main(config: ServeConfig) -> None:
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # while loading
+    backend: GenerationBackend | None = None
+    try:
+        tokenizer, backend = await build_backend(config)
+        loop.remove_signal_handler(signal.SIGTERM)  # uvicorn takes over SIGINT and SIGTERM
         settings = ApiSettings(
             model_id=model_id_for(config.model),
             concurrency=config.concurrency,
@@ -119,14 +194,10 @@ def serve(config: ServeConfig) -> int:
             app, host=config.host, port=config.port, log_level="warning", access_log=False,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off",
         ))  # fmt: skip
-        asyncio.run(_serve_until_signal(server, backend, settings.model_id))
-        return 0
-    except KeyboardInterrupt:
-        return 130
+        await _serve_until_signal(server, backend, settings.model_id)
     finally:
         if backend is not None:
-            asyncio.run(backend.close())
-        signal.signal(signal.SIGTERM, previous_term)
+            await asyncio.shield(backend.close())
 
 
 async def _serve_until_signal(server: uvicorn.Server, backend: GenerationBackend, model_id: str) -> None:
@@ -138,5 +209,5 @@ async def _serve_until_signal(server: uvicorn.Server, backend: GenerationBackend
         split = describe_split(await backend.status())
         print(f"skippy: ready: http://{host}:{port}/v1 serving {model_id} ({split})", flush=True)
     await task
-    if not server.started and not server.should_exit:
+    if not server.started:
         sys.exit(f"skippy: error: could not start the API on {server.config.host}:{server.config.port}")

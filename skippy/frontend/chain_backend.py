@@ -1,0 +1,157 @@
+"""`ChainBackend`: the GenerationBackend seam over the stage-0 `ChainClient` (driver.py).
+
+Each generation leases a lane, prefills, decodes until a stop id, max_tokens or
+the context end, and Stops, which reaches every stage (a stage ACKs Stop only
+after its downstream did). A consumer that leaves early (stop string, client
+gone, timeout) still gets a Stop sent; if that fails the lane is closed, and each
+stage reclaims a session whose connection ended without Stop (spec §3.3).
+
+Stage state comes from a handshake probe of each stage's endpoint. Active
+sessions on stages 1..N-1 are stage 0's ledger: sessions whose ConfigureGeneration
+every stage ACKed and that are not yet Stopped or abandoned with their lane (the
+wire protocol has no status query). A chain failure is reported as
+`StageUnavailable`, naming the first stage that does not answer the probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from ..protocol import StageReplyStats, Topology
+from ..stage.downstream import LinkBroken, open_connection
+from .backend import (
+    BackendError,
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    PrefillDone,
+    Readiness,
+    StageStatus,
+    StageUnavailable,
+    Token,
+)
+from .chain_session import ChainError, ChainSession
+from .driver import ChainClient
+
+PROBE_TIMEOUT_S = 1.0
+STOP_TIMEOUT_S = 5.0  # an early Stop that takes longer is abandoned: the lane is closed instead
+
+
+class ChainBackend:
+    def __init__(self, client: ChainClient, topology: Topology, *, num_lanes: int,
+                 auth_token: str | None = None, on_close: Callable[[], Awaitable[None]] | None = None):
+        """`num_lanes` must be the client's concurrency; `on_close` stops what started the chain."""
+        self._client, self._topology = client, topology
+        self._num_lanes = num_lanes
+        self._auth_token = auth_token
+        self._on_close = on_close
+        self._num_open = 0  # sessions configured on every stage and not yet stopped or abandoned
+
+    @property
+    def num_lanes(self) -> int:
+        return self._num_lanes
+
+    @property
+    def ctx_size(self) -> int:
+        return self._client.ctx_size
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        client, prompt = self._client, request.prompt_ids
+        try:
+            async with client.session(request.sampling, len(prompt)) as session:
+                self._num_open += 1
+                try:
+                    started = time.perf_counter()
+                    token = await session.prefill(prompt)
+                    first_token_at = time.perf_counter()
+                    yield PrefillDone(len(prompt), 0, (first_token_at - started) * 1e3)
+                    num_generated = 0
+                    while True:
+                        if token in request.stop_ids:
+                            reason = "stop"
+                            break
+                        num_generated += 1
+                        yield Token(token)
+                        if num_generated >= request.max_tokens or session.position + 1 > client.ctx_size:
+                            reason = "length"
+                            break
+                        token = await session.decode(token)
+                    decode_ms = (time.perf_counter() - first_token_at) * 1e3
+                    stats = await session.stop()
+                    yield Finished(reason, num_generated, decode_ms, _timing_extras(stats))
+                finally:
+                    try:
+                        if not session.stopped:
+                            await _stop_quietly(session)
+                    finally:
+                        self._num_open -= 1
+        except (ChainError, LinkBroken) as exc:
+            raise await self._unavailable(exc) from exc
+
+    async def _unavailable(self, exc: Exception) -> BackendError:
+        for stage, is_up in zip(self._topology.stages[1:], await self._probe_all()):
+            if not is_up:
+                where = f"{stage.endpoint}, layers [{stage.layer_start}, {stage.layer_end})"
+                return StageUnavailable(stage.stage_id, f"it does not answer at {where} ({exc})")
+        return BackendError(f"The stage chain failed: {exc}")
+
+    async def _probe_all(self) -> list[bool]:
+        stages = self._topology.stages[1:]
+        return await asyncio.gather(*(probe_stage(s.endpoint, self._auth_token) for s in stages))
+
+    async def status(self) -> list[StageStatus]:
+        first, *rest = self._topology.stages
+        statuses = [StageStatus(first.stage_id, first.layer_start, first.layer_end, first.endpoint, "ready",
+                                len(self._client.runtime.sessions))]  # fmt: skip
+        for stage, is_up in zip(rest, await self._probe_all()):
+            statuses.append(StageStatus(stage.stage_id, stage.layer_start, stage.layer_end, stage.endpoint,
+                                        "ready" if is_up else "down", self._num_open))  # fmt: skip
+        return statuses
+
+    async def ready(self) -> Readiness:
+        for stage, is_up in zip(self._topology.stages[1:], await self._probe_all()):
+            if not is_up:
+                return Readiness(False, stage.stage_id, f"no handshake at {stage.endpoint}")
+        return Readiness(True)
+
+    async def close(self) -> None:
+        if self._on_close is not None:
+            await self._on_close()
+        else:
+            await self._client.close()
+
+
+async def probe_stage(endpoint: str, auth_token: str | None) -> bool:
+    """True when the stage completes a handshake; the connection then closes cleanly, which a
+    stage ends quietly (no sessions to reclaim)."""
+    try:
+        _, writer = await open_connection(endpoint, auth_token=auth_token, timeout_s=PROBE_TIMEOUT_S)
+    except (LinkBroken, OSError, TimeoutError):
+        return False
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return True
+
+
+async def _stop_quietly(session: ChainSession) -> None:
+    """Send Stop for a session the consumer left early. It runs as its own task, so a
+    consumer being cancelled cannot cut it short. If it fails, `session.stopped` stays
+    False: the driver then closes the lane and every stage reclaims the session."""
+    stopping = asyncio.ensure_future(asyncio.wait_for(session.stop(), STOP_TIMEOUT_S))
+    try:
+        await asyncio.shield(stopping)
+    except (asyncio.CancelledError, Exception):
+        pass  # whatever brought us here still propagates
+
+
+def _timing_extras(stats: StageReplyStats) -> dict[str, float]:
+    """Chain figures for the `timings` object: the worst prefill edge and restored tokens."""
+    return {
+        "chain_prefill_edge_max_ms": stats.prefill_edge_total_us_max / 1e3,
+        "chain_kv_imported_tokens": stats.kv_imported_tokens,
+    }
