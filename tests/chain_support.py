@@ -44,7 +44,7 @@ def stage_config(index: int, layers: tuple[int, int], model_path: str, *, downst
 async def start_chain(make_stage, num_stages: int, *, model_path: str = "bundled.gguf",
                       splits: list[tuple[int, int]] | None = None, lane_count: int = 4,
                       stage_options: dict | None = None, record_logits: bool = False,
-                      **client_options) -> Chain:
+                      server_telemetry=None, **client_options) -> Chain:
     """Stages 1..N-1 as in-process servers (started last to first), stage 0 as the client."""
     num_layers = make_stage().args.num_layers
     splits = splits or plan_layer_split(num_layers, num_stages)
@@ -55,7 +55,8 @@ async def start_chain(make_stage, num_stages: int, *, model_path: str = "bundled
                               lane_count=lane_count, **(stage_options or {}))
         runtime = StageRuntime(make_stage(*splits[index]), lane_count=lane_count,
                                record_logits=record_logits and index == num_stages - 1,
-                               name=f"stage{index}")
+                               name=f"stage{index}",
+                               telemetry=server_telemetry(index) if server_telemetry else None)
         server = StageServer(config, runtime)
         await server.start()
         servers.insert(0, server)
