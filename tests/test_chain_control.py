@@ -207,3 +207,23 @@ def test_two_concurrent_sessions_are_independent_and_batched(make_stage):
             await chain.close()
 
     run(main())
+
+
+def test_relay_fallback_and_persistent_lanes(make_stage, greedy):
+    """Without a direct return stream the middle stage relays predictions upstream; Stop
+    resets the session but keeps the lane's connection for the next request."""
+    async def main():
+        chain = await start_chain(make_stage, 3)
+        chain.servers[-1].returns.driver_endpoint = None   # the final stage cannot dial back
+        try:
+            for _ in range(2):
+                result = await chain.client.generate(PROMPT, max_tokens=4)
+                assert result.tokens == greedy[:4]
+            assert chain.client.listener.num_streams == 0       # nothing came back directly
+            assert len(chain.servers[0].connections) == 1       # one lane, reused
+            assert len(chain.servers[1].connections) == 1
+            assert all(len(server.runtime.sessions) == 0 for server in chain.servers)
+        finally:
+            await chain.close()
+
+    run(main())

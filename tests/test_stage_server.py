@@ -15,7 +15,8 @@ import pytest
 
 from chain_support import run, stage_config
 from skippy.protocol import (
-    FrameError, MessageKind, ReplyKind, StageMessage, client_handshake, encode_message,
+    FrameError, MessageKind, ReplyKind, StageMessage, StageReplyStats, client_handshake,
+    encode_message,
     read_reply, write_message,
 )
 from skippy.protocol.constants import MESSAGE_HEADER_FIELDS, header_offset
@@ -218,3 +219,21 @@ def test_sessions_beyond_lane_count_are_refused(make_stage, caplog):
 
     run(main())
     assert "lane_count" in caplog.text
+
+
+def test_prefix_restore_is_a_miss_with_neutral_stats(make_stage):
+    """No prefix cache yet: TryRestorePrefill(Decode) answer an ACK with all-zero stats."""
+    async def main():
+        server = await start_server(make_stage)
+        try:
+            reader, writer = await connect(server)
+            for kind in (MessageKind.TryRestorePrefill, MessageKind.TryRestorePrefillDecode):
+                await write_message(writer, StageMessage(kind, request_id=1, session_id=1,
+                                                         tokens=[1, 2, 3]))
+                reply = await read_reply(reader)
+                assert reply.kind == ReplyKind.Ack and reply.stats == StageReplyStats()
+            assert await predict(reader, writer) >= 0
+        finally:
+            await server.close()
+
+    run(main())

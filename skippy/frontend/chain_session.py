@@ -137,6 +137,7 @@ class ChainSession:
                 self.stats = merge(self.stats, await self._guard("prefill", link.note_deferred()))
         self.timings.prefill_s += time.perf_counter() - started
         if self.is_local:
+            self.timings.first_token_s = time.perf_counter() - started
             return timed.value.tokens[0]
         reply = await self._guard("prefill (first token)", self._prediction())
         self.timings.first_token_s = time.perf_counter() - started

@@ -1,0 +1,125 @@
+"""Decode and prefill throughput of 1, 2 and 3 local stages, and the cost of a decode hop.
+
+    python bench/chain.py [--rounds 5] [--threads 1] [--decode-tokens 64] [--prompt-tokens 512]
+
+Every configuration stays up for the whole run and the rounds interleave them
+(1, 2, 3, 1, 2, 3, ...), so a noisy neighbour hurts all of them alike; figures
+are medians over rounds. Stages 1..N-1 are separate processes with the same
+torch thread count as the one-process run: in single-stream decode only one
+stage computes at a time. A decode token takes N hops with the direct return
+(S0 -> S1 -> ... -> S0), so the end-to-end overhead per hop is
+(ms/token with N stages - ms/token with one) / N. The wire figure is one
+DecodeEmbd frame and its reply over loopback, without any compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle stages must not spin on the cores
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from skippy.frontend.driver import ChainClient  # noqa: E402
+from skippy.frontend.local_chain import LocalChain  # noqa: E402
+from skippy.model.loader import load_stage  # noqa: E402
+from skippy.model.locate import bundled_model_path  # noqa: E402
+from skippy.protocol import (  # noqa: E402
+    MessageKind, StageMessage, StageReply, read_message, read_reply, write_message, write_reply,
+)
+
+GOAL_RATIO = 0.85
+
+
+async def measure(client: ChainClient, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) of one generation."""
+    result = await client.generate(prompt, max_tokens=decode_tokens)
+    timings = result.timings
+    prefill = len(prompt) / timings.first_token_s if timings.first_token_s else float("nan")
+    decode = timings.decode_steps / timings.decode_s
+    return prefill, decode
+
+
+async def wire_hop_us(num_round_trips: int = 2000, width: int = 576) -> float:
+    """Half a loopback round trip of DecodeEmbd + PredictedToken, protocol code only."""
+    async def echo(reader, writer):
+        while await read_message(reader) is not None:
+            await write_reply(writer, StageReply.token(42))
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    row = np.zeros((1, width), dtype=np.float32)
+    msg = StageMessage(MessageKind.DecodeEmbd, pos_start=10, token_count=1, tokens=[42],
+                       current_token=42, source_stage_index=0, activation_rows=1,
+                       activation_width=width, activation=row.data)
+    samples = []
+    for _ in range(num_round_trips):
+        started = time.perf_counter()
+        await write_message(writer, msg)
+        await read_reply(reader)
+        samples.append(time.perf_counter() - started)
+    writer.close()
+    server.close()
+    return statistics.median(samples) / 2 * 1e6
+
+
+async def main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    path = bundled_model_path()
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(100, 40000, size=args.prompt_tokens).tolist()
+    one = ChainClient(load_stage(path, dtype="float32", device="cpu", progress=False),
+                      ctx_size=2048)
+    await one.start()
+    chains = [LocalChain(path, n, threads=args.threads, ctx_size=2048) for n in (2, 3)]
+    clients = {1: one}
+    try:
+        for n, chain in zip((2, 3), chains):
+            clients[n] = await chain.start()
+        for client in clients.values():  # warm-up: first-call allocations, page faults
+            await measure(client, prompt[:64], 8)
+        results: dict[int, list[tuple[float, float]]] = {n: [] for n in clients}
+        for round_index in range(args.rounds):
+            for n, client in clients.items():
+                results[n].append(await measure(client, prompt, args.decode_tokens))
+            print(f"round {round_index + 1}/{args.rounds}: " + "  ".join(
+                f"{n} stage{'s' * (n > 1)} {results[n][-1][1]:.1f} tok/s" for n in clients),
+                flush=True)
+        hop_us = await wire_hop_us()
+    finally:
+        await one.close()
+        for chain in chains:
+            await chain.close()
+
+    decode = {n: statistics.median(r[1] for r in results[n]) for n in results}
+    prefill = {n: statistics.median(r[0] for r in results[n]) for n in results}
+    print(f"\nbundled SmolLM2-135M, torch threads {args.threads} per stage, prompt "
+          f"{args.prompt_tokens} tokens (chunks of 256), {args.decode_tokens} decode tokens, "
+          f"{args.rounds} interleaved rounds (medians)")
+    print(f"{'stages':>6} {'decode tok/s':>13} {'vs 1':>6} {'ms/token':>9} "
+          f"{'prefill tok/s':>14} {'vs 1':>6} {'overhead/hop':>13}")
+    for n in sorted(decode):
+        ms_per_token = 1e3 / decode[n]
+        per_hop = "" if n == 1 else f"{(ms_per_token - 1e3 / decode[1]) / n * 1e3:10.0f} us"
+        print(f"{n:>6} {decode[n]:>13.1f} {decode[n] / decode[1]:>6.2f} {ms_per_token:>9.2f} "
+              f"{prefill[n]:>14.1f} {prefill[n] / prefill[1]:>6.2f} {per_hop:>13}")
+    print(f"wire hop (DecodeEmbd frame + reply over loopback, no compute): {hop_us:.0f} us")
+    ratio = decode[2] / decode[1]
+    verdict = "met" if ratio >= GOAL_RATIO else "NOT met"
+    print(f"goal: 2 stages keep >= {GOAL_RATIO:.0%} of one process's decode tok/s: "
+          f"{ratio:.0%} ({verdict})")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in every stage")
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    asyncio.run(main(parser.parse_args()))
