@@ -74,6 +74,8 @@ def add_stage_commands(commands) -> None:
     stage.add_argument("--topology", default=None, help="topology JSON (for the direct prediction return)")
     stage.add_argument("--threads", type=int, default=None, help="torch threads")
     stage.add_argument("--otlp-endpoint", default=None, help="export spans over OTLP gRPC (needs the exporter)")
+    stage.add_argument("--max-inflight", type=int, default=None, help="async forwarder depth (overrides the config)")
+    stage.add_argument("--reply-credit-limit", type=int, default=None, help="deferred ACKs before a credit wait")
     stage.set_defaults(run=run_stage)
 
     plan = commands.add_parser("plan", help="split the layers over hosts; write stage configs and topology")
@@ -185,6 +187,10 @@ def run_stage(args: argparse.Namespace) -> int:
     from .stage.process import serve_stage
 
     config = StageConfig.load(args.config)
+    overrides = {"max_inflight": args.max_inflight, "reply_credit_limit": args.reply_credit_limit}
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    if overrides:
+        config = StageConfig.model_validate({**config.model_dump(), **overrides})
     topology = Topology.load(args.topology) if args.topology else None
     asyncio.run(serve_stage(config, topology, threads=args.threads, otlp_endpoint=args.otlp_endpoint))
     return 0
