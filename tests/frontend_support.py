@@ -1,11 +1,18 @@
-"""Helpers for the frontend tests: a real uvicorn server on a free loopback port, in a thread."""
+"""Helpers for the frontend tests: uvicorn in a thread on a free loopback port; `skippy serve` as a process."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 
@@ -39,3 +46,72 @@ def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval_s)
+
+
+class ServeProcess:
+    """`skippy serve` as a subprocess on a free port; stderr (stage logs included) goes to a file."""
+
+    READY = re.compile(r"skippy: ready: (http://\S+)/v1 ")
+
+    def __init__(self, args: list[str], log_path, timeout_s: float = 900.0):
+        self.log_path = log_path
+        command = [sys.executable, "-m", "skippy.cli", "--log-level", "INFO", "serve", "--port", "0", *args]
+        self._log = open(log_path, "w")
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.ready_line = self.wait_for_line(self.READY, timeout_s)
+        self.url = self.READY.search(self.ready_line).group(1)
+
+    def _pump(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for_line(self, pattern: re.Pattern, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"no line matching {pattern.pattern!r} within {timeout_s:g} s") from None
+            if line is None:
+                raise RuntimeError(f"skippy serve exited ({self.process.wait()}); see {self.log_path}")
+            if pattern.search(line):
+                return line
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return Path(self.log_path).read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=timeout_s)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+            self._log.close()
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

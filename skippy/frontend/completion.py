@@ -41,6 +41,7 @@ from .schemas import (
 from .streaming import DONE, StopTextStream, sse
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+ABANDON_WAIT_S = 5.0  # how long a consumer that left waits for the backend's next event before cancelling
 
 
 @dataclass(slots=True)
@@ -173,65 +174,94 @@ def _job(ctx, kind, body: GenerationParams, request_id, received_at, prompt_ids,
 
 
 class Generation:
-    """Drive one backend generation: text pieces out; counts, timings and metrics kept."""
+    """Drive one backend generation: text pieces out; counts, timings and metrics kept.
+
+    The backend's event iterator runs in a task of its own (the pump), never in the
+    response's task: a client disconnect cancels the response task (anyio, repeatedly),
+    and a backend's cleanup (Stop down the chain) must not be cut short by that. When
+    the consumer leaves early, the pump stops at the backend's next event and closes
+    the iterator there, so the session ends between steps; a backend that stays silent
+    is cancelled instead.
+    """
 
     def __init__(self, ctx: ServeContext, job: Job):
         self._ctx, self._job = ctx, job
-        self._events = ctx.backend.generate(job.request)
         self._text = StopTextStream(ctx.tokenizer, job.stop)
+        self._events: asyncio.Queue = asyncio.Queue()  # backend events, or the exception that ended it
+        self._pump: asyncio.Task | None = None
         self._pending: PrefillDone | Token | Finished | None = None
         self.prefill = PrefillDone(len(job.request.prompt_ids), 0, 0.0)
         self.finished: Finished | None = None
         self.finish_reason: str | None = None
         self.completion_ids: list[int] = []
+        self._is_abandoned = False
         self._is_failed = False
         self._is_closed = False
         self._first_token_at = self._last_token_at = 0.0
 
     async def start(self) -> None:
         """Wait for the first event, so failures before any output still get their HTTP status."""
+        self._pump = asyncio.create_task(self._run_backend())
         self._pending = await self._next_event()
 
+    async def _run_backend(self) -> None:
+        try:
+            async with aclosing(self._ctx.backend.generate(self._job.request)) as events:
+                async for event in events:
+                    self._events.put_nowait(event)
+                    if self._is_abandoned or isinstance(event, Finished):
+                        return  # aclosing closes the backend's iterator at this event
+            self._events.put_nowait(BackendError("The backend ended the generation without finishing it"))
+        except Exception as exc:
+            self._events.put_nowait(exc)
+
     async def close(self) -> None:
-        """Stop the backend generation if it is still running (frees its session)."""
-        await self._events.aclose()
+        """End the backend generation (freeing its session everywhere) and record metrics."""
+        self._is_abandoned = True
+        pump = self._pump
+        if pump is not None and not pump.done():
+            if self._is_failed:  # silent or broken: do not wait for an event that may never come
+                pump.cancel()
+            done, _ = await asyncio.wait([pump], timeout=ABANDON_WAIT_S)
+            if not done:
+                pump.cancel()
+                await asyncio.wait([pump])
         if not self._is_closed:
             self._is_closed = True
             self._record()
 
     async def pieces(self) -> AsyncIterator[str]:
         """Text safe to send, piece by piece; ends at EOS, max_tokens or a stop string."""
-        async with aclosing(self._events):
-            while self.finish_reason is None:
-                event, self._pending = self._pending or await self._next_event(), None
-                match event:
-                    case PrefillDone():
-                        self.prefill = event
-                    case Token(token_id=token_id):
-                        self._count_token(token_id)
-                        text = self._text.push(token_id)
-                        if text:
-                            yield text
-                        if self._text.is_stopped:
-                            self.finish_reason = "stop"
-                    case Finished():
-                        self.finished, self.finish_reason = event, event.reason
-                        text = self._text.flush()
-                        if text:
-                            yield text
+        while self.finish_reason is None:
+            event, self._pending = self._pending or await self._next_event(), None
+            match event:
+                case PrefillDone():
+                    self.prefill = event
+                case Token(token_id=token_id):
+                    self._count_token(token_id)
+                    text = self._text.push(token_id)
+                    if text:
+                        yield text
+                    if self._text.is_stopped:
+                        self.finish_reason = "stop"
+                case Finished():
+                    self.finished, self.finish_reason = event, event.reason
+                    text = self._text.flush()
+                    if text:
+                        yield text
 
     async def _next_event(self):
         timeout = self._ctx.backend_timeout_s or None
         try:
             async with asyncio.timeout(timeout):
-                return await anext(self._events)
-        except Exception as exc:
+                item = await self._events.get()
+        except TimeoutError:
             self._is_failed = True
-            if isinstance(exc, TimeoutError):
-                raise BackendTimeout(f"The backend produced nothing for {timeout:g} s") from None
-            if isinstance(exc, StopAsyncIteration):
-                raise BackendError("The backend ended the generation without finishing it") from None
-            raise
+            raise BackendTimeout(f"The backend produced nothing for {timeout:g} s") from None
+        if isinstance(item, Exception):
+            self._is_failed = True
+            raise item
+        return item
 
     def _count_token(self, token_id: int) -> None:
         now = time.perf_counter()

@@ -63,7 +63,6 @@ class LocalBackend:
             session = runtime.open_session(key, key[1])
         except LaneLimitError as exc:
             raise BackendError(str(exc)) from exc
-        pending: asyncio.Task | None = None
         try:
             await runtime.configure(key, request.sampling, len(prompt))
             started = time.perf_counter()
@@ -87,18 +86,11 @@ class LocalBackend:
                     yield Token(token)
                     reason = "length"
                     break
-                # Queue the next step before handing this token on, so the model works
-                # while the consumer sends it.
-                step = Step(session, position, 1, [token], sample=SampleMode.LAST)
-                pending = asyncio.ensure_future(runtime.iterate(step))
                 yield Token(token)
-                timed = await pending
-                pending = None
+                timed = await runtime.iterate(Step(session, position, 1, [token], sample=SampleMode.LAST))
                 token, position = timed.value.tokens[0], position + 1
             yield Finished(reason, num_generated, (time.perf_counter() - first_token_at) * 1e3)
         finally:
-            if pending is not None:
-                pending.cancel()
             # Dropping runs on as its own task, so a consumer being cancelled cannot cut it
             # short; the runtime orders it after any step already queued for the session.
             dropping = asyncio.ensure_future(runtime.drop(key))
