@@ -82,7 +82,8 @@ def run_once(model, prompt, arm, options, draft_model, runs: Runs | None) -> Non
 
 
 def results_table(options, arms, results: dict[tuple[str, str], Runs]) -> Table:
-    table = Table(title=f"medians of {options.rounds} rounds, {options.threads} threads, window 1..{options.max_window}")
+    title = f"medians of {options.rounds} rounds, {options.threads} threads, window 1..{options.max_window}"
+    table = Table(title=title)
     columns = ["prompt", "arm", "tokens", "decode tok/s", "min..max", "vs off", "acceptance",
                "accepted/proposed", "windows", "mean accepted", "= off"]  # fmt: skip
     for column in columns:

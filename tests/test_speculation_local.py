@@ -119,6 +119,7 @@ def test_draft_is_the_served_model_accepts_everything(model, tokenizer, prompt_i
 def test_draft_cache_is_trimmed_to_the_committed_history(small_draft_model, prompt_ids):
     prompt = prompt_ids["free"]
     draft = DraftProposer(small_draft_model)
+    assert draft.propose(3) == []  # no history yet
     draft.reset(prompt)
     d1, d2, _ = draft.propose(3)
     assert draft.cache.length == len(prompt) + 2  # the last draft is never fed
@@ -162,7 +163,9 @@ def test_context_limit_matches_token_by_token(model, prompt_ids, tokenizer):
     limits = GenerationLimits(NUM_TOKENS, tokenizer.eog_ids)
     expected = list(generate_tokens(model, prompt, limits, ctx_size=ctx_size))
     oracle = Oracle(len(prompt), expected + [0] * 8)  # would propose past the context
-    out, _ = speculate(model, prompt, oracle, stop_ids=tokenizer.eog_ids, window=AdaptiveWindow(4, 4), ctx_size=ctx_size)
+    out, _ = speculate(
+        model, prompt, oracle, stop_ids=tokenizer.eog_ids, window=AdaptiveWindow(4, 4), ctx_size=ctx_size
+    )
     assert out == expected and len(out) == 7  # the prompt's last row, then one token per free position
 
 

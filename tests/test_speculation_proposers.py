@@ -122,10 +122,8 @@ def brute_force(history, max_tokens, min_ngram, max_ngram, budget, double_match_
     last = len(history) - 1
     best_length, best_end = 0, -1
     for end in range(last):
-        length = max(
-            (n for n in range(1, min(max_ngram, end + 1) + 1) if history[end - n + 1 : end + 1] == history[last - n + 1 :]),
-            default=0,
-        )
+        sizes = range(1, min(max_ngram, end + 1) + 1)
+        length = max((n for n in sizes if history[end - n + 1 : end + 1] == history[last - n + 1 :]), default=0)
         if length >= best_length and length > 0:
             best_length, best_end = length, end
     if best_length < min_ngram or max_tokens <= 0:

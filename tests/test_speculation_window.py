@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from skippy.runtime.speculation import (
@@ -123,3 +126,9 @@ def test_stats_count_windows_tokens_and_widths():
     total += stats
     assert (total.num_windows, total.width_histogram[3], total.acceptance_rate) == (6, 4, 5 / 7)
     assert SpeculationStats().acceptance_rate == 0.0
+
+
+def test_bookkeeping_imports_no_torch():
+    """speculation.py and proposers.py decide; only draft_proposer.py computes (style §5.2)."""
+    code = "import sys, skippy.runtime.speculation; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -68,15 +68,15 @@ class DraftProposer(Proposer, name="draft"):
     @torch.inference_mode()
     def propose(self, max_tokens: int) -> list[int]:
         history = self.history
+        # Each draft but the last is fed back, so n drafts need len(history) + n - 1 positions.
+        max_tokens = min(max_tokens, self.cache.max_tokens - len(history) + 1)
+        if max_tokens <= 0 or not history:
+            return []
         # Feed at least the last history token: its logits give the first draft.
         start = min(self._num_synced, len(history) - 1)
         if start < len(self.cached):
             del self.cached[start:]
             self.cache.truncate(start)
-        # Each draft but the last is fed back, so n drafts need len(history) + n - 1 positions.
-        max_tokens = min(max_tokens, self.cache.max_tokens - len(history) + 1)
-        if max_tokens <= 0 or not history:
-            return []
         drafts: list[int] = []
         ids = history[start:]
         while True:

@@ -23,19 +23,20 @@ from .proposers import Proposer, available_proposers, create_proposer  # noqa: F
 
 
 def accept_window(drafts: Sequence[int], targets: Sequence[int]) -> tuple[int, list[int]]:
-    """(accepted_count, tokens_to_commit) for one verify window.
+    """(accepted_count, tokens_to_commit) for one verify window: drafts d1..dn, targets t0..tn.
 
-    The acceptance rule (exact match, spec §5.3 step 5):
-      # a = the longest prefix where d(i+1) == t(i): the drafts the target agrees with
-      # commit t0..ta: the accepted drafts, then t(a), which is the target's
-      #   correction at the first mismatch or, when every draft matched, a bonus token
     Every committed token is a target sample conditioned on committed tokens only,
     so the output follows the target's distribution for any proposer and any
-    sampler. gpt-fast's q/p rejection sampling accepts more often when sampling,
-    but needs the draft's probabilities, which n-gram proposers do not have.
+    sampler (and greedy output is unchanged). gpt-fast's q/p rejection sampling
+    accepts more often when sampling, but needs the draft's probabilities, which
+    n-gram proposers do not have.
     """
     if len(targets) != len(drafts) + 1:
         raise ValueError(f"Expected {len(drafts) + 1} targets for {len(drafts)} drafts, got {len(targets)}")
+    # The acceptance rule (exact match, spec §5.3 step 5):
+    # a = the longest prefix where d(i+1) == t(i): the drafts the target agrees with
+    # commit t0..ta: the accepted drafts, then t(a), which is the target's correction
+    #   at the first mismatch or, when every draft matched, a bonus token
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
         accepted += 1
