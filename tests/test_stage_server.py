@@ -19,7 +19,7 @@ from skippy.protocol import (
     encode_message,
     read_reply, write_message,
 )
-from skippy.protocol.constants import MESSAGE_HEADER_FIELDS, header_offset
+from skippy.protocol.constants import MESSAGE_HEADER_FIELDS, PROTOCOL_VERSION, header_offset
 from skippy.runtime.engine import StageRuntime
 from skippy.stage.server import StageServer
 
@@ -85,7 +85,7 @@ BAD_FRAMES = [
     ("oversized activation",       _patched(GOOD, "activation_bytes", "Q", 1 << 40),    "activation_bytes"),
     ("phase does not match kind",  _patched(GOOD, "phase", "i", 2),                    "phase"),
     ("unknown kind",               _patched(GOOD, "kind", "i", 99),                    "kind"),
-    ("other protocol version",     _patched(GOOD, "version", "i", 2),                  "version"),
+    ("other protocol version",     _patched(GOOD, "version", "i", PROTOCOL_VERSION + 1), "version"),
     ("negative token count",       _patched(GOOD, "token_count", "i", -1),             "token_count"),
     ("rows disagree with tokens",  _patched(GOOD, "token_count", "i", 2),              "activation"),
     ("return-open on a stage",     encode_message(StageMessage(MessageKind.PredictionReturnOpen)),

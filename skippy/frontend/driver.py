@@ -153,6 +153,9 @@ class ChainClient:
         """Prefill, decode until a stop id, `max_tokens` or the context end, then Stop."""
         if not prompt_ids:
             raise ValueError("Expected a non-empty prompt")
+        if len(prompt_ids) > self.ctx_size:
+            raise ValueError(f"Expected a prompt of at most {self.ctx_size} tokens (the context "
+                             f"size), got {len(prompt_ids)}. Fix: shorten it or raise ctx_size.")
         stop_ids = frozenset(stop_ids)
         tokens: list[int] = []
         async with self.session(sampling, len(prompt_ids)) as session:
