@@ -11,13 +11,14 @@ from hypothesis import strategies as st
 
 from skippy.protocol import (
     ActivationDtype, FrameError, MessageKind, ProtocolError, ReplyKind, SamplingConfig,
-    StageMessage, StageReply, StageReplyStats, VersionMismatch, decode_message, decode_reply,
-    encode_message, encode_message_parts, encode_reply,
+    StageMessage, StageReply, StageReplyStats, VersionMismatch, cache_namespace_digest,
+    decode_message, decode_reply, encode_message, encode_message_parts, encode_reply,
 )
 from skippy.protocol.constants import (
     I32_MAX, I32_MIN, I64_MAX, I64_MIN, KIND_INFO, MAX_ACTIVATION_BYTES, MAX_LOGIT_BIAS_COUNT,
     MAX_METADATA_BYTES, MAX_PREDICTED_COUNT, MAX_SIDEBAND_COUNT, MESSAGE_HEADER,
-    MESSAGE_HEADER_FIELDS, REPLY_HEADER, REPLY_HEADER_FIELDS, U64_MAX, header_offset,
+    MESSAGE_HEADER_FIELDS, NAMESPACE_KINDS, REPLY_HEADER, REPLY_HEADER_FIELDS, U64_MAX,
+    header_offset,
 )
 from skippy.protocol.frames import decode_sampling, encode_sampling, parse_message_header
 
@@ -34,7 +35,7 @@ GOLDEN = [
     # PrefillEmbd: driver prefill chunk: token ids only, no activation (source -1)
     (StageMessage(K.PrefillEmbd, pos_start=0, token_count=3, request_id=7, session_id=11,
                   tokens=[1, 2, 3]),
-     "47534d53 01000000 07000000 00000000"
+     "47534d53 02000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "01000000 00000000 03000000 03000000"
      "00000000 00000000 01000000 00000000"
@@ -47,7 +48,7 @@ GOLDEN = [
                   decode_step=1, current_token=42, source_stage_index=0, prompt_token_count=5,
                   tokens=[42], activation_dtype=ActivationDtype.f16, activation_rows=1,
                   activation_width=2, activation=np.array([[1.0, -2.0]], "<f2").tobytes()),
-     "47534d53 01000000 07000000 00000000"
+     "47534d53 02000000 07000000 00000000"
      "0b000000 00000000 04000000 00000000"
      "02000000 05000000 01000000 01000000"
      "00000000 00000000 02000000 00000000"
@@ -57,7 +58,7 @@ GOLDEN = [
      "2a000000 003c00c0"),
     # Stop: end of session: header only
     (StageMessage(K.Stop, request_id=7, session_id=11),
-     "47534d53 01000000 07000000 00000000"
+     "47534d53 02000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "03000000 00000000 00000000 00000000"
      "00000000 00000000 02000000 00000000"
@@ -70,7 +71,7 @@ GOLDEN = [
                   source_stage_index=0, tokens=[4, 5], positions=[3, 4],
                   activation_dtype=ActivationDtype.bf16, activation_rows=2, activation_width=1,
                   activation=bytes.fromhex("803f0040")),
-     "47534d53 01000000 07000000 00000000"
+     "47534d53 02000000 07000000 00000000"
      "0b000000 00000000 04000000 00000000"
      "04000000 03000000 02000000 02000000"
      "02000000 00000000 01000000 01000000"
@@ -84,7 +85,7 @@ GOLDEN = [
                   sampling=SamplingConfig(temperature=0.5, top_k=40, logit_bias={50: -100.0},
                                           seed=1234),
                   chat_metadata=b'{"tools":[]}'),
-     "47534d53 01000000 07000000 00000000"
+     "47534d53 02000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "0e000000 00000000 00000000 00000000"
      "00000000 00000000 01000000 28000000"
@@ -97,22 +98,25 @@ GOLDEN = [
      "d2040000 00000000 28000000 40000000"
      "01000000 01000000 32000000 00000000"
      "000059c0 7b22746f 6f6c7322 3a5b5d7d"),
-    # TryRestorePrefill: prefix to restore as the token sideband, no activation
+    # TryRestorePrefill: prefix to restore as the token sideband, no activation; the
+    # CACHE_NAMESPACE flag (bit 16) and its 32-byte digest of prompt_cache_key "tenant-a"
     (StageMessage(K.TryRestorePrefill, token_count=4, request_id=7, session_id=11,
-                  tokens=[1, 2, 3, 4]),
-     "47534d53 01000000 07000000 00000000"
+                  tokens=[1, 2, 3, 4], cache_namespace=cache_namespace_digest("tenant-a")),
+     "47534d53 02000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "11000000 00000000 04000000 04000000"
-     "00000000 00000000 01000000 00000000"
+     "00000000 00000000 01000000 00000100"
      "00000000 00000000 00000000 00000000"
      "ffffffff 00000000 00000000 00000000"
      "00000000 00000000",
-     "01000000 02000000 03000000 04000000"),
+     "01000000 02000000 03000000 04000000"
+     "974e833d 722c28ff dc4f723b 17c98fcd"
+     "a56c56ea 0bca3324 352d1307 44939276"),
     # TryRestorePrefillDecode: prefix + current token, default sampling block without seed
     (StageMessage(K.TryRestorePrefillDecode, pos_start=3, token_count=1, request_id=7,
                   session_id=11, current_token=9, prompt_token_count=3, tokens=[1, 2, 3, 9],
                   sampling=SamplingConfig()),
-     "47534d53 01000000 07000000 00000000"
+     "47534d53 02000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "12000000 03000000 01000000 04000000"
      "00000000 00000000 01000000 08000000"
@@ -127,7 +131,7 @@ GOLDEN = [
      "00000000 00000000"),
     # TrimSession: truncate to token_count=12
     (StageMessage(K.TrimSession, token_count=12, request_id=7, session_id=11),
-     "47534d53 01000000 07000000 00000000"
+     "47534d53 02000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "13000000 00000000 0c000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -137,7 +141,7 @@ GOLDEN = [
      ""),
     # PredictionReturnOpen: first frame of a prediction-return stream
     (StageMessage(K.PredictionReturnOpen, request_id=7, session_id=11),
-     "47534d53 01000000 07000000 00000000"
+     "47534d53 02000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "14000000 00000000 00000000 00000000"
      "00000000 00000000 02000000 00000000"
@@ -150,7 +154,7 @@ GOLDEN = [
                   seq_id=5, decode_step=2, prompt_token_count=5, source_stage_index=0,
                   tokens=[9, 10, 11], activation_rows=3, activation_width=1,
                   activation=np.array([0.5, 1.5, -1.0], "<f4").tobytes()),
-     "47534d53 01000000 07000000 00000000"
+     "47534d53 02000000 07000000 00000000"
      "0b000000 00000000 0c000000 00000000"
      "15000000 08000000 03000000 03000000"
      "00000000 05000000 02000000 00000000"
@@ -161,7 +165,7 @@ GOLDEN = [
      "0000c03f 000080bf"),
     # RetireVerifyWindow: release verify checkpoints [8, 11)
     (StageMessage(K.RetireVerifyWindow, pos_start=8, token_count=3, request_id=7, session_id=11),
-     "47534d53 01000000 07000000 00000000"
+     "47534d53 02000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "16000000 08000000 03000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -171,7 +175,7 @@ GOLDEN = [
      ""),
     # DiscardStaleWindows: skip windows 2..4
     (StageMessage(K.DiscardStaleWindows, request_id=7, session_id=11, tokens=[2, 4]),
-     "47534d53 01000000 07000000 00000000"
+     "47534d53 02000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "17000000 00000000 00000000 02000000"
      "00000000 00000000 02000000 00000000"
@@ -205,7 +209,7 @@ def test_header_layout_matches_the_documented_offsets():
                        decode_step=7, current_token=-1, source_stage_index=1, tokens=[5, 6],
                        activation_rows=2, activation_width=1,
                        activation=np.array([1.0, 2.0], "<f4").tobytes())
-    expected = (struct.pack("<I", 0x534D5347) + struct.pack("<i", 1)
+    expected = (struct.pack("<I", 0x534D5347) + struct.pack("<i", 2)
                 + struct.pack("<QQQ", 2**64 - 1, 3, 8)
                 + struct.pack("<5i", 21, 8, 2, 2, 0)
                 + struct.pack("<iiI", 9, 2, 0)
@@ -241,7 +245,16 @@ def test_derived_phase_and_flags():
     assert final.phase.name == "Prefill"
     assert final.flags == 0b101001  # FINAL_CHUNK | SAMPLING | CHAT_METADATA
     assert StageMessage(K.DecodeEmbd).flags == 0
-    assert StageMessage(K.Stop).version == 1
+    assert StageMessage(K.Stop).version == 2
+    restore = StageMessage(K.TryRestorePrefill, cache_namespace=bytes(32))
+    assert restore.flags == 1 << 16  # CACHE_NAMESPACE
+
+
+def test_cache_namespace_digest():
+    assert cache_namespace_digest(None) is None
+    digest = cache_namespace_digest("a")
+    assert len(digest) == 32 and digest == cache_namespace_digest("a")
+    assert digest != cache_namespace_digest("b") and digest != cache_namespace_digest("")
 
 
 # ---------------------------------------------------------------------------
@@ -281,6 +294,8 @@ def messages(draw, kinds=st.sampled_from(list(MessageKind))):
         sampling=draw(st.none() | samplings),
         chat_metadata=draw(st.none() | st.binary(max_size=48)),
     )
+    if kind in NAMESPACE_KINDS:
+        fields["cache_namespace"] = draw(st.none() | st.binary(min_size=32, max_size=32))
     if KIND_INFO[kind].has_activation and draw(st.booleans()):
         dtype = draw(st.sampled_from(list(ActivationDtype)))
         rows, width = draw(st.integers(0, 5)), draw(st.integers(0, 7))
@@ -326,7 +341,7 @@ HEADER_CASES = [
     # wrong frame magic (e.g. a reply read as a message)
     (DECODE_PREFILL, "magic", 0x53525059, FrameError, "magic"),
     # a peer of another protocol version fails closed
-    (DECODE_PREFILL, "version", 2, VersionMismatch, "version: expected 1, got 2"),
+    (DECODE_PREFILL, "version", 3, VersionMismatch, "version: expected 2, got 3"),
     # negative counts
     (DECODE_PREFILL, "token_count", -1, FrameError, "token_count: expected >= 0"),
     (DECODE_PREFILL, "pos_start", -5, FrameError, "pos_start"),
@@ -351,6 +366,8 @@ HEADER_CASES = [
     # an unknown flag bit (spec LIGHT_CONTEXT)
     (DECODE_PREFILL, "flags", 1 << 1, FrameError, "flags"),
     (DECODE_PREFILL, "flags", 1 << 31, FrameError, "flags"),
+    # the namespace section only on ConfigureGeneration and the TryRestore kinds
+    (DECODE_PREFILL, "flags", 1 << 16, FrameError, "CACHE_NAMESPACE"),
     # SAMPLING flag without a sampling block
     (DECODE_PREFILL, "flags", 1 << 3, FrameError, "sampling_bytes"),
     # sampling bytes without the SAMPLING flag
@@ -395,6 +412,8 @@ BODY_CASES = [
     ("body cut short", DECODE_PREFILL, lambda w: w[:-1], "truncated"),
     ("one trailing byte", DECODE_PREFILL, lambda w: w + b"\0", "trailing"),
     ("a second frame glued on", DECODE_PREFILL, lambda w: w + w, "trailing"),
+    ("namespace digest cut short", StageMessage(K.ConfigureGeneration, cache_namespace=bytes(32)),
+     lambda w: w[:-1], "truncated"),
     ("DiscardStaleWindows with min > max",
      StageMessage(K.DiscardStaleWindows, tokens=[1, 2]),
      lambda w: w[:-8] + struct.pack("<2i", 5, 4), "min <= max"),
@@ -459,6 +478,8 @@ ENCODE_CASES = [
                   activation=bytes(4)), "activation"),                   # kind carries none
     (StageMessage(K.DiscardStaleWindows, tokens=[1]), "token_sideband_count"),
     (StageMessage(K.DiscardStaleWindows, tokens=[3, 1]), "min <= max"),
+    (StageMessage(K.Stop, cache_namespace=bytes(32)), "CACHE_NAMESPACE"),  # wrong kind
+    (StageMessage(K.TryRestorePrefill, cache_namespace=bytes(31)), "cache_namespace"),
     (StageMessage(K.ConfigureGeneration, sampling=SamplingConfig(seed=1 << 64)), "seed"),
     (StageMessage(K.ConfigureGeneration, sampling=SamplingConfig(
         logit_bias={i: 0.0 for i in range(MAX_LOGIT_BIAS_COUNT + 1)})), "logit_bias"),
@@ -559,7 +580,7 @@ def test_reply_round_trips(reply):
 def test_reply_golden_bytes():
     wire = encode_reply(StageReply.window([5, 6], 3, StageReplyStats(kv_lookup_hits=1)))
     assert wire[:REPLY_HEADER.size] == unhex(
-        "59505253 01000000 03000000 05000000"   # magic "SRPY", version 1, PredictedTokens, 5
+        "59505253 02000000 03000000 05000000"   # magic "SRPY", version 2, PredictedTokens, 5
         "03000000 02000000 00000000 00000000"   # window 3, 2 predictions, no draft, 0 draft
         "00000000 00000000")                    # draft_compute_us
     assert wire[REPLY_HEADER.size:REPLY_HEADER.size + 8] == unhex("01000000 00000000")

@@ -14,8 +14,8 @@ from .constants import (
 )
 from .errors import AuthError, FrameError, ProtocolError, VersionMismatch
 from .frames import (
-    StageMessage, StageReply, decode_message, decode_reply, encode_message,
-    encode_message_parts, encode_reply,
+    StageMessage, StageReply, cache_namespace_digest, decode_message, decode_reply,
+    encode_message, encode_message_parts, encode_reply,
 )
 from .handshake import AuthPreamble, Ready
 from .sampling_config import SamplingConfig
@@ -31,7 +31,8 @@ __all__ = [
     "ActivationDtype", "AuthError", "AuthPreamble", "FrameError", "KIND_INFO", "KvCacheConfig",
     "MessageKind", "PROTOCOL_VERSION", "PeerEndpoint", "Phase", "ProtocolError", "Ready",
     "ReplyKind", "SamplingConfig", "StageConfig", "StageMessage", "StageReply", "StageReplyStats",
-    "StateFlags", "Topology", "TopologyStage", "VersionMismatch", "client_handshake",
+    "StateFlags", "Topology", "TopologyStage", "VersionMismatch", "cache_namespace_digest",
+    "client_handshake",
     "decode_message", "decode_reply", "encode_message", "encode_message_parts", "encode_reply",
     "expects_reply", "is_control", "is_generation_control", "is_prefix_cache_control",
     "is_session_control", "merge", "merge_all", "parse_endpoint", "plan_layer_split",

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 # Version of this Python wire format. Frames, replies and READY carry it; any other
 # value fails closed (spec §2.11): peers must upgrade together.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2   # 2: the CACHE_NAMESPACE section (prefix-cache namespaces)
 
 # Magics are u32 written little-endian; the ASCII spelling is the value read
 # most-significant byte first, as the spec writes READY's 0x53524459 ("SRDY").
@@ -66,10 +66,12 @@ class StateFlags(IntFlag):
     FINAL_CHUNK   = 1 << 0  # set iff kind is PrefillFinalEmbd
     SAMPLING      = 1 << 3  # a sampling block follows
     CHAT_METADATA = 1 << 5  # chat-sampling metadata follows (spec: CHAT_SAMPLING_METADATA)
+    CACHE_NAMESPACE = 1 << 16  # ours: a 32-byte prefix-cache namespace digest follows
 
 
 # Masks are compared as plain ints: `~` on an IntFlag only complements within the known bits.
-KNOWN_STATE_FLAGS = StateFlags.FINAL_CHUNK | StateFlags.SAMPLING | StateFlags.CHAT_METADATA
+KNOWN_STATE_FLAGS = (StateFlags.FINAL_CHUNK | StateFlags.SAMPLING | StateFlags.CHAT_METADATA
+                     | StateFlags.CACHE_NAMESPACE)
 
 
 class SamplingFlags(IntFlag):
@@ -113,6 +115,7 @@ MAX_METADATA_BYTES     = 8 * MiB    # chat-sampling metadata                    
 MAX_LOGIT_BIAS_COUNT   = 256        # logit-bias entries in a sampling block      (§2.3)
 MAX_PREDICTED_COUNT    = 262_144    # predicted tokens in one reply               (§2.5)
 MAX_DRAFT_COUNT        = 262_144    # native MTP draft tokens in one reply        (§2.5 row 5)
+NAMESPACE_BYTES        = 32         # prefix-cache namespace digest (ours, §4.2 item 7)
 MIN_AUTH_TOKEN_BYTES   = 1          # auth preamble token length                  (§2.1)
 MAX_AUTH_TOKEN_BYTES   = 64         #                                             (§2.1)
 
@@ -243,6 +246,9 @@ _SESSION_CONTROL_KINDS = frozenset({MessageKind.TrimSession})
 _PREFIX_CACHE_CONTROL_KINDS = frozenset({MessageKind.TryRestorePrefill,
                                          MessageKind.TryRestorePrefillDecode})
 _GENERATION_CONTROL_KINDS = frozenset({MessageKind.ConfigureGeneration})
+# Kinds that may carry a CACHE_NAMESPACE section: where a session learns its namespace.
+NAMESPACE_KINDS = frozenset({MessageKind.ConfigureGeneration, MessageKind.TryRestorePrefill,
+                             MessageKind.TryRestorePrefillDecode})
 
 
 def requires_predicted_reply(kind: MessageKind) -> bool:

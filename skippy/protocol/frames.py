@@ -8,6 +8,7 @@ copies: keep the buffer alive (a view does) and do not mutate it while in use.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 from collections import namedtuple
@@ -20,9 +21,9 @@ from .constants import (
     ACTIVATION_ITEMSIZE, ACTIVATION_NUMPY_DTYPE, I32_MAX, I32_MIN, KIND_INFO, KNOWN_STATE_FLAGS,
     LOGIT_BIAS_ENTRY, MAX_ACTIVATION_BYTES, MAX_DRAFT_COUNT, MAX_LOGIT_BIAS_COUNT,
     MAX_METADATA_BYTES, MAX_PREDICTED_COUNT, MAX_SAMPLING_BYTES, MAX_SIDEBAND_COUNT,
-    MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, MESSAGE_MAGIC, PROTOCOL_VERSION, REPLY_HEADER,
-    REPLY_HEADER_FIELDS, REPLY_MAGIC, SAMPLING_BLOCK, STATS_BLOCK, ActivationDtype, MessageKind,
-    Phase, ReplyKind, SamplingFlags, StateFlags,
+    MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, MESSAGE_MAGIC, NAMESPACE_BYTES, NAMESPACE_KINDS,
+    PROTOCOL_VERSION, REPLY_HEADER, REPLY_HEADER_FIELDS, REPLY_MAGIC, SAMPLING_BLOCK, STATS_BLOCK,
+    ActivationDtype, MessageKind, Phase, ReplyKind, SamplingFlags, StateFlags,
 )
 from .errors import FrameError, VersionMismatch
 from .sampling_config import SamplingConfig
@@ -30,6 +31,19 @@ from .stats import StageReplyStats, decode_stats, encode_stats
 
 _I32 = np.dtype("<i4")
 Buffer = bytes | bytearray | memoryview
+
+
+NAMESPACE_DOMAIN = b"openai-cache-namespace-v1\0"
+
+
+def cache_namespace_digest(prompt_cache_key: str | None) -> bytes | None:
+    """The wire form of a client's `prompt_cache_key`: blake2b-256 of a domain tag and the
+    key's UTF-8 bytes (None stays None: the shared default namespace). Every stage hashes
+    the same digest into its prefix-cache keys, and no stage ever sees the key itself."""
+    if prompt_cache_key is None:
+        return None
+    return hashlib.blake2b(NAMESPACE_DOMAIN + prompt_cache_key.encode("utf-8"),
+                           digest_size=NAMESPACE_BYTES).digest()
 
 
 def _empty_i32() -> np.ndarray:
@@ -79,6 +93,7 @@ class StageMessage:
     source_stage_index: int = -1     # -1: sent by the driver
     sampling: SamplingConfig | None = None
     chat_metadata: bytes | None = None   # opaque UTF-8 JSON for the final stage's sampler
+    cache_namespace: bytes | None = None  # 32-byte prefix-cache namespace digest (NAMESPACE_KINDS)
     tokens: np.ndarray = field(default_factory=_empty_i32)
     positions: np.ndarray = field(default_factory=_empty_i32)
     activation_dtype: ActivationDtype = ActivationDtype.f32
@@ -95,6 +110,8 @@ class StageMessage:
         set_(self, "activation", _byte_view(self.activation))
         if self.chat_metadata is not None and not isinstance(self.chat_metadata, bytes):
             set_(self, "chat_metadata", bytes(self.chat_metadata))
+        if self.cache_namespace is not None and not isinstance(self.cache_namespace, bytes):
+            set_(self, "cache_namespace", bytes(self.cache_namespace))
 
     @property
     def version(self) -> int:
@@ -113,6 +130,8 @@ class StageMessage:
             flags |= StateFlags.SAMPLING
         if self.chat_metadata is not None:
             flags |= StateFlags.CHAT_METADATA
+        if self.cache_namespace is not None:
+            flags |= StateFlags.CACHE_NAMESPACE
         return flags
 
     @property
@@ -148,7 +167,8 @@ class MessageHeader(namedtuple("MessageHeader", [f.name for f in MESSAGE_HEADER_
     @property
     def body_bytes(self) -> int:
         return (4 * (self.token_sideband_count + self.position_sideband_count)
-                + self.activation_bytes + self.sampling_bytes + self.metadata_bytes)
+                + self.activation_bytes + self.sampling_bytes + self.metadata_bytes
+                + (NAMESPACE_BYTES if self.flags & _NAMESPACE else 0))
 
 
 # ---------------------------------------------------------------------------
@@ -158,8 +178,9 @@ _KIND_CODES = frozenset(MessageKind)
 _REPLY_KIND_CODES = frozenset(ReplyKind)
 _DTYPE_CODES = frozenset(ActivationDtype)
 # Plain ints: IntFlag arithmetic is slow, and `~` on an IntFlag keeps only known bits.
-_FINAL, _SAMPLING, _METADATA = (int(StateFlags.FINAL_CHUNK), int(StateFlags.SAMPLING),
-                                int(StateFlags.CHAT_METADATA))
+_FINAL, _SAMPLING, _METADATA, _NAMESPACE = (
+    int(StateFlags.FINAL_CHUNK), int(StateFlags.SAMPLING), int(StateFlags.CHAT_METADATA),
+    int(StateFlags.CACHE_NAMESPACE))
 _UNKNOWN_FLAGS = ~int(KNOWN_STATE_FLAGS)
 _COUNT_FIELDS = ("pos_start", "token_count", "prompt_token_count", "activation_rows",
                  "activation_width")
@@ -210,6 +231,9 @@ def check_message_header(h: MessageHeader) -> None:
     if is_final != want_final:
         _fail("flags.FINAL_CHUNK", f"{'set' if want_final else 'clear'} for {kind.name}",
               "set" if is_final else "clear")
+    if h.flags & _NAMESPACE and kind not in NAMESPACE_KINDS:
+        _fail("flags.CACHE_NAMESPACE", "clear for " + kind.name + " (only "
+              + ", ".join(k.name for k in sorted(NAMESPACE_KINDS)) + ")", "set")
     if h.activation_dtype not in _DTYPE_CODES:
         _fail("activation_dtype", f"one of {[int(d) for d in ActivationDtype]}", h.activation_dtype)
     if not info.has_activation:
@@ -334,6 +358,9 @@ def encode_message_parts(msg: StageMessage) -> list[bytes | memoryview]:
     """Header, then the non-empty body sections, without copying the activation."""
     sampling = encode_sampling(msg.sampling) if msg.sampling is not None else b""
     metadata = msg.chat_metadata if msg.chat_metadata is not None else b""
+    namespace = msg.cache_namespace if msg.cache_namespace is not None else b""
+    if msg.cache_namespace is not None and len(namespace) != NAMESPACE_BYTES:
+        _fail("cache_namespace", f"{NAMESPACE_BYTES} bytes", len(namespace))
     values = (MESSAGE_MAGIC, PROTOCOL_VERSION, msg.request_id, msg.session_id,
               msg.activation.nbytes, int(msg.kind), msg.pos_start, msg.token_count,
               len(msg.tokens), len(msg.positions), msg.seq_id, int(msg.phase), int(msg.flags),
@@ -347,7 +374,7 @@ def encode_message_parts(msg: StageMessage) -> list[bytes | memoryview]:
     # Fixed-stride arrays first, so they stay 4-byte aligned for zero-copy views.
     sections = (header, memoryview(np.ascontiguousarray(msg.tokens)).cast("B"),
                 memoryview(np.ascontiguousarray(msg.positions)).cast("B"), msg.activation,
-                sampling, metadata)
+                sampling, metadata, namespace)
     return [section for section in sections if len(section)]
 
 
@@ -380,6 +407,7 @@ def decode_message_body(header: MessageHeader, body: Buffer) -> StageMessage:
     sampling = decode_sampling(sampling_view) if header.flags & _SAMPLING else None
     metadata_view = take(header.metadata_bytes)
     metadata = bytes(metadata_view) if header.flags & _METADATA else None
+    namespace = bytes(take(NAMESPACE_BYTES)) if header.flags & _NAMESPACE else None
     if header.kind == MessageKind.DiscardStaleWindows:
         _check_discard_range(tokens)
     if len(view) != offset:
@@ -391,7 +419,8 @@ def decode_message_body(header: MessageHeader, body: Buffer) -> StageMessage:
         checkpoint_generation=header.checkpoint_generation,
         prompt_token_count=header.prompt_token_count, decode_step=header.decode_step,
         current_token=header.current_token, source_stage_index=header.source_stage_index,
-        sampling=sampling, chat_metadata=metadata, tokens=tokens, positions=positions,
+        sampling=sampling, chat_metadata=metadata, cache_namespace=namespace, tokens=tokens,
+        positions=positions,
         activation_dtype=ActivationDtype(header.activation_dtype),
         activation_rows=header.activation_rows, activation_width=header.activation_width,
         activation=activation)
