@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..protocol import (
     ActivationDtype, MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply,
-    StageReplyStats, merge, prefill_compute_observation,
+    StageReplyStats, merge, prefill_compute_observation, stage_mask,
 )
 from ..runtime import SampleMode, Step
+from ..runtime.prefix_identity import cacheable_prefix_length
 from ..stage.downstream import LinkBroken
 
 if TYPE_CHECKING:
     from .driver import ChainClient, Lane
+
+log = logging.getLogger("skippy.driver")
 
 
 class ChainError(RuntimeError):
@@ -36,11 +40,16 @@ class SessionTimings:
     first_token_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
+    restored_tokens: int = 0      # prompt tokens restored from the chain's prefix caches
+    prefilled_tokens: int = 0     # prompt tokens computed (the suffix after a restore)
+    restore_s: float = 0.0        # the restore attempt, hit or not
+    restore_decision: str = ""    # chain_restore_hit, stage0_miss, downstream_miss_rollback...
 
 
 class ChainSession:
     def __init__(self, client: ChainClient, lane: Lane | None, request_id: int, session_id: int,
-                 sampling: SamplingConfig, prompt_token_count: int):
+                 sampling: SamplingConfig, prompt_token_count: int,
+                 cache_namespace: bytes | None = None):
         self.client, self.lane = client, lane
         self.request_id, self.session_id = request_id, session_id
         self.sampling = sampling
@@ -55,6 +64,7 @@ class ChainSession:
         self.stopped = False
         self.waiter: asyncio.Queue = asyncio.Queue()
         self.session = client.runtime.open_session(self.key, request_id)
+        self.session.cache_namespace = self.cache_namespace = cache_namespace
         self.out_dtype = ActivationDtype[client.activation_dtype]
 
     @property
@@ -94,11 +104,14 @@ class ChainSession:
             item = await asyncio.wait_for(self.waiter.get(), max(0.0, deadline - time.monotonic()))
             if isinstance(item, BaseException):
                 raise item
-            if window_id is None or (item.kind == ReplyKind.PredictedTokens
-                                     and item.window_id == window_id):
+            if window_id is None:
+                wanted = item.kind == ReplyKind.PredictedToken
+            else:
+                wanted = item.kind == ReplyKind.PredictedTokens and item.window_id == window_id
+            if wanted:
                 self.stats = merge(self.stats, item.stats)
                 return item
-            # else: the answer to a window that was discarded as stale; ignore it
+            # else: a late answer to a window that was discarded as stale; ignore it
 
     # -- the request's messages -------------------------------------------------------------
     async def configure(self) -> None:
@@ -106,13 +119,20 @@ class ChainSession:
         await runtime.configure(self.key, self.sampling, self.prompt_token_count)
         if not self.is_local:
             await self._guard("ConfigureGeneration", self._control(self._message(
-                MessageKind.ConfigureGeneration, sampling=self.sampling)))
+                MessageKind.ConfigureGeneration, sampling=self.sampling,
+                cache_namespace=self.cache_namespace)))
 
     async def prefill(self, tokens: Sequence[int]) -> int:
-        """Prefill `tokens` at the current position, in chunks; returns the first prediction."""
+        """Prefill `tokens` at the current position, in chunks; returns the first prediction.
+        A prompt (position 0) first tries a chain restore of its longest cached prefix and
+        then prefills only the rest."""
         started = time.perf_counter()
-        sizes = self.client.chunk_policy.chunk_sizes(len(tokens))
         runtime, link = self.client.runtime, None if self.is_local else self.lane.link
+        if self.position == 0 and runtime.prefix_cache is not None:
+            restored = await self._restore(tokens)
+            tokens = tokens[restored:]
+        self.timings.prefilled_tokens += len(tokens)
+        sizes = self.client.chunk_policy.chunk_sizes(len(tokens))
         offset = 0
         for index, size in enumerate(sizes):
             chunk = list(tokens[offset:offset + size])
@@ -132,16 +152,71 @@ class ChainSession:
                                                 tokens=chunk), timed.value.rows)
             if is_last:
                 await self._guard("prefill", self._send_predicting(msg))
+                # recorded on the worker while the stages below compute (spec §4.3)
+                recording = runtime.record_prefix(self.key)
             else:
                 await self._guard("prefill", link.forward_async(msg))
                 self.stats = merge(self.stats, await self._guard("prefill", link.note_deferred()))
         self.timings.prefill_s += time.perf_counter() - started
         if self.is_local:
             self.timings.first_token_s = time.perf_counter() - started
+            await self._record(runtime.record_prefix(self.key))
             return timed.value.tokens[0]
         reply = await self._guard("prefill (first token)", self._prediction())
         self.timings.first_token_s = time.perf_counter() - started
+        await self._record(recording)
         return reply.predicted
+
+    async def _restore(self, tokens: Sequence[int]) -> int:
+        """The chain restore (spec §4.4): restore stage 0's longest cached prefix of the
+        prompt's cacheable part, then ask the stages below for exactly that prefix. Keep it
+        only if every stage hit; otherwise drop it (each stage below that hit has already
+        rolled back) and return 0 for a cold prefill. Returns the restored length."""
+        runtime, started = self.client.runtime, time.perf_counter()
+        cacheable = list(tokens[:cacheable_prefix_length(len(tokens))])
+        with self.client.telemetry.span("stage0.prefix_restore",
+                                        prompt_tokens=len(tokens)) as span:
+            try:
+                restored = (await runtime.restore_prefix(self.key, cacheable, longest=True)).value
+            except Exception as error:  # noqa: BLE001 - a failed restore is a cold prefill
+                log.warning("stage 0: prefix restore failed: %s", error)
+                restored, decision = 0, "stage0_error"
+                self.stats = merge(self.stats, StageReplyStats(kv_lookup_errors=1))
+            else:
+                decision = "chain_restore_hit" if restored else "stage0_miss"
+                self.stats = merge(self.stats, StageReplyStats(
+                    kv_lookup_hits=1, kv_imported_pages=1, kv_imported_tokens=restored,
+                    kv_hit_stage_mask=stage_mask(0)) if restored
+                    else StageReplyStats(kv_lookup_misses=1))
+            if restored and not self.is_local:
+                msg = self._message(MessageKind.TryRestorePrefill, token_count=restored,
+                                    tokens=cacheable[:restored],
+                                    cache_namespace=self.cache_namespace)
+                down = (await self._guard("TryRestorePrefill", self._control(msg))).stats
+                if down.kv_lookup_misses or down.kv_lookup_errors or not down.kv_lookup_hits:
+                    if not (down.kv_lookup_hits or down.kv_lookup_misses or down.kv_lookup_errors):
+                        self.stats = merge(self.stats, StageReplyStats(kv_lookup_misses=1))
+                    await runtime.rollback_prefix(self.key)
+                    restored, decision = 0, "downstream_miss_rollback"
+            self.position = restored
+            self.timings.restored_tokens = restored
+            self.timings.restore_s = time.perf_counter() - started
+            self.timings.restore_decision = decision
+            span.set("kv_decision", decision)
+            span.set("kv_restored_tokens", restored)
+            span.set("kv_suffix_tokens", len(tokens) - restored)
+            span.set("kv_hit_stage_mask", self.stats.kv_hit_stage_mask)
+            span.set("restore_ms", self.timings.restore_s * 1e3)
+        self.client.telemetry.count(f"stage0.kv_restore.{decision}")
+        return restored
+
+    async def _record(self, recording) -> None:
+        """Wait for a record submitted to the worker and count it in the request's stats."""
+        recorded = (await recording).value
+        if recorded.num_entries:
+            self.stats = merge(self.stats, StageReplyStats(
+                kv_recorded_pages=recorded.num_entries, kv_recorded_bytes=recorded.num_bytes,
+                kv_record_stage_mask=stage_mask(0)))
 
     async def _send_predicting(self, msg: StageMessage) -> None:
         link = self.lane.link
@@ -226,6 +301,8 @@ class ChainSession:
 
     async def stop(self) -> StageReplyStats:
         """End the session on every stage; returns the request's merged stats."""
+        if self.key in self.client.runtime.sessions:  # the full-prefill record (spec §4.3)
+            await self._record(self.client.runtime.record_prefix(self.key))
         if not self.is_local:
             reply = await self._guard("Stop", self._control(self._message(MessageKind.Stop)))
             self.stop_ack_stats = reply.stats

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("skippy.stage")
 
-INBOX_MESSAGES = 128   # read-ahead depth (spec §2.9: 2 x 64 messages)
+INBOX_MESSAGES = 128          # read-ahead depth (spec §2.9: 2 x 64 messages) ...
+INBOX_BYTES = 32 * 1024 * 1024  # ... and wire bytes; past either, reading waits
 
 
 @dataclass(slots=True)
@@ -57,6 +58,8 @@ class StageConnection:
         self.out_dtype = ActivationDtype[self.config.activation_dtype]
         self.summaries: dict[int, RequestSummary] = {}
         self.inbox: asyncio.Queue = asyncio.Queue(INBOX_MESSAGES)
+        self.inbox_bytes = 0
+        self._inbox_drained = asyncio.Event()
         self.close_reason: str | None = None
 
     @property
@@ -134,6 +137,8 @@ class StageConnection:
             while (msg := await self.inbox.get()) is not None:
                 if isinstance(msg, BaseException):
                     raise msg
+                self.inbox_bytes -= msg.activation.nbytes
+                self._inbox_drained.set()
                 with self.telemetry.span("stage.binary_message", kind=msg.kind.name,
                                          stage_index=self.config.stage_index,
                                          bytes_in=msg.activation.nbytes) as span:
@@ -157,6 +162,10 @@ class StageConnection:
                     await self.reply(StageReply.ack())  # early ACK, before compute (spec §2.6)
                 elif msg.kind == MessageKind.DiscardStaleWindows:
                     self._record_discard(msg)
+                while self.inbox_bytes > INBOX_BYTES and not self.inbox.empty():
+                    self._inbox_drained.clear()
+                    await self._inbox_drained.wait()
+                self.inbox_bytes += msg.activation.nbytes
                 await self.inbox.put(msg)
             await self.inbox.put(None)
         except (ProtocolError, ConnectionError, OSError, asyncio.IncompleteReadError) as error:
