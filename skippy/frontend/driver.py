@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ..model.llama import StageModel
 from ..protocol import SamplingConfig, StageReplyStats
 from ..runtime.engine import StageRuntime
+from ..runtime.stage_cache import StagePrefixCache
 from ..stage.downstream import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, DownstreamLink, LinkBroken
 from ..stage.prediction_return import PredictionHub, ReturnListener
 from ..telemetry import Telemetry
@@ -58,7 +59,9 @@ class ChainClient:
                  reply_timeout_s: float = REPLY_TIMEOUT_S,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  telemetry: Telemetry | None = None, record_logits: bool = False,
-                 batch_wait_s: float = 0.002):
+                 batch_wait_s: float = 0.002, prefix_cache: StagePrefixCache | None = None):
+        """`prefix_cache`: stage 0's prefix KV cache; with it a prompt first tries a chain
+        restore (chain_session.ChainSession.prefill)."""
         if not model.layers.is_first:
             raise ValueError(f"Expected the first stage's layers [0, k), got {model.layers}")
         if (downstream is None) != model.layers.is_last:
@@ -73,7 +76,8 @@ class ChainClient:
         self.telemetry = telemetry or Telemetry("skippy-stage0")
         self.runtime = StageRuntime(model, lane_count=concurrency, ctx_size=ctx_size,
                                     telemetry=self.telemetry, batch_wait_s=batch_wait_s,
-                                    record_logits=record_logits, name="skippy-stage0")
+                                    record_logits=record_logits, name="skippy-stage0",
+                                    prefix_cache=prefix_cache)
         self.ctx_size = self.runtime.runner.ctx_size
         self.hub = PredictionHub()
         self.listener = ReturnListener(self.hub, return_bind, auth_token=auth_token)
@@ -105,8 +109,10 @@ class ChainClient:
 
     @contextlib.asynccontextmanager
     async def session(self, sampling: SamplingConfig = SamplingConfig(),
-                      prompt_token_count: int = 0) -> AsyncIterator[ChainSession]:
-        """Lease a lane, configure generation, yield the session, Stop it (or drop the lane)."""
+                      prompt_token_count: int = 0,
+                      cache_namespace: bytes | None = None) -> AsyncIterator[ChainSession]:
+        """Lease a lane, configure generation, yield the session, Stop it (or drop the lane).
+        `cache_namespace`: the prefix-cache namespace digest (protocol.cache_namespace_digest)."""
         lane = await self._lanes.get()
         session = None
         try:
@@ -115,7 +121,7 @@ class ChainClient:
             request_id = next(self._ids)
             session = lane.session = ChainSession(self, None if self.downstream is None else lane,
                                                   request_id, request_id, sampling,
-                                                  prompt_token_count)
+                                                  prompt_token_count, cache_namespace)
             self.hub.register(session.return_key, session.waiter)
             await session.configure()
             yield session
@@ -149,7 +155,8 @@ class ChainClient:
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int = 256,
                        sampling: SamplingConfig = SamplingConfig(),
                        stop_ids: Sequence[int] = (),
-                       on_token: Callable[[int], None] | None = None) -> GenerationResult:
+                       on_token: Callable[[int], None] | None = None,
+                       cache_namespace: bytes | None = None) -> GenerationResult:
         """Prefill, decode until a stop id, `max_tokens` or the context end, then Stop."""
         if not prompt_ids:
             raise ValueError("Expected a non-empty prompt")
@@ -158,7 +165,7 @@ class ChainClient:
                              f"size), got {len(prompt_ids)}. Fix: shorten it or raise ctx_size.")
         stop_ids = frozenset(stop_ids)
         tokens: list[int] = []
-        async with self.session(sampling, len(prompt_ids)) as session:
+        async with self.session(sampling, len(prompt_ids), cache_namespace) as session:
             token = await session.prefill(prompt_ids)
             while True:
                 if token in stop_ids:

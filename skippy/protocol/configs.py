@@ -78,7 +78,10 @@ class KvCacheConfig(_Frozen):
     min_tokens: int = Field(64, ge=1)          # shortest prefix worth recording
     stride_tokens: int = Field(128, ge=1)      # shared-prefix candidate grid
     disk_dir: str | None = None                # L3 tier; None = memory only
-    disk_budget_bytes: int = Field(0, ge=0)
+    disk_budget_bytes: int = Field(0, ge=0)    # 0 = no disk budget
+    # "evict": memory evictions (and what memory holds at shutdown) go to disk;
+    # "record": every recorded entry is written through at once (survives a crash)
+    disk_policy: Literal["evict", "record"] = "evict"
 
 
 class StageConfig(_Frozen):

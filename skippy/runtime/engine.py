@@ -8,6 +8,9 @@ sessions it was handed, in submission order.
 
 from __future__ import annotations
 
+import asyncio
+from typing import TYPE_CHECKING
+
 from ..model.llama import StageModel
 from ..protocol.sampling_config import SamplingConfig
 from ..telemetry import Telemetry
@@ -16,6 +19,9 @@ from .scheduler import IterationScheduler, Timed
 from .session import Session, SessionKey, SessionTable
 from .step import Step, StepResult
 
+if TYPE_CHECKING:
+    from .stage_cache import StagePrefixCache
+
 BATCHED_STEPS_COUNTER = "skippy.runtime.batched_decode_iterations"
 BATCH_ROWS_COUNTER = "skippy.runtime.batched_decode_steps"
 
@@ -23,8 +29,11 @@ BATCH_ROWS_COUNTER = "skippy.runtime.batched_decode_steps"
 class StageRuntime:
     def __init__(self, model: StageModel, *, lane_count: int = 4, ctx_size: int | None = None,
                  telemetry: Telemetry | None = None, batch_wait_s: float = 0.002,
-                 record_logits: bool = False, name: str = "skippy-runtime"):
+                 record_logits: bool = False, name: str = "skippy-runtime",
+                 prefix_cache: StagePrefixCache | None = None):
+        """`prefix_cache`: this stage's prefix KV cache (None: every restore is a miss)."""
         self.model = model
+        self.prefix_cache = prefix_cache
         self.telemetry = telemetry or Telemetry()
         self.sessions = SessionTable(lane_count)
         self.runner = Runner(model, ctx_size or model.args.context_length,
@@ -106,5 +115,38 @@ class StageRuntime:
         self.scheduler.forget(key)
         return timed
 
+    # -- prefix cache (spec §4): runtime ops, ordered with the session's compute ----------
+    async def restore_prefix(self, key: SessionKey, tokens: list[int], *,
+                             longest: bool) -> Timed[int]:
+        """Restore a cached prefix of `tokens` into the session; the restored length (0: miss).
+        `longest`: the longest prefix on the candidate ladder (stage 0), else exactly `tokens`."""
+        session, cache = self.sessions.get(key), self.prefix_cache
+        if cache is None:
+            return Timed(0, 0.0, 0.0)
+        runner = self.runner
+        return await self.scheduler.submit_op(lambda: cache.restore(
+            session, tokens, longest=longest, new_cache=lambda: runner.model.new_cache(runner.ctx_size)))
+
+    def record_prefix(self, key: SessionKey) -> asyncio.Future:
+        """Record the session's prefill (a Timed[RecordResult] future: submitted now, so it runs
+        before any later op or step of this session, while the caller goes on)."""
+        from .prefix_cache import RecordResult
+
+        session, cache = self.sessions.get(key), self.prefix_cache
+        if cache is None or not cache.record_enabled:
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(Timed(RecordResult(0, 0), 0.0, 0.0))
+            return future
+        return self.scheduler.submit_op(lambda: cache.record(session))
+
+    async def rollback_prefix(self, key: SessionKey) -> Timed[None]:
+        """Drop a restore that the chain did not complete: the session holds nothing again."""
+        session, cache = self.sessions.get(key), self.prefix_cache
+        if cache is None:
+            return Timed(None, 0.0, 0.0)
+        return await self.scheduler.submit_op(lambda: cache.rollback(session))
+
     def close(self) -> None:
         self.scheduler.shutdown()
+        if self.prefix_cache is not None:  # the worker is gone: nothing else touches the cache
+            self.prefix_cache.close()

@@ -50,6 +50,7 @@ class Session:
     sampler: Any = None                 # RequestSampler, final stage only
     sampling: SamplingConfig | None = None
     prompt_token_count: int = 0
+    cache_namespace: bytes | None = None   # prefix-cache namespace digest (None: the default)
     # ledger[i] is the token at position i (-1 when a frame carried no token ids). It
     # follows the KV cache: a write at position p first cuts it back to p, exactly like
     # the cache, so after auto-align or a trim it is still the session's true history.

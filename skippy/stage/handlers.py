@@ -10,17 +10,23 @@ The ordering rules follow the original stage's control handlers:
   the forwarder, drain deferred ACKs, act locally, forward and wait for the ACK,
   merge its stats into ours, ACK upstream. Stop refuses to run while deferred
   prefill replies are outstanding.
+* prefix cache (the seed's `handle_prefix_cache_control`, spec §4.4): restore
+  locally, forward only on a local hit; a neutral downstream reply counts as a
+  miss; on a downstream miss roll the local restore back. A stage records its
+  prefill after the last prefill chunk and again at Stop (before the session goes).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from ..protocol import (
     FrameError, MessageKind, StageMessage, StageReply, StageReplyStats, merge,
-    prefill_compute_observation, prefill_edge_observation,
+    prefill_compute_observation, prefill_edge_observation, stage_mask,
 )
 from ..runtime import SampleMode, Timed
 from ..telemetry import Span
@@ -28,6 +34,7 @@ from ..telemetry import Span
 if TYPE_CHECKING:
     from .connection import StageConnection
 
+log = logging.getLogger("skippy.stage")
 Handler = Callable[["StageConnection", StageMessage, Span], Awaitable[None]]
 
 
@@ -107,13 +114,27 @@ async def on_predicting(conn: StageConnection, msg: StageMessage, span: Span) ->
             verify_window_total_us=_us(timed.run_s + write_s), verify_window_stage_count=1,
             verify_window_request_count=int(link is None), verify_window_token_count=msg.token_count,
             verify_window_max_tokens=msg.token_count))
-    if link is not None:
+    if link is None:
+        tokens = timed.value.tokens
+        stats = conn.take_stats()
+        reply = (StageReply.window(tokens, msg.seq_id, stats) if is_window
+                 else StageReply.token(tokens[0], stats))
+        await conn.return_prediction(msg, reply)
+    if msg.kind == MessageKind.PrefillFinalEmbd:  # the prompt is in: record it (spec §4.3)
+        await _record(conn, msg, span)
+
+
+async def _record(conn: StageConnection, msg: StageMessage, span: Span) -> None:
+    """Record the session's prefill; the stats ride on the next reply upstream."""
+    key = conn.key(msg.session_id)
+    if conn.runtime.prefix_cache is None or key not in conn.runtime.sessions:
         return
-    tokens = timed.value.tokens
-    stats = conn.take_stats()
-    reply = (StageReply.window(tokens, msg.seq_id, stats) if is_window
-             else StageReply.token(tokens[0], stats))
-    await conn.return_prediction(msg, reply)
+    recorded = (await conn.runtime.record_prefix(key)).value
+    if recorded.num_entries:
+        span.set("kv_recorded_entries", recorded.num_entries)
+        conn.add_stats(StageReplyStats(kv_recorded_pages=recorded.num_entries,
+                                       kv_recorded_bytes=recorded.num_bytes,
+                                       kv_record_stage_mask=stage_mask(conn.config.stage_index)))
 
 
 async def on_stop(conn: StageConnection, msg: StageMessage, span: Span) -> None:
@@ -130,6 +151,8 @@ async def on_stop(conn: StageConnection, msg: StageMessage, span: Span) -> None:
         span.set("downstream_wait_ms", (time.perf_counter() - started) * 1e3)
     key = conn.key(msg.session_id)
     if key in conn.runtime.sessions:
+        await _record(conn, msg, span)  # the full-prefill record, before the session goes
+        stats = merge(stats, conn.take_stats())
         timed = await conn.runtime.drop(key)
         span.set("runtime_lock_wait_ms", timed.wait_s * 1e3)
     conn.server.returns.close((msg.request_id, msg.session_id))
@@ -154,7 +177,7 @@ async def on_control(conn: StageConnection, msg: StageMessage, span: Span) -> No
     if msg.kind == MessageKind.TrimSession:
         timed = await conn.runtime.trim(key, msg.token_count)
     else:
-        conn.open_session(msg)
+        conn.open_session(msg).cache_namespace = msg.cache_namespace
         timed = await conn.runtime.configure(key, msg.sampling, msg.prompt_token_count)
         if link is None:  # the final stage opens the direct return stream (spec §2.7)
             span.set("direct_return", await conn.server.returns.open((msg.request_id,
@@ -168,15 +191,91 @@ async def on_control(conn: StageConnection, msg: StageMessage, span: Span) -> No
 
 
 async def on_prefix_cache(conn: StageConnection, msg: StageMessage, span: Span) -> None:
-    """TryRestorePrefill(Decode): no prefix cache yet, so a local miss. A miss is not
-    forwarded (spec §4.4); the ACK carries neutral stats plus what was owed upstream."""
+    """TryRestorePrefill(Decode), as the seed's `handle_prefix_cache_control` (spec §4.4).
+
+    Restore exactly the sideband's prefix locally. Only on a local hit is the message
+    forwarded; a downstream reply with neutral stats (a stage without a cache) counts as
+    a miss; on a downstream miss the local restore is rolled back, so the session holds
+    nothing and the cold prefill that follows starts clean. A stage without a cache
+    answers neutral stats and forwards nothing. The ACK always carries the merged stats.
+    """
     stats = conn.take_stats()
-    link = conn.link
+    kv = conn.runtime.prefix_cache
+    link = conn.link if kv is None or not kv.lookup_enabled else await conn.downstream()
     if link is not None:
         await link.flush()
         stats = merge(stats, await link.drain())
-    span.set("kv_control_hit", False)
+    if kv is None or not kv.lookup_enabled:
+        span.set("kv_control_hit", False)
+        await conn.reply(StageReply.ack(stats))
+        return
+    key, index = conn.key(msg.session_id), conn.config.stage_index
+    is_new = key not in conn.runtime.sessions
+    session = conn.open_session(msg)
+    if msg.cache_namespace is not None:
+        session.cache_namespace = msg.cache_namespace
+    prefix = msg.tokens.tolist()
+    if msg.kind == MessageKind.TryRestorePrefillDecode:
+        prefix = prefix[:msg.pos_start]
+    try:
+        restored = (await conn.runtime.restore_prefix(key, prefix, longest=False)).value
+        local = (StageReplyStats(kv_lookup_hits=1, kv_imported_pages=1, kv_imported_tokens=restored,
+                                 kv_hit_stage_mask=stage_mask(index)) if restored
+                 else StageReplyStats(kv_lookup_misses=1))
+    except Exception as error:  # noqa: BLE001 - a failed restore is a miss, never a crash
+        log.warning("stage %d: prefix restore failed: %s", index, error)
+        kv.restore_errors += 1
+        restored, local = 0, StageReplyStats(kv_lookup_errors=1)
+    stats = merge(stats, local)
+    hit = restored > 0
+    decision = "local_hit" if hit else "local_miss"
+    if hit and msg.kind == MessageKind.TryRestorePrefillDecode:
+        hit, stats = await _restore_decode(conn, msg, session, link, stats, span)
+        decision = "chain_hit" if hit else "downstream_miss_rollback"
+    elif hit and link is not None:
+        started = time.perf_counter()
+        down = (await link.request(msg)).stats
+        span.set("downstream_wait_ms", (time.perf_counter() - started) * 1e3)
+        if _downstream_missed(down):
+            hit = False
+            down = merge(down, StageReplyStats(kv_lookup_misses=int(_is_neutral(down))))
+        stats = merge(stats, down)
+        decision = "chain_hit" if hit else "downstream_miss_rollback"
+    if restored and not hit:
+        await conn.runtime.rollback_prefix(key)
+    if not hit and is_new:  # opened by this message alone: leave nothing behind
+        await conn.runtime.drop(key)
+    span.set("kv_control_hit", hit)
+    span.set("kv_decision", decision)
+    span.set("kv_restored_tokens", restored if hit else 0)
     await conn.reply(StageReply.ack(stats))
+
+
+def _is_neutral(stats: StageReplyStats) -> bool:
+    return not (stats.kv_lookup_hits or stats.kv_lookup_misses or stats.kv_lookup_errors)
+
+
+def _downstream_missed(stats: StageReplyStats) -> bool:
+    """A miss or an error below, or a neutral reply (a stage without a cache): not a chain hit."""
+    return bool(stats.kv_lookup_misses or stats.kv_lookup_errors or not stats.kv_lookup_hits)
+
+
+async def _restore_decode(conn: StageConnection, msg: StageMessage, session, link, stats, span):
+    """TryRestorePrefillDecode after a local hit: run the current token's row at pos_start.
+    The final stage samples it and returns the token on the prediction path; every stage
+    still ACKs upstream with the merged stats, so each one learns whether the chain hit."""
+    step_msg = dataclasses.replace(msg, tokens=[msg.current_token])
+    sample = SampleMode.NONE if link is not None else SampleMode.LAST
+    timed = await conn.runtime.run_alone(conn.step(session, step_msg, sample))
+    _note_compute(conn, msg, span, timed)
+    if link is None:
+        await conn.return_prediction(msg, StageReply.token(timed.value.tokens[0]))
+        return True, stats
+    down = (await link.request(conn.forwarded(msg, timed.value.rows))).stats
+    if _downstream_missed(down):
+        return False, merge(stats, merge(down, StageReplyStats(
+            kv_lookup_misses=int(_is_neutral(down)))))
+    return True, merge(stats, down)
 
 
 async def on_retire(conn: StageConnection, msg: StageMessage, span: Span) -> None:

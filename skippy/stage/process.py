@@ -11,6 +11,7 @@ import torch
 from ..model.loader import load_stage
 from ..protocol import StageConfig, Topology
 from ..runtime.engine import StageRuntime
+from ..runtime.stage_cache import StagePrefixCache
 from ..telemetry import Telemetry
 from .server import StageServer
 
@@ -24,8 +25,12 @@ def load_stage_runtime(config: StageConfig, telemetry: Telemetry) -> StageRuntim
     model = load_stage(config.model_path, (config.layer_start, config.layer_end),
                        dtype=WEIGHT_DTYPES[config.weight_dtype], device=config.device,
                        progress=False)
-    return StageRuntime(model, lane_count=config.lane_count, ctx_size=config.ctx_size,
-                        telemetry=telemetry, name=f"skippy-stage{config.stage_index}")
+    runtime = StageRuntime(model, lane_count=config.lane_count, ctx_size=config.ctx_size,
+                           telemetry=telemetry, name=f"skippy-stage{config.stage_index}")
+    runtime.prefix_cache = StagePrefixCache.build(
+        config.kv_cache, model_path=config.model_path, layer_start=config.layer_start,
+        layer_end=config.layer_end, kv_dtype=model.kv_dtype, ctx_size=runtime.runner.ctx_size)
+    return runtime
 
 
 async def serve_stage(config: StageConfig, topology: Topology | None = None, *,
