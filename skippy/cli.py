@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--backend-timeout", type=float, default=600.0, help="seconds without a token before 504")
     serve.add_argument("--auth-token", default=None, help="require Authorization: Bearer TOKEN on /v1/*")
     serve.add_argument("--chain-auth-token", default=None, help="the stages' transport token (with --topology)")
-    serve.add_argument("--threads", type=int, default=None, help="torch threads in every stage process")
+    serve.add_argument("--threads", type=int, default=None, help="torch threads in every stage (this one too)")
     serve.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
     add_model_options(serve)
     serve.set_defaults(run=run_serve)

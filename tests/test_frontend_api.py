@@ -148,8 +148,10 @@ def test_history_and_content_parts_reach_the_template(client, stack, tokenizer):
         {"role": "assistant", "content": "Blue."},
         {"role": "user", "content": [{"type": "text", "text": "Another "}, {"type": "text", "text": "one?"}]},
     ]
-    flat = [{**m, "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])}
-            for m in messages]  # fmt: skip
+    def flatten(content):
+        return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+    flat = [{**m, "content": flatten(m["content"])} for m in messages]
     response = chat(client, stack, messages=messages, temperature=0, max_tokens=4,
                     extra_body={"return_token_ids": True})  # fmt: skip
     expected = tokenizer.encode(tokenizer.apply_chat_template(flat))

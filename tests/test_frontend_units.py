@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from skippy.frontend.admission import Admission, AdmissionTimeout, ContextTooLong, QueueFull, check_fits, default_queue_size
+from skippy.frontend.admission import (
+    Admission, AdmissionTimeout, ContextTooLong, QueueFull, check_fits, default_queue_size,
+)  # fmt: skip
 from skippy.frontend.errors import to_api_error
 from skippy.frontend.schemas import ChatCompletionRequest, CompletionRequest
 from skippy.frontend.streaming import StopTextStream
@@ -194,3 +198,36 @@ def test_requests_accept_what_clients_send():
     assert chat.stop == ["x"] and chat.logit_bias == {7: -100.0} and chat.stream_options.include_usage
     text = CompletionRequest.model_validate_json('{"model": "m", "prompt": [[1, 2, 3]]}')
     assert text.prompt == [[1, 2, 3]]
+
+
+# ---- layering (docs/style.md §6) -----------------------------------------------------
+
+FRONTEND = Path(__file__).parent.parent / "skippy" / "frontend"
+TORCH_FREE = ["admission.py", "api.py", "backend.py", "completion.py", "errors.py", "metrics.py", "schemas.py",
+              "streaming.py"]  # fmt: skip
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or ""))
+    return names
+
+
+@pytest.mark.parametrize("name", TORCH_FREE)
+def test_http_layer_imports_no_torch_and_no_chain_internals(name):
+    modules = imported_modules(FRONTEND / name)
+    assert not any(m == "torch" or m.startswith("torch.") for m in modules), modules
+    # The API reaches the model only through the GenerationBackend seam.
+    assert not any(m.startswith(("..stage", ".driver", ".chain_", ".local_")) for m in modules), modules
+
+
+def test_importing_the_api_loads_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, skippy.frontend.api; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -13,7 +13,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("skippy_http_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.requests = Counter(
+            "skippy_http_requests", "HTTP requests by route and status", ["route", "status"], registry=r
+        )
         self.generations = Counter("skippy_generations", "Generations by how they ended", ["outcome"], registry=r)
         self.prompt_tokens = Counter("skippy_prompt_tokens", "Prompt tokens of finished generations", registry=r)
         self.cached_tokens = Counter("skippy_cached_prompt_tokens", "Prompt tokens restored from cache", registry=r)

@@ -45,11 +45,14 @@ class ServeConfig:
     dtype: str = "float32"
     device: str = "auto"
     activation_dtype: str = "f32"
-    threads: int | None = None  # torch threads per stage process
+    threads: int | None = None  # torch threads in every stage process, this one included
     admission_timeout_s: float = 60.0
     backend_timeout_s: float = 600.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "WARNING"
+    kv_cache_bytes: int = 1 << 30  # prefix-cache memory, all stages together; 0 = no prefix cache
+    kv_disk_dir: Path | None = None  # prefix-cache disk tier: one subdirectory per stage
+    kv_disk_budget: int = 4 << 30  # disk bytes, all stages together
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -62,6 +65,17 @@ class ServeConfig:
     @property
     def num_lanes(self) -> int:
         return self.concurrency or DEFAULT_LANES
+
+    def kv_cache(self, num_local_stages: int):
+        """Each local stage's prefix-cache settings: an even share of the memory and disk
+        budgets (None when the cache is off)."""
+        from ..protocol import KvCacheConfig
+
+        if self.kv_cache_bytes <= 0:
+            return None
+        disk_dir = None if self.kv_disk_dir is None else str(Path(self.kv_disk_dir).resolve())
+        return KvCacheConfig(max_bytes=max(1, self.kv_cache_bytes // num_local_stages), disk_dir=disk_dir,
+                             disk_budget_bytes=self.kv_disk_budget // num_local_stages)  # fmt: skip
 
 
 def model_id_for(path: Path) -> str:
@@ -83,6 +97,10 @@ def load_local_backend(config: ServeConfig):
     from ..model.loader import load_stage
     from .local_backend import LocalBackend
 
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
     model = load_stage(config.model, dtype=config.dtype, device=config.device)
     backend = LocalBackend(model, num_lanes=config.num_lanes, ctx_size=config.ctx_size)
     return load_tokenizer(config.model), backend
@@ -99,11 +117,13 @@ async def start_chain_backend(config: ServeConfig):
     if config.topology is not None:
         topology = Topology.load(config.topology)
         client = await connect_topology(topology, config.model, auth_token=config.chain_auth_token,
-                                        dtype=config.dtype, device=config.device, **options)  # fmt: skip
+                                        dtype=config.dtype, device=config.device, kv_cache=config.kv_cache(1),
+                                        **options)  # fmt: skip
         backend = ChainBackend(client, topology, num_lanes=config.num_lanes, auth_token=config.chain_auth_token)
         return load_tokenizer(config.model), backend
     chain = LocalChain(config.model, config.num_stages, threads=config.threads, lane_count=config.num_lanes,
-                       dtype=config.dtype, log_level=config.log_level, **options)  # fmt: skip
+                       dtype=config.dtype, log_level=config.log_level,
+                       kv_cache=config.kv_cache(config.num_stages), **options)  # fmt: skip
     description = f"Starting {config.num_stages} stages of {Path(config.model).name}"
     with progress_bar(description, config.num_stages) as advance:
         watcher = asyncio.create_task(_advance_as_stages_come_up(chain, advance))

@@ -1,0 +1,229 @@
+"""Time to first token and decode tokens/s through the OpenAI HTTP API, against direct generation.
+
+A `skippy serve` subprocess (the same command a user runs) answers streaming chat
+requests from this process at concurrency 1, 4 and 8. The reference is the
+`skippy generate` path with no HTTP at concurrency 1: `generate_tokens` in this
+process for --stages 1, a `LocalChain` driven by its `ChainClient` for --stages N.
+Every request uses the same prompt ids and runs exactly --max-tokens tokens
+(greedy, end-of-generation tokens banned by logit_bias in both paths, so both do
+the same sampling work). One round runs every configuration once, in turn; the
+table shows medians over the rounds, after one warm-up round that is not counted.
+
+    TTFT             request sent -> first token (HTTP: the first content chunk)
+    decode tok/s     per stream: (tokens - 1) / (last token - first token)
+    aggregate tok/s  all streams' tokens / (first request sent -> last token)
+
+    python bench/serve.py                          # bundled SmolLM2, 2 stages (as `skippy serve`)
+    python bench/serve.py --stages 1 --rounds 5 --max-tokens 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PROMPT = "Write a long story about a dragon who learns to paint."
+NO_EOS = {0: -100.0, 2: -100.0}  # SmolLM2's end tokens (<|endoftext|>, <|im_end|>): run to max_tokens
+READY = re.compile(r"skippy: ready: (http://\S+)/v1 ")
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    ttft_s: float
+    decode_tok_s: float
+    num_tokens: int
+    started: float
+    finished: float
+
+
+def sample(started: float, token_times: list[float]) -> Sample:
+    first, last, n = token_times[0], token_times[-1], len(token_times)
+    return Sample(first - started, (n - 1) / (last - first) if n > 1 else 0.0, n, started, last)
+
+
+# ---- through HTTP -------------------------------------------------------------------
+
+
+async def http_stream(client: httpx.AsyncClient, url: str, body: dict) -> Sample:
+    started = time.perf_counter()
+    token_times: list[float] = []
+    num_tokens = 0
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                token_times.append(time.perf_counter())
+    # A chunk can carry two tokens (a character split across them); spread the count evenly.
+    result = sample(started, token_times)
+    rate = (num_tokens - 1) / (token_times[-1] - token_times[0])
+    return Sample(result.ttft_s, rate, num_tokens, result.started, result.finished)
+
+
+async def http_round(client: httpx.AsyncClient, url: str, body: dict, concurrency: int) -> list[Sample]:
+    return await asyncio.gather(*(http_stream(client, url, body) for _ in range(concurrency)))
+
+
+class Server:
+    def __init__(self, args: argparse.Namespace):
+        command = [sys.executable, "-m", "skippy.cli", "serve", "--port", "0", "--stages", str(args.stages),
+                   "--ctx-size", "2048", "--concurrency", str(max(args.concurrency))]  # fmt: skip
+        if args.model:
+            command += ["--model", args.model]
+        if args.threads:
+            command += ["--threads", str(args.threads)]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        for line in self.process.stdout:
+            if match := READY.search(line):
+                self.url, self.ready_line = match.group(1), line.strip()
+                return
+        raise RuntimeError(f"skippy serve exited with {self.process.wait()} before it was ready")
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+# ---- direct (no HTTP) ---------------------------------------------------------------
+
+
+class Direct:
+    """`skippy generate`'s path: one process, or stage 0 of a LocalChain in this process."""
+
+    def __init__(self, args: argparse.Namespace, path: Path, loop: asyncio.AbstractEventLoop):
+        from skippy.protocol.sampling_config import SamplingConfig
+
+        self.args, self.path, self.loop = args, path, loop
+        self.sampling = SamplingConfig(temperature=0.0, logit_bias=NO_EOS)
+        self.chain = self.model = None
+        if args.stages == 1:
+            from skippy.model.loader import load_stage
+
+            self.model = load_stage(path, progress=False)
+        else:
+            from skippy.frontend.local_chain import LocalChain
+
+            self.chain = LocalChain(path, args.stages, ctx_size=2048, threads=args.threads)
+            self.client = loop.run_until_complete(self.chain.start())
+
+    def generate(self, prompt_ids: list[int], stop_ids: frozenset[int]) -> Sample:
+        token_times: list[float] = []
+        started = time.perf_counter()
+        if self.model is not None:
+            from skippy.runtime.local_generation import GenerationLimits, generate_tokens
+
+            limits = GenerationLimits(self.args.max_tokens, stop_ids)
+            for _ in generate_tokens(self.model, prompt_ids, limits, self.sampling, 2048):
+                token_times.append(time.perf_counter())
+        else:
+            self.loop.run_until_complete(self.client.generate(
+                prompt_ids, max_tokens=self.args.max_tokens, sampling=self.sampling, stop_ids=stop_ids,
+                on_token=lambda _: token_times.append(time.perf_counter())))  # fmt: skip
+        return sample(started, token_times)
+
+    def close(self) -> None:
+        if self.chain is not None:
+            self.loop.run_until_complete(self.chain.close())
+
+
+# ---- the run ------------------------------------------------------------------------
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the bundled SmolLM2)")
+    parser.add_argument("--stages", type=int, default=2, help="stages behind the API (1 = one process)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads in every process (default: torch's)")
+    parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 4, 8])
+    args = parser.parse_args()
+
+    from skippy.frontend.serve import load_tokenizer, model_id_for
+    from skippy.model.locate import bundled_model_path
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    path = Path(args.model) if args.model else bundled_model_path()
+    tokenizer = load_tokenizer(path)
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
+    body = {"model": model_id_for(path), "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
+            "max_tokens": args.max_tokens, "logit_bias": {str(k): v for k, v in NO_EOS.items()}, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+
+    loop = asyncio.new_event_loop()
+    print(f"loading: skippy serve --stages {args.stages}, and the direct reference ...", flush=True)
+    server = Server(args)
+    direct = Direct(args, path, loop)
+    client = httpx.AsyncClient(timeout=600)
+    url = server.url + "/v1/chat/completions"
+    print(server.ready_line, flush=True)
+    names = ["direct c=1", *[f"http c={c}" for c in args.concurrency]]
+    results: dict[str, list[list[Sample]]] = {name: [] for name in names}
+    try:
+        for round_index in range(args.rounds + 1):  # round 0 warms up
+            runs = {"direct c=1": [direct.generate(prompt_ids, tokenizer.eog_ids)]}
+            for c in args.concurrency:
+                runs[f"http c={c}"] = loop.run_until_complete(http_round(client, url, body, c))
+            for name, samples in runs.items():
+                assert all(s.num_tokens == args.max_tokens for s in samples), (name, [s.num_tokens for s in samples])
+                if round_index:
+                    results[name].append(samples)
+            print(f"round {round_index}{' (warm-up)' if not round_index else ''} done", flush=True)
+    finally:
+        loop.run_until_complete(client.aclose())
+        direct.close()
+        server.close()
+
+    table = {}
+    for name, rounds in results.items():
+        ttft = median([median([s.ttft_s for s in r]) for r in rounds]) * 1e3
+        decode = median([median([s.decode_tok_s for s in r]) for r in rounds])
+        aggregate = median([sum(s.num_tokens for s in r) / (max(s.finished for s in r) - min(s.started for s in r))
+                            for r in rounds])  # fmt: skip
+        table[name] = (ttft, decode, aggregate)
+
+    print(f"\n{path.name}, {args.stages} stage(s), {args.max_tokens} tokens per stream, "
+          f"{len(prompt_ids)} prompt tokens, {os.cpu_count()} CPUs, threads {args.threads or 'default'}, "
+          f"medians of {args.rounds} rounds")  # fmt: skip
+    print(f"{'config':<12} {'TTFT ms':>9} {'decode tok/s/stream':>20} {'aggregate tok/s':>16}")
+    for name, (ttft, decode, aggregate) in table.items():
+        print(f"{name:<12} {ttft:>9.1f} {decode:>20.2f} {aggregate:>16.2f}")
+    direct_decode = table["direct c=1"][1]
+    print()
+    if "http c=1" in table:
+        http1 = table["http c=1"]
+        print(f"HTTP / direct at c=1: decode {http1[1] / direct_decode:.3f}, "
+              f"aggregate {http1[2] / table['direct c=1'][2]:.3f}, TTFT {http1[0] / table['direct c=1'][0]:.3f}")
+        for c in args.concurrency:
+            if c != 1:
+                print(f"aggregate c={c} / c=1: {table[f'http c={c}'][2] / http1[2]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
