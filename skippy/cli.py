@@ -53,10 +53,39 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chain-auth-token", default=None, help="the stages' transport token (with --topology)")
     serve.add_argument("--threads", type=int, default=None, help="torch threads in every stage (this one too)")
     serve.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
+    serve.add_argument("--kv-cache-mem", type=byte_size, default=1 << 30,
+                       help="prefix-cache memory, all stages together (e.g. 512MiB; 0 = no prefix cache)")
+    add_kv_disk_options(serve, "all stages together, split evenly")
     add_model_options(serve)
     serve.set_defaults(run=run_serve)
     add_stage_commands(commands)
     return parser
+
+
+def byte_size(text: str) -> int:
+    """A size in bytes: a plain number or one with an IEC suffix (KiB, MiB, GiB, TiB)."""
+    units = {"TIB": 1 << 40, "GIB": 1 << 30, "MIB": 1 << 20, "KIB": 1 << 10, "B": 1}
+    value = text.strip().upper()
+    for suffix, scale in units.items():
+        if value.endswith(suffix):
+            value, multiplier = value[: -len(suffix)].strip(), scale
+            break
+    else:
+        multiplier = 1
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"Expected a size like 512MiB or 4GiB, got {text!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"Expected a size >= 0, got {text!r}")
+    return int(number * multiplier)
+
+
+def add_kv_disk_options(parser: argparse.ArgumentParser, budget_scope: str) -> None:
+    parser.add_argument("--kv-disk-dir", default=None,
+                        help="prefix-cache disk tier: entries survive restarts (a subdirectory per stage)")
+    parser.add_argument("--kv-disk-budget", type=byte_size, default=None,
+                        help=f"disk bytes for the prefix cache ({budget_scope}; e.g. 8GiB)")
 
 
 def add_chain_options(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +105,7 @@ def add_stage_commands(commands) -> None:
     stage.add_argument("--otlp-endpoint", default=None, help="export spans over OTLP gRPC (needs the exporter)")
     stage.add_argument("--max-inflight", type=int, default=None, help="async forwarder depth (overrides the config)")
     stage.add_argument("--reply-credit-limit", type=int, default=None, help="deferred ACKs before a credit wait")
+    add_kv_disk_options(stage, "this stage; overrides the config")
     stage.set_defaults(run=run_stage)
 
     plan = commands.add_parser("plan", help="split the layers over hosts; write stage configs and topology")
@@ -162,6 +192,9 @@ def run_serve(args: argparse.Namespace) -> int:
         admission_timeout_s=args.admission_timeout,
         backend_timeout_s=args.backend_timeout,
         log_level=args.log_level,
+        kv_cache_bytes=args.kv_cache_mem,
+        kv_disk_dir=Path(args.kv_disk_dir) if args.kv_disk_dir else None,
+        **({"kv_disk_budget": args.kv_disk_budget} if args.kv_disk_budget is not None else {}),
     )
     return serve(config)
 
@@ -182,6 +215,7 @@ def chain_tokens(args: argparse.Namespace, path, ids: list[int], tokenizer):
 
 def run_stage(args: argparse.Namespace) -> int:
     import asyncio
+    from pathlib import Path
 
     from .protocol import StageConfig, Topology
     from .stage.process import serve_stage
@@ -189,6 +223,12 @@ def run_stage(args: argparse.Namespace) -> int:
     config = StageConfig.load(args.config)
     overrides = {"max_inflight": args.max_inflight, "reply_credit_limit": args.reply_credit_limit}
     overrides = {key: value for key, value in overrides.items() if value is not None}
+    kv_overrides = {"disk_budget_bytes": args.kv_disk_budget}
+    if args.kv_disk_dir is not None:  # this stage's own subdirectory, as `skippy serve` does
+        kv_overrides["disk_dir"] = str(Path(args.kv_disk_dir).resolve() / f"stage-{config.stage_index}")
+    kv_overrides = {key: value for key, value in kv_overrides.items() if value is not None}
+    if kv_overrides:
+        overrides["kv_cache"] = {**config.kv_cache.model_dump(), **kv_overrides}
     if overrides:
         config = StageConfig.model_validate({**config.model_dump(), **overrides})
     topology = Topology.load(args.topology) if args.topology else None

@@ -30,6 +30,7 @@ from ..model.errors import ContextOverflowError
 from ..model.tokenizer import Tokenizer
 from .admission import Admission, AdmissionError, ContextTooLong
 from .backend import BackendError, GenerationBackend
+from .cache_metrics import PrefixCacheCollector
 from .completion import ServeContext, complete, finish, prepare_chat, prepare_text, start_generation, stream
 from .errors import ApiError, to_api_error
 from .metrics import Metrics
@@ -73,6 +74,8 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
     admission = Admission(concurrency, settings.queue_size, settings.admission_timeout_s)
     metrics.queue_depth.set_function(lambda: admission.num_waiting)
     metrics.active_generations.set_function(lambda: admission.num_active)
+    if hasattr(backend, "cache_stats"):  # prefix-cache counters per stage (a chain backend)
+        metrics.registry.register(PrefixCacheCollector(backend.cache_stats))
     ctx = ServeContext(backend, tokenizer, settings.model_id, admission, metrics, settings.backend_timeout_s)
     created = int(time.time())
 

@@ -30,6 +30,7 @@ class GenerationRequest:
     max_tokens: int  # already bounded by the context
     sampling: SamplingConfig
     stop_ids: frozenset[int]  # end-of-generation ids: never emitted, finish with "stop"
+    prompt_cache_key: str | None = None  # the prefix-cache namespace; None = shared default
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -19,7 +19,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from ..protocol import StageReplyStats, Topology
+from ..protocol import StageReplyStats, Topology, cache_namespace_digest
 from ..stage.downstream import LinkBroken, open_connection
 from .backend import (
     BackendError,
@@ -32,7 +32,7 @@ from .backend import (
     StageUnavailable,
     Token,
 )
-from .chain_session import ChainError, ChainSession
+from .chain_session import ChainError, ChainSession, SessionTimings
 from .driver import ChainClient
 
 PROBE_TIMEOUT_S = 1.0
@@ -48,6 +48,8 @@ class ChainBackend:
         self._auth_token = auth_token
         self._on_close = on_close
         self._num_open = 0  # sessions configured on every stage and not yet stopped or abandoned
+        # prefix-cache restores as the chain saw them, per stage: [hits, misses]
+        self._restores = [[0, 0] for _ in topology.stages]
 
     @property
     def num_lanes(self) -> int:
@@ -60,13 +62,16 @@ class ChainBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         client, prompt = self._client, request.prompt_ids
         try:
-            async with client.session(request.sampling, len(prompt)) as session:
+            namespace = cache_namespace_digest(request.prompt_cache_key)
+            async with client.session(request.sampling, len(prompt), namespace) as session:
                 self._num_open += 1
                 try:
                     started = time.perf_counter()
                     token = await session.prefill(prompt)
                     first_token_at = time.perf_counter()
-                    yield PrefillDone(len(prompt), 0, (first_token_at - started) * 1e3)
+                    self._observe_restore(session)
+                    yield PrefillDone(len(prompt), session.timings.restored_tokens,
+                                      (first_token_at - started) * 1e3)
                     num_generated = 0
                     while True:
                         if token in request.stop_ids:
@@ -80,7 +85,7 @@ class ChainBackend:
                         token = await session.decode(token)
                     decode_ms = (time.perf_counter() - first_token_at) * 1e3
                     stats = await session.stop()
-                    yield Finished(reason, num_generated, decode_ms, _timing_extras(stats))
+                    yield Finished(reason, num_generated, decode_ms, _timing_extras(stats, session.timings))
                 finally:
                     try:
                         if not session.stopped:
@@ -89,6 +94,32 @@ class ChainBackend:
                         self._num_open -= 1
         except (ChainError, LinkBroken) as exc:
             raise await self._unavailable(exc) from exc
+
+    def _observe_restore(self, session: ChainSession) -> None:
+        """Count each stage's part in this request's restore attempt: a stage is asked only
+        when every stage above it hit (spec §4.4), and it hit when its mask bit is set."""
+        if not session.timings.restore_decision or session.timings.restore_decision == "stage0_error":
+            return
+        mask = session.stats.kv_hit_stage_mask
+        for index, counts in enumerate(self._restores):
+            if mask >> index & 1:
+                counts[0] += 1
+            elif index == 0 or mask >> (index - 1) & 1:
+                counts[1] += 1
+                break
+
+    def cache_stats(self) -> list[tuple[str, dict[str, int]]]:
+        """(stage id, counters) per stage for /metrics. Stage 0 reports its own cache in full;
+        every stage reports the restores the chain saw it hit or miss (the wire carries no
+        stage-local eviction counts: those are in each stage's telemetry counters)."""
+        out = []
+        local = self._client.runtime.prefix_cache
+        for stage, (hits, misses) in zip(self._topology.stages, self._restores):
+            counters = {"chain_restore_hits": hits, "chain_restore_misses": misses}
+            if stage.stage_index == 0 and local is not None:
+                counters.update(local.stats())
+            out.append((stage.stage_id, counters))
+        return out
 
     async def _unavailable(self, exc: Exception) -> BackendError:
         for stage, is_up in zip(self._topology.stages[1:], await self._probe_all()):
@@ -149,9 +180,16 @@ async def _stop_quietly(session: ChainSession) -> None:
         pass  # whatever brought us here still propagates
 
 
-def _timing_extras(stats: StageReplyStats) -> dict[str, float]:
-    """Chain figures for the `timings` object: the worst prefill edge and restored tokens."""
+def _timing_extras(stats: StageReplyStats, timings: SessionTimings) -> dict[str, float]:
+    """Chain figures for the `timings` object: the worst prefill edge and the prefix restore
+    (tokens restored on every stage, tokens prefilled after them, its time, the stages that
+    hit, the entries recorded). `cache_n` / `prompt_n` carry the same two token counts."""
     return {
         "chain_prefill_edge_max_ms": stats.prefill_edge_total_us_max / 1e3,
         "chain_kv_imported_tokens": stats.kv_imported_tokens,
+        "kv_restored_tokens": timings.restored_tokens,
+        "kv_suffix_prefill_tokens": timings.prefilled_tokens,
+        "kv_restore_ms": timings.restore_s * 1e3,
+        "kv_hit_stage_mask": stats.kv_hit_stage_mask,
+        "kv_recorded_entries": stats.kv_recorded_pages,
     }

@@ -160,7 +160,8 @@ def _job(ctx, kind, body: GenerationParams, request_id, received_at, prompt_ids,
         logit_bias=dict(body.logit_bias or {}),
         seed=body.seed,
     )
-    request = GenerationRequest(request_id, prompt_ids, max_tokens, sampling, ctx.tokenizer.eog_ids)
+    request = GenerationRequest(request_id, prompt_ids, max_tokens, sampling, ctx.tokenizer.eog_ids,
+                                body.prompt_cache_key)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     return Job(
         kind=kind, id=prefix + request_id, created=int(time.time()), model=ctx.model_id, received_at=received_at,

@@ -22,8 +22,10 @@ from pathlib import Path
 
 from ..model.loader import load_stage
 from ..protocol import (
-    PeerEndpoint, StageConfig, Topology, TopologyStage, parse_endpoint, plan_layer_split,
+    KvCacheConfig, PeerEndpoint, StageConfig, Topology, TopologyStage, parse_endpoint,
+    plan_layer_split,
 )
+from ..runtime.stage_cache import StagePrefixCache
 from ..stage.process import READY_PREFIX
 from .driver import ChainClient
 
@@ -91,17 +93,34 @@ def write_plan(topology: Topology, configs: list[StageConfig], out_dir: str | Pa
     return paths
 
 
+def stage_kv_cache(kv_cache: KvCacheConfig, stage_index: int) -> KvCacheConfig:
+    """One stage's share of a chain's cache settings: its own disk subdirectory."""
+    if kv_cache.disk_dir is None:
+        return kv_cache
+    disk_dir = str(Path(kv_cache.disk_dir).resolve() / f"stage-{stage_index}")
+    return kv_cache.model_copy(update={"disk_dir": disk_dir})
+
+
 async def connect_topology(topology: Topology, model_path: str | Path, *,
                            auth_token: str | None = None, dtype: str = "float32",
-                           device: str = "cpu", **client_options) -> ChainClient:
+                           device: str = "cpu", kv_cache: KvCacheConfig | None = None,
+                           **client_options) -> ChainClient:
     """Stage 0 for a running chain: load layers [0, k), listen on the topology's stage-0
-    endpoint for the direct return, connect the lanes to stage 1."""
+    endpoint for the direct return, connect the lanes to stage 1. `kv_cache`: stage 0's
+    prefix cache (its disk tier under `disk_dir`/stage-0); None: no prefix cache."""
     first = topology.stages[0]
     model = load_stage(model_path, (first.layer_start, first.layer_end), dtype=dtype,
                        device=device, progress=False)
     downstream = topology.stages[1].endpoint if len(topology.stages) > 1 else None
+    prefix_cache = None
+    if kv_cache is not None:
+        prefix_cache = StagePrefixCache.build(
+            stage_kv_cache(kv_cache, 0), model_path=str(model_path), layer_start=first.layer_start,
+            layer_end=first.layer_end, kv_dtype=model.kv_dtype,
+            ctx_size=min(client_options.get("ctx_size") or model.args.context_length,
+                         model.args.context_length))
     client = ChainClient(model, downstream=downstream, auth_token=auth_token,
-                         return_bind=first.endpoint, **client_options)
+                         return_bind=first.endpoint, prefix_cache=prefix_cache, **client_options)
     await client.start()
     return client
 
@@ -112,18 +131,24 @@ class LocalChain:
     def __init__(self, model_path: str | Path, num_stages: int, *, threads: int | None = None,
                  activation_dtype: str = "f32", ctx_size: int = 2048, lane_count: int = 4,
                  dtype: str = "float32", concurrency: int = 1, log_level: str = "WARNING",
-                 **client_options):
+                 kv_cache: KvCacheConfig | None = None, **client_options):
+        """`kv_cache`: every stage's prefix-cache settings (disk tier: one subdirectory per
+        stage under `disk_dir`); None: no prefix cache anywhere."""
         if num_stages < 2:
             raise ValueError(f"Expected at least 2 stages for a chain, got {num_stages}")
         self.model_path, self.num_stages, self.threads = Path(model_path), num_stages, threads
         self.dtype, self.concurrency, self.log_level = dtype, concurrency, log_level
         self.auth_token = secrets.token_hex(16)  # loopback, but still not open to anyone
         self.client_options = client_options
+        self.kv_cache = kv_cache
         endpoints = [f"127.0.0.1:{port}" for port in free_ports(num_stages)]
-        self.topology, self.configs = plan_chain(
+        self.topology, configs = plan_chain(
             model_path, endpoints, auth_token=self.auth_token, activation_dtype=activation_dtype,
             ctx_size=ctx_size, lane_count=lane_count, weight_dtype=_WEIGHT_NAMES[dtype],
             device="cpu")
+        stage_kv = kv_cache or KvCacheConfig(mode="disabled")
+        self.configs = [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)})
+                        for c in configs]
         self._dir = tempfile.TemporaryDirectory(prefix="skippy-chain-")
         self.processes: list[asyncio.subprocess.Process] = []
         self.client: ChainClient | None = None
@@ -143,7 +168,8 @@ class LocalChain:
             self.client = await connect_topology(
                 self.topology, self.model_path, auth_token=self.auth_token, dtype=self.dtype,
                 concurrency=self.concurrency, ctx_size=self.configs[0].ctx_size,
-                activation_dtype=self.configs[0].activation_dtype, **self.client_options)
+                activation_dtype=self.configs[0].activation_dtype, kv_cache=self.kv_cache,
+                **self.client_options)
         except BaseException:
             await self.close()
             raise

@@ -53,6 +53,8 @@ class GenerationParams(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False  # extension (as vLLM): prompt and completion token ids
+    # OpenAI: partitions the prefix cache; requests share cached prefixes only under one key
+    prompt_cache_key: str | None = Field(None, max_length=1024)
 
     @field_validator("stop", mode="before")
     @classmethod
