@@ -5,7 +5,8 @@
     skippy_prefix_cache_hits_total{stage}                  lookups served by this stage's cache
     skippy_prefix_cache_misses_total{stage}
     skippy_prefix_cache_evictions_total{stage}             entries dropped from memory
-    skippy_prefix_cache_disk_quarantined_total{stage} ...  and the rest of StagePrefixCache.stats()
+    skippy_prefix_cache_disk_hits_total{stage}             memory misses served from disk
+    skippy_prefix_cache_disk_tier_quarantined_total{stage} ... and the rest of StagePrefixCache.stats()
     skippy_prefix_cache_num_entries{stage} / _num_bytes{stage}   gauges
 
 A backend exposes `cache_stats() -> [(stage id, {name: value})]`; stages report what they
@@ -33,12 +34,11 @@ class PrefixCacheCollector:
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for stage, counters in self.source():
             for name, value in counters.items():
-                plain = name.removeprefix("prefix_")
-                metric = f"skippy_prefix_cache_{plain}"
+                metric = f"skippy_prefix_cache_{name}"
                 if metric not in families:
-                    is_gauge = plain.removeprefix("disk_") in GAUGES
+                    is_gauge = name.removeprefix("disk_tier_") in GAUGES
                     cls = GaugeMetricFamily if is_gauge else CounterMetricFamily
-                    families[metric] = cls(metric, f"Prefix cache {plain.replace('_', ' ')}, per stage",
+                    families[metric] = cls(metric, f"Prefix cache {name.replace('_', ' ')}, per stage",
                                            labels=["stage"])
                 families[metric].add_metric([stage], value)
         yield from families.values()

@@ -129,7 +129,12 @@ class ChainSession:
         started = time.perf_counter()
         runtime, link = self.client.runtime, None if self.is_local else self.lane.link
         if self.position == 0 and runtime.prefix_cache is not None:
-            restored = await self._restore(tokens)
+            restored, first = await self._restore(tokens)
+            if first is not None:  # TryRestorePrefillDecode: the first token came with it
+                self.timings.prefilled_tokens += 1
+                self.timings.prefill_s += time.perf_counter() - started
+                self.timings.first_token_s = time.perf_counter() - started
+                return first
             tokens = tokens[restored:]
         self.timings.prefilled_tokens += len(tokens)
         sizes = self.client.chunk_policy.chunk_sizes(len(tokens))
@@ -167,11 +172,16 @@ class ChainSession:
         await self._record(recording)
         return reply.predicted
 
-    async def _restore(self, tokens: Sequence[int]) -> int:
+    async def _restore(self, tokens: Sequence[int]) -> tuple[int, int | None]:
         """The chain restore (spec §4.4): restore stage 0's longest cached prefix of the
         prompt's cacheable part, then ask the stages below for exactly that prefix. Keep it
         only if every stage hit; otherwise drop it (each stage below that hit has already
-        rolled back) and return 0 for a cold prefill. Returns the restored length."""
+        rolled back) and return 0 for a cold prefill. Returns (restored length, first token).
+
+        When the hit covers the whole cacheable part (all but the last prompt token), it is
+        a TryRestorePrefillDecode: the last token's rows ride along, and on a chain hit the
+        final stage samples the first token, so restore and first token take one round trip.
+        """
         runtime, started = self.client.runtime, time.perf_counter()
         cacheable = list(tokens[:cacheable_prefix_length(len(tokens))])
         with self.client.telemetry.span("stage0.prefix_restore",
@@ -188,27 +198,44 @@ class ChainSession:
                     kv_lookup_hits=1, kv_imported_pages=1, kv_imported_tokens=restored,
                     kv_hit_stage_mask=stage_mask(0)) if restored
                     else StageReplyStats(kv_lookup_misses=1))
+            first = None
+            fused = bool(restored) and restored == len(cacheable) and not self.is_local
             if restored and not self.is_local:
-                msg = self._message(MessageKind.TryRestorePrefill, token_count=restored,
-                                    tokens=cacheable[:restored],
-                                    cache_namespace=self.cache_namespace)
-                down = (await self._guard("TryRestorePrefill", self._control(msg))).stats
+                msg = await self._restore_message(cacheable[:restored], tokens, fused)
+                down = (await self._guard(msg.kind.name, self._control(msg))).stats
                 if down.kv_lookup_misses or down.kv_lookup_errors or not down.kv_lookup_hits:
                     if not (down.kv_lookup_hits or down.kv_lookup_misses or down.kv_lookup_errors):
                         self.stats = merge(self.stats, StageReplyStats(kv_lookup_misses=1))
                     await runtime.rollback_prefix(self.key)
                     restored, decision = 0, "downstream_miss_rollback"
-            self.position = restored
+                elif fused:
+                    first = (await self._guard("TryRestorePrefillDecode (first token)",
+                                               self._prediction())).predicted
+            self.position = restored + (first is not None)
             self.timings.restored_tokens = restored
             self.timings.restore_s = time.perf_counter() - started
             self.timings.restore_decision = decision
             span.set("kv_decision", decision)
+            span.set("kv_restore_decode", first is not None)
             span.set("kv_restored_tokens", restored)
             span.set("kv_suffix_tokens", len(tokens) - restored)
             span.set("kv_hit_stage_mask", self.stats.kv_hit_stage_mask)
             span.set("restore_ms", self.timings.restore_s * 1e3)
         self.client.telemetry.count(f"stage0.kv_restore.{decision}")
-        return restored
+        return restored, first
+
+    async def _restore_message(self, prefix: list[int], tokens: Sequence[int],
+                               fused: bool) -> StageMessage:
+        if not fused:
+            return self._message(MessageKind.TryRestorePrefill, token_count=len(prefix),
+                                 tokens=prefix, cache_namespace=self.cache_namespace)
+        last = int(tokens[len(prefix)])
+        step = Step(self.session, len(prefix), 1, [last], out_dtype=self.out_dtype)
+        timed = await self.client.runtime.run_alone(step)
+        return self._with_rows(self._message(
+            MessageKind.TryRestorePrefillDecode, pos_start=len(prefix), token_count=1,
+            tokens=prefix + [last], current_token=last, sampling=self.sampling,
+            cache_namespace=self.cache_namespace), timed.value.rows)
 
     async def _record(self, recording) -> None:
         """Wait for a record submitted to the worker and count it in the request's stats."""

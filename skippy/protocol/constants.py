@@ -229,7 +229,7 @@ KIND_INFO: dict[MessageKind, KindInfo] = {
     K.PrefillFinalEmbd:        KindInfo(P.Prefill, True,  R.PredictedToken),
     K.ConfigureGeneration:     KindInfo(P.Prefill, False, R.Ack),
     K.TryRestorePrefill:       KindInfo(P.Prefill, False, R.Ack),             # with kv stats
-    K.TryRestorePrefillDecode: KindInfo(P.Prefill, True,  R.PredictedToken),  # Ack on a miss
+    K.TryRestorePrefillDecode: KindInfo(P.Prefill, True,  R.Ack),             # + a token on a hit
     K.TrimSession:             KindInfo(P.Prefill, False, R.Ack),
     K.PredictionReturnOpen:    KindInfo(P.Decode,  False, None),              # replies follow
     K.VerifyWindow:            KindInfo(P.Decode,  True,  R.PredictedTokens),

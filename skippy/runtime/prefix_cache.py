@@ -148,6 +148,15 @@ class PrefixCache:
         if not self._pins[key]:
             del self._pins[key]
 
+    def clear(self) -> int:
+        """Drop every memory entry no session has pinned (counted as evictions, not written to
+        the lower tier: an operator's "forget it", or a test's eviction); return how many."""
+        victims = [key for key in self._entries if key not in self._pins]
+        for key in victims:
+            self.num_bytes -= self._entries.pop(key).nbytes
+        self._stats.evictions += len(victims)
+        return len(victims)
+
     def flush(self) -> int:
         """Write every memory entry the lower tier lacks (at shutdown); return how many."""
         if self.disk is None:

@@ -132,9 +132,9 @@ class StagePrefixCache:
     # -- anywhere -------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Counters and gauges for /metrics and telemetry (numbers only)."""
-        out = {f"prefix_{k}": v for k, v in dataclasses.asdict(self.cache.stats).items()}
-        out["prefix_rollbacks"] = self.rollbacks
-        out["prefix_restore_errors"] = self.restore_errors
-        if self.disk is not None:
-            out.update({f"disk_{k}": v for k, v in dataclasses.asdict(self.disk.stats).items()})
+        out = dataclasses.asdict(self.cache.stats)   # memory: hits, misses, evictions...
+        out["rollbacks"] = self.rollbacks
+        out["restore_errors"] = self.restore_errors
+        if self.disk is not None:                     # the disk tier's own view
+            out.update({f"disk_tier_{k}": v for k, v in dataclasses.asdict(self.disk.stats).items()})
         return out
