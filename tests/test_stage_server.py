@@ -222,7 +222,8 @@ def test_sessions_beyond_lane_count_are_refused(make_stage, caplog):
 
 
 def test_prefix_restore_is_a_miss_with_neutral_stats(make_stage):
-    """No prefix cache yet: TryRestorePrefill(Decode) answer an ACK with all-zero stats."""
+    """A stage without a prefix cache: TryRestorePrefill(Decode) answer an ACK with all-zero
+    stats (its upstream counts that neutral reply as a miss, spec §4.4)."""
     async def main():
         server = await start_server(make_stage)
         try:
