@@ -19,15 +19,18 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..model.llama import StageModel
 from ..protocol import SamplingConfig, StageReplyStats
 from ..runtime.engine import StageRuntime
+from ..runtime.proposers import Proposer, create_proposer
+from ..runtime.speculation import SpeculativeSettings
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.downstream import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, DownstreamLink, LinkBroken
 from ..stage.prediction_return import PredictionHub, ReturnListener
 from ..telemetry import Telemetry
+from .chain_decode import ChainDecoder
 from .chain_session import ChainError, ChainSession, SessionTimings
 from .chunking import ChunkPolicy, FixedChunks
 
@@ -41,6 +44,7 @@ class GenerationResult:
     prompt_tokens: int
     stats: StageReplyStats        # merged over every reply of the chain
     timings: SessionTimings
+    speculation: dict = field(default_factory=dict)  # ChainDecoder.summary(); {} when off
 
 
 @dataclass(slots=True)
@@ -59,9 +63,13 @@ class ChainClient:
                  reply_timeout_s: float = REPLY_TIMEOUT_S,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  telemetry: Telemetry | None = None, record_logits: bool = False,
-                 batch_wait_s: float = 0.002, prefix_cache: StagePrefixCache | None = None):
+                 batch_wait_s: float = 0.002, prefix_cache: StagePrefixCache | None = None,
+                 speculative: SpeculativeSettings = SpeculativeSettings(),
+                 draft_model: StageModel | None = None):
         """`prefix_cache`: stage 0's prefix KV cache; with it a prompt first tries a chain
-        restore (chain_session.ChainSession.prefill)."""
+        restore (chain_session.ChainSession.prefill). `speculative`: the default speculative
+        decoding of a request (chain_decode.py); `draft_model`: the whole small model the
+        "draft" proposer runs in this process (shared by every request, each with its own KV)."""
         if not model.layers.is_first:
             raise ValueError(f"Expected the first stage's layers [0, k), got {model.layers}")
         if (downstream is None) != model.layers.is_last:
@@ -79,6 +87,8 @@ class ChainClient:
                                     record_logits=record_logits, name="skippy-stage0",
                                     prefix_cache=prefix_cache)
         self.ctx_size = self.runtime.runner.ctx_size
+        self.speculative, self.draft_model = speculative, draft_model
+        self.check_speculative(speculative)
         self.hub = PredictionHub()
         self.listener = ReturnListener(self.hub, return_bind, auth_token=auth_token)
         self.return_endpoint: str | None = None
@@ -152,35 +162,56 @@ class ChainClient:
         lane.session = None
         self._lanes.put_nowait(lane)
 
+    def check_speculative(self, settings: SpeculativeSettings) -> None:
+        """ValueError when this client cannot run `settings` (a draft mode without a model)."""
+        if settings.mode == "draft" and self.draft_model is None:
+            raise ValueError("Expected a draft model for speculative mode 'draft'; start with "
+                             "--draft-model PATH, or pick an n-gram mode")
+
+    def new_proposer(self, settings: SpeculativeSettings) -> Proposer | None:
+        """A fresh proposer for one request (None when speculation is off)."""
+        if not settings.is_enabled:
+            return None
+        self.check_speculative(settings)
+        if settings.mode == "draft":
+            return create_proposer("draft", model=self.draft_model, ctx_size=self.ctx_size)
+        return create_proposer(settings.mode, **settings.proposer_options())
+
+    def decoder(self, session: ChainSession, *, max_tokens: int, stop_ids: Sequence[int],
+                speculative: SpeculativeSettings | None = None) -> ChainDecoder:
+        """The decode loop for one request (`speculative` None: the client's default)."""
+        settings = self.speculative if speculative is None else speculative
+        return ChainDecoder(session, max_tokens=max_tokens, stop_ids=frozenset(stop_ids),
+                            ctx_size=self.ctx_size, proposer=self.new_proposer(settings),
+                            settings=settings)
+
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int = 256,
                        sampling: SamplingConfig = SamplingConfig(),
                        stop_ids: Sequence[int] = (),
                        on_token: Callable[[int], None] | None = None,
-                       cache_namespace: bytes | None = None) -> GenerationResult:
-        """Prefill, decode until a stop id, `max_tokens` or the context end, then Stop."""
+                       cache_namespace: bytes | None = None,
+                       speculative: SpeculativeSettings | None = None) -> GenerationResult:
+        """Prefill, decode until a stop id, `max_tokens` or the context end, then Stop.
+        `speculative`: verify windows of proposed tokens (None: the client's default)."""
         if not prompt_ids:
             raise ValueError("Expected a non-empty prompt")
         if len(prompt_ids) > self.ctx_size:
             raise ValueError(f"Expected a prompt of at most {self.ctx_size} tokens (the context "
                              f"size), got {len(prompt_ids)}. Fix: shorten it or raise ctx_size.")
-        stop_ids = frozenset(stop_ids)
+        self.check_speculative(self.speculative if speculative is None else speculative)
         tokens: list[int] = []
         async with self.session(sampling, len(prompt_ids), cache_namespace) as session:
-            token = await session.prefill(prompt_ids)
-            while True:
-                if token in stop_ids:
-                    reason = "stop"
-                    break
+            decoder = self.decoder(session, max_tokens=max_tokens, stop_ids=stop_ids,
+                                   speculative=speculative)
+            first = await session.prefill(prompt_ids)
+            decode_started = time.perf_counter()
+            async for token in decoder.tokens(prompt_ids, first):
                 tokens.append(token)
                 if on_token is not None:
                     on_token(token)
-                if len(tokens) >= max_tokens:
-                    reason = "length"
-                    break
-                if session.position + 1 > self.ctx_size:
-                    reason = "context"
-                    break
-                token = await session.decode(token)
+            if decoder.settings.is_enabled:  # decode_s counts DecodeEmbd steps only otherwise
+                session.timings.decode_s = time.perf_counter() - decode_started
+            reason = decoder.finish_reason
             started = time.perf_counter()
             stats = await session.stop()
             self.telemetry.summary(
@@ -190,7 +221,9 @@ class ChainClient:
                 first_token_ms=session.timings.first_token_s * 1e3,
                 decode_ms=session.timings.decode_s * 1e3,
                 stop_ms=(time.perf_counter() - started) * 1e3)
-        return GenerationResult(tokens, reason, len(prompt_ids), stats, session.timings)
+            speculation = decoder.report(self.telemetry)
+        return GenerationResult(tokens, reason, len(prompt_ids), stats, session.timings,
+                                speculation)
 
     async def stream(self, prompt_ids: Sequence[int], **options) -> AsyncIterator[int]:
         """`generate`, yielding each token as it arrives."""

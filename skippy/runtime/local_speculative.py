@@ -3,6 +3,8 @@
 Same contract as local_generation.generate_tokens (the tokens, the stops, the
 context limit), but each decode step verifies a window [current, d1..dn] of
 proposed tokens in one forward and keeps the prefix the target agrees with.
+Acceptance, stops and counters are `speculation.Speculator`'s, shared with the
+chain's stage-0 decoder (frontend/chain_decode.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from ..model.sampling import RequestSampler
 from ..protocol.sampling_config import SamplingConfig
 from .local_generation import GenerationLimits
 from .proposers import Proposer
-from .speculation import AdaptiveWindow, SpeculationStats, settle_window
+from .speculation import AdaptiveWindow, SpeculationStats, Speculator
 
 
 def generate_tokens_speculative(
@@ -42,60 +44,33 @@ def generate_tokens_speculative(
         raise ValueError("Expected a non-empty prompt")
     if limits.max_tokens <= 0:
         return
-    window = window or AdaptiveWindow()
-    stats = stats if stats is not None else SpeculationStats()
+    spec = Speculator(proposer, limits.max_tokens, limits.stop_ids, window, stats)
     cache = model.new_cache(ctx_size)
     sampler = RequestSampler(sampling, model.device)
-    history = list(prompt_ids)
 
     # Prefill: the first token comes from the prompt's last row, as without speculation.
     if len(prompt_ids) > cache.max_tokens:
         return
     hidden = model.forward(torch.tensor(prompt_ids), [Segment(cache, 0, len(prompt_ids))])
-    current = sampler.sample(model.compute_logits(hidden[-1:])[0], history)
-    if current in limits.stop_ids:
-        return
-    yield current
-    history.append(current)
-    num_emitted = 1
-    if proposer is not None:
-        proposer.reset(history)
+    yield from spec.start(prompt_ids, sampler.sample(model.compute_logits(hidden[-1:])[0], prompt_ids))
 
-    while num_emitted < limits.max_tokens:
-        pos_start = cache.length  # the committed position P; `current` goes there
+    while not spec.is_finished:
+        pos_start = cache.length  # the committed position P; the current token goes there
         num_free = cache.max_tokens - pos_start
         if num_free < 1:
             return
-        # A window of n drafts yields up to n + 1 tokens: never propose past max_tokens.
-        width = min(window.width, limits.max_tokens - num_emitted - 1, num_free - 1)
-        drafts: list[int] = []
-        if proposer is not None and width > 0:
-            started = time.perf_counter()
-            drafts = proposer.propose(width)[:width]
-            stats.propose_seconds += time.perf_counter() - started
+        drafts = spec.propose(spec.next_width(num_free))
 
         started = time.perf_counter()
         checkpoint = cache.checkpoint()  # stands for the stages' native verify checkpoint
-        ids = [current, *drafts]
+        ids = [spec.current, *drafts]
         hidden = model.forward(torch.tensor(ids), [Segment(cache, pos_start, len(ids))])
         # targets[i]: the sampler's pick after current, d1..di (row i)
-        targets = sampler.sample(model.compute_logits(hidden), history, row_tokens=drafts)
-        outcome = settle_window(drafts, targets, limits.stop_ids, limits.max_tokens - num_emitted)
+        targets = sampler.sample(model.compute_logits(hidden), spec.history, row_tokens=drafts)
+        outcome = spec.settle(drafts, targets)
         # Keep the KV of current and the accepted drafts; the rejected rows are
         # overwritten by the next window. Then retire the checkpoint.
         cache.truncate(pos_start + outcome.num_kv_kept)
         cache.release(checkpoint)
-        stats.verify_seconds += time.perf_counter() - started
-
-        stats.record(outcome)
-        if drafts:
-            window.record(outcome.num_drafts, outcome.num_accepted)
-        for token in outcome.tokens:
-            yield token
-        if outcome.is_stopped:
-            return
-        history.extend(outcome.tokens)
-        num_emitted += len(outcome.tokens)
-        current = history[-1]
-        if proposer is not None:
-            proposer.commit(outcome.tokens)
+        spec.stats.verify_seconds += time.perf_counter() - started
+        yield from outcome.tokens

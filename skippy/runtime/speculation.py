@@ -15,6 +15,7 @@ right exactly when d(i+1) == t(i).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -172,4 +173,153 @@ class SpeculationStats:
         }
         out["acceptance_rate"] = self.acceptance_rate
         out["width_histogram"] = dict(sorted(self.width_histogram.items()))
+        return out
+
+
+MAX_PIPELINE_DEPTH = 64  # spec §5.1: the hard cap on verify windows in flight
+MAX_WINDOW_TOKENS = 64   # drafts per window; a wider window only wastes rows when it misses
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeSettings:
+    """How one request speculates (spec §5.1): the proposer and the verify window.
+
+    `mode` is a registered proposer name or "off". The window carries between
+    `min_window` and `max_window` drafts (adaptive in between); `pipeline_depth`
+    windows may be in flight at once on a chain.
+    """
+
+    mode: str = "off"
+    min_window: int = 1
+    max_window: int = 4
+    pipeline_depth: int = 1
+
+    def __post_init__(self) -> None:
+        modes = ["off", *available_proposers()]
+        if self.mode not in modes:
+            raise ValueError(f"Expected a speculative mode in {modes}, got {self.mode!r}")
+        if not 0 < self.min_window <= self.max_window <= MAX_WINDOW_TOKENS:
+            raise ValueError(f"Expected 0 < min_window <= max_window <= {MAX_WINDOW_TOKENS}, "
+                             f"got {self.min_window} and {self.max_window}")
+        if not 0 < self.pipeline_depth <= MAX_PIPELINE_DEPTH:
+            raise ValueError(f"Expected a pipeline depth in [1, {MAX_PIPELINE_DEPTH}], got {self.pipeline_depth}")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.mode != "off"
+
+    def proposer_options(self) -> dict[str, int]:
+        """Options for the n-gram proposers: a budget that can fill every window in flight."""
+        if self.mode.startswith("ngram"):
+            return {"max_proposal_tokens": max(16, self.pipeline_depth * (self.max_window + 1))}
+        return {}
+
+
+class Speculator:
+    """One request's speculation state: committed history, proposals, settled windows, stops.
+
+    The model-side loop (one process: local_speculative.py; a chain: the stage-0
+    decoder) owns the KV cache and the forwards; this owns everything else, so both
+    decide acceptance and stops with the same code:
+
+        emitted = spec.start(prompt, first_token)       # the prefill's token, unless a stop
+        while not spec.is_finished:
+            drafts = spec.propose(spec.next_width(num_free_positions))
+            targets = <verify [spec.current, *drafts] at the committed position>
+            outcome = spec.settle(drafts, targets)       # emit outcome.tokens; keep num_kv_kept rows
+
+    `proposer` None never proposes: every step is a one-row window (plain decoding).
+    """
+
+    def __init__(self, proposer: Proposer | None, max_tokens: int, stop_ids: Collection[int],
+                 window: AdaptiveWindow | None = None, stats: SpeculationStats | None = None):
+        self.proposer = proposer
+        self.max_tokens, self.stop_ids = max_tokens, stop_ids
+        self.window = window or AdaptiveWindow()
+        self.stats = stats if stats is not None else SpeculationStats()
+        self.history: list[int] = []  # prompt + every committed token; ends with the current token
+        self.num_emitted = 0
+        self.finish_reason: str | None = None  # "stop" (a stop id) or "length" (max_tokens)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def current(self) -> int:
+        """The last committed token: the next window's first row."""
+        return self.history[-1]
+
+    @property
+    def num_committed_positions(self) -> int:
+        """Positions whose KV every stage keeps: all of the history but the current token."""
+        return len(self.history) - 1
+
+    def start(self, prompt: Sequence[int], first_token: int) -> list[int]:
+        """Take the prefill's prediction; returns it to emit, or [] when it is a stop id."""
+        if self.max_tokens < 1:
+            self.finish_reason = "length"
+            return []
+        if first_token in self.stop_ids:
+            self.finish_reason = "stop"
+            return []
+        self.history = [*prompt, first_token]
+        self.num_emitted = 1
+        if self.num_emitted >= self.max_tokens:
+            self.finish_reason = "length"
+        if self.proposer is not None:
+            self.proposer.reset(self.history)
+        return [first_token]
+
+    def next_width(self, num_free: int, num_pending: int = 0) -> int:
+        """Drafts the next window may carry: the adaptive width, bounded so the window never
+        yields past max_tokens (n drafts yield up to n + 1 tokens) or writes past the context.
+
+        `num_free`: positions from the window's first row to the context end.
+        `num_pending`: tokens that windows already in flight may yield before this one."""
+        budget = self.max_tokens - self.num_emitted - num_pending - 1
+        return max(0, min(self.window.width, budget, num_free - 1))
+
+    def propose(self, num_tokens: int) -> list[int]:
+        """Up to `num_tokens` guesses for the tokens after the committed history."""
+        if self.proposer is None or num_tokens <= 0:
+            return []
+        started = time.perf_counter()
+        drafts = self.proposer.propose(num_tokens)[:num_tokens]
+        self.stats.propose_seconds += time.perf_counter() - started
+        return drafts
+
+    def settle(self, drafts: Sequence[int], targets: Sequence[int]) -> WindowOutcome:
+        """Resolve the window [current, *drafts]: accept, stop, count, and commit."""
+        outcome = settle_window(drafts, targets, self.stop_ids, self.max_tokens - self.num_emitted)
+        self.stats.record(outcome)
+        if drafts:
+            self.window.record(outcome.num_drafts, outcome.num_accepted)
+        self.num_emitted += len(outcome.tokens)
+        self.history.extend(outcome.tokens)
+        if outcome.is_stopped:
+            self.finish_reason = "length" if self.num_emitted >= self.max_tokens else "stop"
+        elif self.proposer is not None:
+            self.proposer.commit(outcome.tokens)
+        return outcome
+
+    def summary(self) -> dict[str, float | int | str]:
+        """Flat figures for `timings`, /metrics and telemetry: the stats plus the window's widths."""
+        stats, window = self.stats, self.window
+        out: dict[str, float | int | str] = {
+            f"speculative_{name}": value for name, value in stats.as_dict().items()
+            if name != "width_histogram"
+        }
+        out.update({
+            "draft_n": stats.num_proposed_tokens,  # llama-server's names
+            "draft_n_accepted": stats.num_accepted_tokens,
+            "speculative_window_start": window.start,
+            "speculative_window_final": window.width,
+            "speculative_window_min": window.min_tokens,
+            "speculative_window_max": window.max_tokens,
+            "speculative_window_grows": window.num_grows,
+            "speculative_window_shrinks": window.num_shrinks,
+            "speculative_mean_window": (stats.num_proposed_tokens / stats.num_windows
+                                        if stats.num_windows else 0.0),
+        })
         return out

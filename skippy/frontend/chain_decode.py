@@ -1,0 +1,210 @@
+"""Stage 0's decode loop on a `ChainSession`: token by token, or in speculative verify windows.
+
+Without speculation every token is one `DecodeEmbd` trip through the chain. With
+it (spec §5.3), stage 0 proposes drafts from the committed tokens and sends
+`VerifyWindow [current, d1..dn]` at the committed position P; the final stage
+samples a target for every row with the request's sampler, and stage 0 keeps the
+longest prefix where draft == target plus one correction or bonus token
+(`speculation.Speculator`, the same code as the one-process loop). The rows it
+rejects are cut on every stage by the next message's authoritative `pos_start`
+(auto-align); the window's checkpoints are then retired.
+
+Pipelined windows (`pipeline_depth` > 1). While window k is in flight, stage 0
+may send window k+1 at P + len(window k), whose first row is the proposer's guess
+for window k's bonus token. The proposer still sees only committed tokens: a
+run-ahead window is the tail of a proposal that must begin with the tokens already
+in flight, so stage 0 computes window k+1 while the stages below compute window
+k. Replies are resolved in order. Window k+1 stays valid only if window k was
+accepted in full and its bonus equals k+1's first row; otherwise every window
+still in flight is stale: `DiscardStaleWindows` (the final stage skips them) and
+the next window rewinds every stage with its `pos_start`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..runtime.proposers import Proposer
+from ..runtime.speculation import AdaptiveWindow, SpeculationStats, SpeculativeSettings, Speculator
+from ..telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from .chain_session import ChainSession
+
+RETIRE_ALL = 1 << 30  # a RetireVerifyWindow count that covers every window based at or after a position
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    window_id: int
+    base: int          # its first row's position
+    tokens: list[int]  # [first row, drafts...]; the first row is the current token or a guess
+
+
+class ChainDecoder:
+    """Decode after the prefill until a stop id, max_tokens or the context end.
+
+        decoder = ChainDecoder(session, max_tokens=64, stop_ids=eog, ctx_size=2048,
+                               proposer=create_proposer("ngram-suffix"), settings=settings)
+        async for token in decoder.tokens(prompt_ids, first_token): ...
+        decoder.finish_reason   # "stop", "length" or "context"
+    """
+
+    def __init__(self, session: ChainSession, *, max_tokens: int, stop_ids: Collection[int],
+                 ctx_size: int, proposer: Proposer | None = None,
+                 settings: SpeculativeSettings = SpeculativeSettings()):
+        if (proposer is None) == settings.is_enabled:
+            raise ValueError(f"Expected a proposer exactly when speculation is on, got mode "
+                             f"{settings.mode!r} and proposer {proposer!r}")
+        self.session, self.ctx_size, self.settings = session, ctx_size, settings
+        # One stage computes a window when it is sent: nothing would overlap.
+        self.pipeline_depth = 1 if session.is_local else settings.pipeline_depth
+        self.stats = SpeculationStats()
+        self.spec = Speculator(proposer, max_tokens, stop_ids,
+                               AdaptiveWindow(settings.min_window, settings.max_window), self.stats)
+        self.finish_reason: str | None = None
+        self.num_stale_windows = 0
+        self._is_heavy = proposer is not None and proposer.name == "draft"  # a model forward
+        self._next_window_id = 1
+
+    async def tokens(self, prompt: Sequence[int], first_token: int) -> AsyncIterator[int]:
+        """The tokens to emit, in order, starting with the prefill's `first_token`."""
+        for token in self.spec.start(prompt, first_token):
+            yield token
+        if self.spec.is_finished:
+            self.finish_reason = self.spec.finish_reason
+            return
+        steps = self._speculate() if self.settings.is_enabled else self._decode()
+        async for token in steps:
+            yield token
+        self.finish_reason = self.finish_reason or self.spec.finish_reason
+
+    # -- token by token ---------------------------------------------------------------------
+    async def _decode(self) -> AsyncIterator[int]:
+        spec, session = self.spec, self.session
+        while not spec.is_finished:
+            position = spec.num_committed_positions
+            if position + 1 > self.ctx_size:
+                self.finish_reason = "context"
+                return
+            token = await session.decode(spec.current, pos_start=position)
+            for token in spec.settle([], [token]).tokens:
+                yield token
+
+    # -- speculative windows ----------------------------------------------------------------
+    async def _speculate(self) -> AsyncIterator[int]:
+        spec, session = self.spec, self.session
+        inflight: deque[_Window] = deque()
+        local: list[int] | None = None  # one stage: the targets, computed when sent
+        while not spec.is_finished:
+            while len(inflight) < self.pipeline_depth and local is None:
+                window = await self._plan(inflight)
+                if window is None:
+                    break
+                started = time.perf_counter()
+                local = await session.submit_verify(window.tokens, window.window_id,
+                                                    pos_start=window.base)
+                self.stats.verify_seconds += time.perf_counter() - started
+                inflight.append(window)
+            if not inflight:  # nothing to propose: one plain decode step
+                position = spec.num_committed_positions
+                if position + 1 > self.ctx_size:
+                    self.finish_reason = "context"
+                    return
+                started = time.perf_counter()
+                token = await session.decode(spec.current, pos_start=position)
+                self.stats.verify_seconds += time.perf_counter() - started
+                for token in spec.settle([], [token]).tokens:
+                    yield token
+                continue
+            window = inflight.popleft()
+            started = time.perf_counter()
+            targets = local if local is not None else await session.wait_window(window.window_id)
+            local = None
+            self.stats.verify_seconds += time.perf_counter() - started
+            assert window.tokens[0] == spec.current and window.base == spec.num_committed_positions
+            outcome = spec.settle(window.tokens[1:], targets)
+            if spec.is_finished:
+                # Stop ends the session on every stage (no retirement needed); the final
+                # stage need not sample what is still in flight.
+                if inflight:
+                    await session.discard_windows(inflight[0].window_id, inflight[-1].window_id)
+            elif inflight and (outcome.num_accepted < outcome.num_drafts
+                               or inflight[0].tokens[0] != spec.current):
+                self.num_stale_windows += len(inflight)
+                await session.discard_windows(inflight[0].window_id, inflight[-1].window_id)
+                await session.retire(window.base, RETIRE_ALL)  # this window and the stale ones
+                inflight.clear()
+            else:
+                await session.retire(window.base, 1)
+            for token in outcome.tokens:
+                yield token
+
+    async def _plan(self, inflight: deque[_Window]) -> _Window | None:
+        """The next window to send, or None: nothing proposed, or no room left for one.
+
+        With no window in flight it is [current, d1..dn] at the committed position. Behind
+        windows in flight it continues their tokens: [guess for the last one's bonus, d...]."""
+        spec = self.spec
+        if not inflight:
+            base = spec.num_committed_positions
+            width = spec.next_width(self.ctx_size - base)
+            drafts = await self._propose(width)
+            if not drafts:
+                return None
+            return self._window(base, [spec.current, *drafts])
+        # Tokens already riding on the windows in flight, after the current one.
+        pending = [*inflight[0].tokens[1:], *(t for w in list(inflight)[1:] for t in w.tokens)]
+        last = inflight[-1]
+        base = last.base + len(last.tokens)
+        num_yield = sum(len(w.tokens) for w in inflight)  # what they yield if all is accepted
+        width = spec.next_width(self.ctx_size - base, num_yield)
+        if width < 1:
+            return None
+        proposal = await self._propose(len(pending) + 1 + width)
+        if len(proposal) < len(pending) + 2 or proposal[:len(pending)] != pending:
+            return None  # the proposer no longer continues what is in flight
+        return self._window(base, proposal[len(pending):])
+
+    async def _propose(self, num_tokens: int) -> list[int]:
+        if num_tokens <= 0:
+            return []
+        if self._is_heavy:  # a draft model: off the event loop
+            return await asyncio.to_thread(self.spec.propose, num_tokens)
+        return self.spec.propose(num_tokens)
+
+    def _window(self, base: int, tokens: list[int]) -> _Window:
+        window = _Window(self._next_window_id, base, tokens)
+        self._next_window_id += 1
+        return window
+
+    def summary(self) -> dict[str, float | int | str]:
+        """Flat figures for `timings`, /metrics and telemetry; {} without speculation."""
+        if not self.settings.is_enabled:
+            return {}
+        return {"speculative_mode": self.settings.mode,
+                "speculative_pipeline_depth": self.pipeline_depth,
+                "speculative_stale_windows": self.num_stale_windows,
+                **self.spec.summary()}
+
+    def report(self, telemetry: Telemetry) -> dict:
+        """Log the request's speculation summary and count it; returns the summary plus the
+        window-width histogram ({} without speculation)."""
+        summary = self.summary()
+        if not summary:
+            return {}
+        telemetry.summary("stage0.speculation_summary", **summary)
+        stats = self.stats
+        for name, value in (("windows", stats.num_windows),
+                            ("proposed_tokens", stats.num_proposed_tokens),
+                            ("accepted_tokens", stats.num_accepted_tokens),
+                            ("rejected_tokens", stats.num_rejected_tokens),
+                            ("stale_windows", self.num_stale_windows)):
+            if value:
+                telemetry.count(f"stage0.speculative.{name}", value)
+        return {**summary, "speculative_width_histogram": dict(sorted(stats.width_histogram.items()))}
