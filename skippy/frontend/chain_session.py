@@ -190,6 +190,7 @@ class ChainSession:
                 restored = (await runtime.restore_prefix(self.key, cacheable, longest=True)).value
             except Exception as error:  # noqa: BLE001 - a failed restore is a cold prefill
                 log.warning("stage 0: prefix restore failed: %s", error)
+                runtime.prefix_cache.restore_errors += 1
                 restored, decision = 0, "stage0_error"
                 self.stats = merge(self.stats, StageReplyStats(kv_lookup_errors=1))
             else:

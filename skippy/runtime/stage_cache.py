@@ -35,7 +35,8 @@ class StagePrefixCache:
                  disk: DiskCache | None = None):
         self.cache, self.base, self.mode, self.disk = cache, base, mode, disk
         self.rollbacks = 0          # restores dropped because a stage below missed
-        self.restore_errors = 0
+        self.restore_errors = 0     # counted by the callers, which treat them as misses
+        self.record_errors = 0
 
     @classmethod
     def build(cls, config: KvCacheConfig, *, model_path: str, layer_start: int, layer_end: int,
@@ -91,6 +92,9 @@ class StagePrefixCache:
             session.cache.restore(hit.snapshot)
             session.ledger[:] = tokens[:hit.num_tokens]   # seeds the ledger (spec §4.3)
             session.verify_windows.clear()
+        except BaseException:
+            self._reset(session)  # a half-copied restore must not stay behind
+            raise
         finally:
             self.cache.unpin(hit.key)
         return hit.num_tokens
@@ -107,12 +111,21 @@ class StagePrefixCache:
             tokens = tokens[:tokens.index(-1)]
         if len(tokens) < self.cache.min_tokens:
             return NO_RECORD
-        return self.cache.record(self.namespace(session.cache_namespace), tokens,
-                                 session.cache.snapshot)
+        try:
+            return self.cache.record(self.namespace(session.cache_namespace), tokens,
+                                     session.cache.snapshot)
+        except Exception as error:  # noqa: BLE001 - a failed record never fails the request
+            self.record_errors += 1
+            log.warning("prefix cache: record failed (%s: %s)", type(error).__name__, error)
+            return NO_RECORD
 
     def rollback(self, session: Session) -> None:
         """Forget a restore: the session holds no positions again (its sampling stays)."""
         self.rollbacks += 1
+        self._reset(session)
+
+    @staticmethod
+    def _reset(session: Session) -> None:
         if session.cache is not None:
             session.cache.truncate(0)
         session.ledger.clear()
@@ -135,6 +148,7 @@ class StagePrefixCache:
         out = dataclasses.asdict(self.cache.stats)   # memory: hits, misses, evictions...
         out["rollbacks"] = self.rollbacks
         out["restore_errors"] = self.restore_errors
+        out["record_errors"] = self.record_errors
         if self.disk is not None:                     # the disk tier's own view
             out.update({f"disk_tier_{k}": v for k, v in dataclasses.asdict(self.disk.stats).items()})
         return out
