@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 from ..protocol.sampling_config import SamplingConfig
+from ..runtime.speculation import SpeculativeSettings
 
 FinishReason = Literal["stop", "length"]
 
@@ -31,6 +32,7 @@ class GenerationRequest:
     sampling: SamplingConfig
     stop_ids: frozenset[int]  # end-of-generation ids: never emitted, finish with "stop"
     prompt_cache_key: str | None = None  # the prefix-cache namespace; None = shared default
+    speculative: SpeculativeSettings | None = None  # None: the server's default
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 
 from ..protocol import StageReplyStats, Topology, cache_namespace_digest
+from ..runtime.speculation import SpeculativeSettings
 from ..stage.downstream import LinkBroken, open_connection
 from .backend import (
     BackendError,
@@ -59,6 +61,15 @@ class ChainBackend:
     def ctx_size(self) -> int:
         return self._client.ctx_size
 
+    @property
+    def speculative(self) -> SpeculativeSettings:
+        """The server's default speculative decoding; a request may ask for other settings."""
+        return self._client.speculative
+
+    def check_speculative(self, settings: SpeculativeSettings) -> None:
+        """ValueError when the chain cannot run `settings` (draft mode without a draft model)."""
+        self._client.check_speculative(settings)
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         client, prompt = self._client, request.prompt_ids
         try:
@@ -66,6 +77,9 @@ class ChainBackend:
             async with client.session(request.sampling, len(prompt), namespace) as session:
                 self._num_open += 1
                 try:
+                    decoder = client.decoder(session, max_tokens=request.max_tokens,
+                                             stop_ids=request.stop_ids,
+                                             speculative=request.speculative)
                     started = time.perf_counter()
                     token = await session.prefill(prompt)
                     first_token_at = time.perf_counter()
@@ -73,19 +87,16 @@ class ChainBackend:
                     yield PrefillDone(len(prompt), session.timings.restored_tokens,
                                       (first_token_at - started) * 1e3)
                     num_generated = 0
-                    while True:
-                        if token in request.stop_ids:
-                            reason = "stop"
-                            break
-                        num_generated += 1
-                        yield Token(token)
-                        if num_generated >= request.max_tokens or session.position + 1 > client.ctx_size:
-                            reason = "length"
-                            break
-                        token = await session.decode(token)
+                    async with aclosing(decoder.tokens(prompt, token)) as tokens:
+                        async for token in tokens:
+                            num_generated += 1
+                            yield Token(token)
+                    reason = "stop" if decoder.finish_reason == "stop" else "length"  # or context
                     decode_ms = (time.perf_counter() - first_token_at) * 1e3
                     stats = await session.stop()
-                    yield Finished(reason, num_generated, decode_ms, _timing_extras(stats, session.timings))
+                    extras = {**_timing_extras(stats, session.timings),
+                              **decoder.report(client.telemetry)}
+                    yield Finished(reason, num_generated, decode_ms, extras)
                 finally:
                     try:
                         if not session.stopped:
