@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
 MAX_ABS_LOGIT_BIAS = 100.0
@@ -29,6 +29,26 @@ class StreamOptions(BaseModel):
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
+
+
+class SpeculativeOptions(BaseModel):
+    """Extension: speculative decoding for one request. Unset fields keep the server's setting.
+    Greedy output is the same with it on or off; only the speed changes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: str | None = None  # "ngram-suffix", "ngram-simple", "draft" or "off"
+    min_window: int | None = Field(None, ge=1, le=64)  # drafts per verify window, adaptive in between
+    max_window: int | None = Field(None, ge=1, le=64)
+    pipeline_depth: int | None = Field(None, ge=1, le=64)  # verify windows in flight at once
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_alone(cls, value: Any) -> Any:
+        """`"speculative": "ngram-suffix"` and `"speculative": false` are shorthands."""
+        if isinstance(value, bool):
+            return {} if value else {"mode": "off"}
+        return {"mode": value} if isinstance(value, str) else value
 
 
 class GenerationParams(BaseModel):
@@ -55,6 +75,7 @@ class GenerationParams(BaseModel):
     return_token_ids: bool = False  # extension (as vLLM): prompt and completion token ids
     # OpenAI: partitions the prefix cache; requests share cached prefixes only under one key
     prompt_cache_key: str | None = Field(None, max_length=1024)
+    speculative: SpeculativeOptions | None = None  # extension: see SpeculativeOptions
 
     @field_validator("stop", mode="before")
     @classmethod
