@@ -24,14 +24,15 @@ def propose(proposer: Proposer, history: list[int], max_tokens: int) -> list[int
 SIMPLE_CASES = [
     ([1, 2, 3, 9, 1, 2, 3], 2, {}, [9, 1]),  # the suffix "1 2 3" occurred before: copy what followed
     ([1, 2, 3, 4], 3, {}, []),  # nothing repeats
-    ([5, 1, 2, 7, 1, 2, 8, 1, 2], 1, {}, [8]),  # two earlier "1 2": the latest wins
+    ([5, 1, 2, 7, 1, 2, 8, 1, 2], 1, {"min_ngram": 2}, [8]),  # two earlier "1 2": the latest wins
     ([1, 2, 3, 5, 0, 2, 3, 6, 1, 2, 3], 1, {}, [5]),  # longest suffix first: "1 2 3" beats the later "2 3"
-    ([4, 1, 9, 1], 2, {}, []),  # only a 1-gram matches, below min_ngram=2
+    ([4, 1, 9, 1], 2, {}, []),  # only a 1-gram matches, below min_ngram (default 3)
     ([4, 1, 9, 1], 2, {"min_ngram": 1}, [9, 1]),  # ... which min_ngram=1 accepts
-    ([1, 2, 1, 2], 8, {}, [1, 2]),  # the copy stops where the history ends
-    ([1, 2, 1, 2, 1, 2], 8, {"max_ngram": 2}, [1, 2]),  # periodic: the latest match is one period back
-    ([3, 1, 2, 4, 5, 6, 7, 1, 2], 8, {"max_proposal_tokens": 3}, [4, 5, 6]),  # the proposal budget caps it
-    ([1, 2, 3, 1, 2], 0, {}, []),  # no room: nothing proposed
+    ([1, 2, 1, 2], 8, {"min_ngram": 2}, [1, 2]),  # the copy stops where the history ends
+    ([1, 2, 1, 2, 1, 2], 8, {"min_ngram": 2, "max_ngram": 2}, [1, 2]),  # periodic: the latest match is one period back
+    ([3, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3], 8, {"max_proposal_tokens": 3}, [4, 5, 6]),  # the budget caps it
+    ([1, 2, 3, 1, 2, 3], 0, {}, []),  # no room: nothing proposed
+    ([9, 1, 2, 7, 1, 2], 4, {}, []),  # a 2-token match is below the default min_ngram of 3
     ([7], 4, {}, []),  # a one-token history has nothing earlier
     ([], 4, {}, []),  # an empty history
 ]

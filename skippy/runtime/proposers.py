@@ -91,7 +91,9 @@ class NgramSimpleProposer(Proposer, name="ngram-simple"):
     O(history) per proposal; the suffix proposer keeps an index instead.
     """
 
-    def __init__(self, min_ngram: int = 2, max_ngram: int = 4, max_proposal_tokens: int = 16):
+    # min_ngram 3: on free-form text 2-token matches mostly guess wrong, and a window
+    # with drafts costs about two plain decode steps on CPU (bench/speculative_local.py).
+    def __init__(self, min_ngram: int = 3, max_ngram: int = 4, max_proposal_tokens: int = 16):
         super().__init__()
         _check_ngram_bounds(min_ngram, max_ngram, max_proposal_tokens)
         self.min_ngram, self.max_ngram, self.max_proposal_tokens = min_ngram, max_ngram, max_proposal_tokens
