@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_options(generate)
     generate.set_defaults(run=run_generate)
     add_chain_options(generate)
+    add_speculative_options(generate)
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API (bundled SmolLM2, 2 local stages)")
     serve.add_argument("--stages", type=int, default=2, help="local stage processes to start (1 = one process)")
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prefix-cache memory, all stages together (e.g. 512MiB; 0 = no prefix cache)")
     add_kv_disk_options(serve, "all stages together, split evenly")
     add_model_options(serve)
+    add_speculative_options(serve)
     serve.set_defaults(run=run_serve)
     add_stage_commands(commands)
     return parser
@@ -86,6 +88,33 @@ def add_kv_disk_options(parser: argparse.ArgumentParser, budget_scope: str) -> N
                         help="prefix-cache disk tier: entries survive restarts (a subdirectory per stage)")
     parser.add_argument("--kv-disk-budget", type=byte_size, default=None,
                         help=f"disk bytes for the prefix cache ({budget_scope}; e.g. 8GiB)")
+
+
+def add_speculative_options(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding: stage 0 proposes tokens and the chain verifies several per trip."""
+    parser.add_argument("--speculative", default="off", choices=["off", "ngram-suffix", "ngram-simple", "draft"],
+                        help="proposer for speculative decoding (greedy output does not change); default off")
+    parser.add_argument("--draft-model", default=None, help="GGUF or HF directory: the draft proposer's model")
+    parser.add_argument("--speculative-min-window", type=int, default=1, help="fewest drafts per verify window")
+    parser.add_argument("--speculative-max-window", type=int, default=8, help="most drafts per verify window")
+    parser.add_argument("--speculative-pipeline-depth", type=int, default=1, help="verify windows in flight")
+
+
+def speculative_settings(args: argparse.Namespace):
+    from .runtime.speculation import SpeculativeSettings
+
+    if args.speculative == "draft" and not args.draft_model:
+        raise ValueError("Expected --draft-model PATH with --speculative draft")
+    return SpeculativeSettings(args.speculative, args.speculative_min_window, args.speculative_max_window,
+                               args.speculative_pipeline_depth)  # fmt: skip
+
+
+def load_draft_model(args: argparse.Namespace):
+    from .model.loader import load_stage
+
+    if not args.draft_model:
+        return None
+    return load_stage(args.draft_model, dtype=args.dtype, device=args.device, progress=False)
 
 
 def add_chain_options(parser: argparse.ArgumentParser) -> None:
@@ -161,11 +190,22 @@ def run_generate(args: argparse.Namespace) -> int:
     path = model_path(args)
     tokenizer = load_tokenizer(path)
     ids = prompt_ids(args, tokenizer)
+    speculative = speculative_settings(args)
     if args.stages > 1 or args.topology:
-        return emit(args, tokenizer, ids, chain_tokens(args, path, ids, tokenizer))
+        return emit(args, tokenizer, ids, chain_tokens(args, path, ids, tokenizer, speculative))
     model = load_stage(path, dtype=args.dtype, device=args.device)
     limits = GenerationLimits(max_tokens=args.max_tokens, stop_ids=tokenizer.eog_ids)
-    tokens = generate_tokens(model, ids, limits, sampling_config(args), args.ctx_size)
+    if not speculative.is_enabled:
+        tokens = generate_tokens(model, ids, limits, sampling_config(args), args.ctx_size)
+        return emit(args, tokenizer, ids, tokens)
+    from .runtime.local_speculative import generate_tokens_speculative
+    from .runtime.speculation import AdaptiveWindow, create_proposer
+
+    options = ({"model": load_draft_model(args)} if speculative.mode == "draft"
+               else speculative.proposer_options())  # fmt: skip
+    window = AdaptiveWindow(speculative.min_window, speculative.max_window)
+    tokens = generate_tokens_speculative(model, ids, limits, create_proposer(speculative.mode, **options),
+                                         sampling_config(args), window, ctx_size=args.ctx_size)  # fmt: skip
     return emit(args, tokenizer, ids, tokens)
 
 
@@ -195,16 +235,22 @@ def run_serve(args: argparse.Namespace) -> int:
         kv_cache_bytes=args.kv_cache_mem,
         kv_disk_dir=Path(args.kv_disk_dir) if args.kv_disk_dir else None,
         **({"kv_disk_budget": args.kv_disk_budget} if args.kv_disk_budget is not None else {}),
+        speculative=args.speculative,
+        draft_model=Path(args.draft_model) if args.draft_model else None,
+        speculative_min_window=args.speculative_min_window,
+        speculative_max_window=args.speculative_max_window,
+        speculative_pipeline_depth=args.speculative_pipeline_depth,
     )
     return serve(config)
 
 
-def chain_tokens(args: argparse.Namespace, path, ids: list[int], tokenizer):
+def chain_tokens(args: argparse.Namespace, path, ids: list[int], tokenizer, speculative):
     from .frontend.local_chain import generate_on_chain
     from .protocol import Topology
 
     options = {"activation_dtype": args.activation_dtype, "dtype": args.dtype,
-               "ctx_size": args.ctx_size or 2048}
+               "ctx_size": args.ctx_size or 2048, "speculative": speculative,
+               "draft_model": load_draft_model(args)}
     topology = Topology.load(args.topology) if args.topology else None
     if topology is None:
         options.update(threads=args.threads, log_level=args.log_level)

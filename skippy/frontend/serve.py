@@ -53,6 +53,11 @@ class ServeConfig:
     kv_cache_bytes: int = 1 << 30  # prefix-cache memory, all stages together; 0 = no prefix cache
     kv_disk_dir: Path | None = None  # prefix-cache disk tier: one subdirectory per stage
     kv_disk_budget: int = 4 << 30  # disk bytes, all stages together
+    speculative: str = "off"  # the default proposer: ngram-suffix, ngram-simple, draft or off
+    draft_model: Path | None = None  # GGUF or HF directory of the "draft" proposer's model
+    speculative_min_window: int = 1
+    speculative_max_window: int = 8
+    speculative_pipeline_depth: int = 1
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -61,6 +66,21 @@ class ServeConfig:
             raise ValueError(f"Expected a port in [0, 65535], got {self.port}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"Expected --concurrency >= 1, got {self.concurrency}")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ValueError("Expected --draft-model PATH with --speculative draft")
+        self.speculative_settings()  # validates the window and depth
+
+    def speculative_settings(self):
+        """The server's default SpeculativeSettings (a request may override them)."""
+        from ..runtime.speculation import SpeculativeSettings
+
+        return SpeculativeSettings(self.speculative, self.speculative_min_window, self.speculative_max_window,
+                                   self.speculative_pipeline_depth)  # fmt: skip
+
+    @property
+    def is_speculative(self) -> bool:
+        """Speculation is possible: on by default, or a draft model loaded for requests to use."""
+        return self.speculative != "off" or self.draft_model is not None
 
     @property
     def num_lanes(self) -> int:
@@ -113,9 +133,19 @@ async def start_chain_backend(config: ServeConfig):
     from .local_chain import LocalChain, connect_topology
 
     ctx_size = config.ctx_size or _model_context(config.model)
-    options = dict(concurrency=config.num_lanes, ctx_size=ctx_size, activation_dtype=config.activation_dtype)
-    if config.topology is not None:
-        topology = Topology.load(config.topology)
+    options = dict(concurrency=config.num_lanes, ctx_size=ctx_size, activation_dtype=config.activation_dtype,
+                   speculative=config.speculative_settings(), draft_model=await _load_draft_model(config))
+    if config.topology is not None or config.num_stages == 1:
+        if config.topology is None:  # one stage, in this process: a chain of one, for speculation
+            from .local_chain import plan_chain
+
+            if config.threads:
+                import torch
+
+                torch.set_num_threads(config.threads)
+            topology = plan_chain(config.model, ["127.0.0.1:0"])[0]
+        else:
+            topology = Topology.load(config.topology)
         client = await connect_topology(topology, config.model, auth_token=config.chain_auth_token,
                                         dtype=config.dtype, device=config.device, kv_cache=config.kv_cache(1),
                                         **options)  # fmt: skip
@@ -158,8 +188,18 @@ def _model_context(path: Path) -> int:
     return (read_hf_args(path) if path.is_dir() else read_model_args(open_gguf(path))).context_length
 
 
+async def _load_draft_model(config: ServeConfig):
+    """The whole draft model, in this process (stage 0 runs the "draft" proposer)."""
+    if config.draft_model is None:
+        return None
+    from ..model.loader import load_stage
+
+    return await asyncio.to_thread(load_stage, config.draft_model, dtype=config.dtype, device=config.device,
+                                   progress=False)  # fmt: skip
+
+
 async def build_backend(config: ServeConfig):
-    if config.num_stages == 1 and config.topology is None:
+    if config.num_stages == 1 and config.topology is None and not config.is_speculative:
         return await asyncio.to_thread(load_local_backend, config)
     return await start_chain_backend(config)
 
