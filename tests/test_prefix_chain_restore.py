@@ -9,11 +9,13 @@ prompt_cache_key namespaces share nothing; no session or lane is left behind.
 from __future__ import annotations
 
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from prefix_chain_support import (
     LoopThread, caches, clear_stage, session_counts, start_cached_chain, system_text,
 )
 from skippy.protocol import KvCacheConfig, cache_namespace_digest
+from skippy.telemetry import Telemetry
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +26,10 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def chain(make_stage, gguf_path):
     loop = LoopThread()
-    chain = loop.run(start_cached_chain(make_stage, gguf_path, 3, KV))
-    chain.run = loop.run
+    spans = InMemorySpanExporter()
+    chain = loop.run(start_cached_chain(make_stage, gguf_path, 3, KV,
+                                        telemetry=Telemetry("stage0", span_exporter=spans)))
+    chain.run, chain.spans = loop.run, spans
     try:
         yield chain
     finally:
@@ -74,6 +78,7 @@ def test_an_entry_evicted_on_the_middle_stage_rolls_back_everywhere(chain, token
     assert again.timings.restore_decision == "chain_restore_hit"
     assert again.tokens == reference.tokens
     assert again.timings.restored_tokens == len(prompt) - 1  # the exact cacheable prefix
+    assert again.timings.prefilled_tokens == 1  # TryRestorePrefillDecode brought the token
 
     rollbacks = [c.rollbacks for c in caches(chain)]
     assert chain.run(clear_stage(chain, 1)) > 0  # the middle stage forgets everything
@@ -109,6 +114,20 @@ def test_namespaces_share_nothing(chain, tokenizer):
     assert alpha_again.timings.restore_decision == "chain_restore_hit"
     assert alpha_again.timings.restored_tokens == len(prompt) - 1
     assert alpha.tokens == beta.tokens == default.tokens == alpha_again.tokens
+
+
+def test_the_stage0_span_carries_the_decision_and_no_token_ids(chain, tokenizer):
+    prompt = tokenizer.encode("Span check. " + system_text(4))
+    chain.spans.clear()
+    generate(chain, prompt)
+    generate(chain, prompt)
+    spans = [s for s in chain.spans.get_finished_spans() if s.name == "stage0.prefix_restore"]
+    assert [s.attributes["kv_decision"] for s in spans] == ["stage0_miss", "chain_restore_hit"]
+    hit = spans[1].attributes
+    assert hit["kv_restored_tokens"] == len(prompt) - 1 and hit["kv_suffix_tokens"] == 1
+    assert hit["kv_hit_stage_mask"] == 0b111 and hit["kv_restore_decode"] is True
+    assert all(isinstance(v, (int, float, bool)) or v in ("stage0_miss", "chain_restore_hit")
+               for s in spans for v in s.attributes.values())
 
 
 def test_a_short_prompt_is_neither_restored_nor_recorded(chain, tokenizer):
