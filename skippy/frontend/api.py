@@ -31,8 +31,9 @@ from ..model.tokenizer import Tokenizer
 from .admission import Admission, AdmissionError, ContextTooLong
 from .backend import BackendError, GenerationBackend
 from .cache_metrics import PrefixCacheCollector
-from .completion import ServeContext, complete, finish, prepare_chat, prepare_text, start_generation, stream
+from .completion import complete, prepare_chat, prepare_text, stream
 from .errors import ApiError, to_api_error
+from .generation import ServeContext, finish, start_generation
 from .metrics import Metrics
 from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StageInfo, StageList
 
