@@ -2,6 +2,9 @@
 
 Activations are float32 rows [T, D]; weights may be float16/bfloat16, in which
 case the matmul runs in the weight dtype and its result comes back as float32.
+
+A decode step runs every function here on one row, where each torch call costs
+more than its arithmetic, so these use as few calls as they can.
 """
 
 from __future__ import annotations
@@ -13,10 +16,18 @@ import torch.nn.functional as F
 
 from .args import ModelArgs
 
+# From this many rows on, a float16/bfloat16 matmul upcasts the weight and runs
+# float32 GEMM instead: torch's CPU half-precision GEMM costs a full pass over the
+# weight per row (the fastest choice for a decode step, ~4x slower than the upcast
+# at a 200-row prefill; the two break even at 4 to 8 rows).
+MIN_ROWS_TO_UPCAST = 8
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == x.dtype:
         return F.linear(x, weight)
+    if x.shape[0] >= MIN_ROWS_TO_UPCAST:
+        return F.linear(x, weight.float())
     return F.linear(x.to(weight.dtype), weight).float()
 
 
@@ -25,21 +36,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_tables(args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [context_length, head_dim] for half-rotation RoPE."""
+    """cos, signed sin: [context_length, head_dim] for half-rotation RoPE.
+
+    The sin table's first half is negated, so that rotate_half(x) * sin becomes
+    swap_halves(x) * signed_sin (see apply_rope).
+    """
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
     if args.rope_scaling and args.rope_scaling.get("rope_type") == "linear":
         inv_freq = inv_freq / args.rope_scaling["factor"]
     positions = torch.arange(args.context_length, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+    signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
+    return cos.float().to(device), signed_sin.float().to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [heads, T, head_dim]; cos/sin: [T, head_dim] for these rows' positions."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, signed_sin: [T, 1, head_dim] for these rows' positions.
+
+    x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) (the Hugging
+    Face layout): three torch calls instead of six.
+    """
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # cat(x2, x1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:

@@ -104,18 +104,15 @@ class StageModel:
         assert T == sum(s.num_tokens for s in segments), "rows must match the segments"
         for s in segments:
             s.cache.reserve(s.start, s.num_tokens)
-        positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in segments]).to(self.device)
-        cos, sin = self.cos[positions], self.sin[positions]  # [T, head_dim]
-        q_size = args.num_heads * args.head_dim
-        kv_size = args.num_kv_heads * args.head_dim
+        cos, sin = self._rope_rows(segments)  # [T, 1, head_dim]
+        H, KVH = args.num_heads, args.num_kv_heads
 
         for layer, block in enumerate(self.blocks):
             # attention: x + Wo · attn(rope(Wq·h), rope(Wk·h), Wv·h)
             h = rms_norm(x, block.attn_norm, args.rms_norm_eps)
-            q, k, v = linear(h, block.wqkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(T, args.num_heads, args.head_dim).transpose(0, 1), cos, sin)
-            k = apply_rope(k.view(T, args.num_kv_heads, args.head_dim).transpose(0, 1), cos, sin)
-            v = v.view(T, args.num_kv_heads, args.head_dim).transpose(0, 1)
+            qkv = linear(h, block.wqkv).view(T, H + 2 * KVH, args.head_dim)
+            qk = apply_rope(qkv[:, : H + KVH], cos, sin)  # q and k heads rotate in one go
+            q, k, v = qk[:, :H].transpose(0, 1), qk[:, H:].transpose(0, 1), qkv[:, H + KVH :].transpose(0, 1)
             outputs, row = [], 0
             for s in segments:
                 rows = slice(row, row + s.num_tokens)
@@ -129,6 +126,16 @@ class StageModel:
         for s in segments:
             s.cache.commit(s.start + s.num_tokens)
         return x
+
+    def _rope_rows(self, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin rows [T, 1, head_dim] at the segments' positions: slices of
+        the tables, so a one-segment call builds no index tensor."""
+        if len(segments) == 1:
+            rows = slice(segments[0].start, segments[0].start + segments[0].num_tokens)
+            return self.cos[rows, None], self.sin[rows, None]
+        cos = torch.cat([self.cos[s.start : s.start + s.num_tokens] for s in segments])
+        sin = torch.cat([self.sin[s.start : s.start + s.num_tokens] for s in segments])
+        return cos[:, None], sin[:, None]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
