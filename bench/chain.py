@@ -8,8 +8,9 @@ are medians over rounds. Stages 1..N-1 are separate processes with the same
 torch thread count as the one-process run: in single-stream decode only one
 stage computes at a time. A decode token takes N hops with the direct return
 (S0 -> S1 -> ... -> S0), so the end-to-end overhead per hop is
-(ms/token with N stages - ms/token with one) / N. The wire figure is one
-DecodeEmbd frame and its reply over loopback, without any compute.
+(ms/token with N stages - ms/token with one) / N, in wall time and in CPU time
+of all the chain's processes (the CPU figure holds up on a busy machine). The
+wire figure is one DecodeEmbd frame and its reply over loopback, no compute.
 """
 
 from __future__ import annotations
@@ -36,13 +37,35 @@ from skippy.protocol import (  # noqa: E402
 GOAL_RATIO = 0.85
 
 
-async def measure(client: ChainClient, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of one generation."""
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) of this process and the given ones, from /proc."""
+    total = time.process_time()
+    ticks = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
+async def measure(client: ChainClient, pids: list[int], prompt: list[int],
+                  decode_tokens: int) -> tuple[float, float, float]:
+    """(prefill tokens/s, decode tokens/s, CPU ms per decode token) of one generation.
+
+    Decode CPU is measured on a second, prefill-free run of the decode steps only:
+    it counts every process of the chain, so it is what a hop costs in work, which
+    other load on the machine does not change."""
     result = await client.generate(prompt, max_tokens=decode_tokens)
     timings = result.timings
     prefill = len(prompt) / timings.first_token_s if timings.first_token_s else float("nan")
     decode = timings.decode_steps / timings.decode_s
-    return prefill, decode
+    async with client.session(prompt_token_count=8) as session:
+        token = await session.prefill(prompt[:8])
+        started = cpu_seconds(pids)
+        for _ in range(decode_tokens):
+            token = await session.decode(token)
+        cpu_ms = (cpu_seconds(pids) - started) / decode_tokens * 1e3
+    return prefill, decode, cpu_ms
 
 
 async def wire_hop_us(num_round_trips: int = 2000, width: int = 576) -> float:
@@ -78,16 +101,17 @@ async def main(args: argparse.Namespace) -> None:
                       ctx_size=2048)
     await one.start()
     chains = [LocalChain(path, n, threads=args.threads, ctx_size=2048) for n in (2, 3)]
-    clients = {1: one}
+    clients, pids = {1: one}, {1: []}
     try:
         for n, chain in zip((2, 3), chains):
             clients[n] = await chain.start()
-        for client in clients.values():  # warm-up: first-call allocations, page faults
-            await measure(client, prompt[:64], 8)
-        results: dict[int, list[tuple[float, float]]] = {n: [] for n in clients}
+            pids[n] = [process.pid for process in chain.processes]
+        for n, client in clients.items():  # warm-up: first-call allocations, page faults
+            await measure(client, pids[n], prompt[:64], 8)
+        results: dict[int, list[tuple[float, float, float]]] = {n: [] for n in clients}
         for round_index in range(args.rounds):
             for n, client in clients.items():
-                results[n].append(await measure(client, prompt, args.decode_tokens))
+                results[n].append(await measure(client, pids[n], prompt, args.decode_tokens))
             print(f"round {round_index + 1}/{args.rounds}: " + "  ".join(
                 f"{n} stage{'s' * (n > 1)} {results[n][-1][1]:.1f} tok/s" for n in clients),
                 flush=True)
@@ -99,16 +123,20 @@ async def main(args: argparse.Namespace) -> None:
 
     decode = {n: statistics.median(r[1] for r in results[n]) for n in results}
     prefill = {n: statistics.median(r[0] for r in results[n]) for n in results}
+    cpu = {n: statistics.median(r[2] for r in results[n]) for n in results}
     print(f"\nbundled SmolLM2-135M, torch threads {args.threads} per stage, prompt "
           f"{args.prompt_tokens} tokens (chunks of 256), {args.decode_tokens} decode tokens, "
-          f"{args.rounds} interleaved rounds (medians)")
-    print(f"{'stages':>6} {'decode tok/s':>13} {'vs 1':>6} {'ms/token':>9} "
-          f"{'prefill tok/s':>14} {'vs 1':>6} {'overhead/hop':>13}")
+          f"{args.rounds} interleaved rounds (medians), load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'stages':>6} {'decode tok/s':>13} {'vs 1':>6} {'ms/token':>9} {'hop (wall)':>11} "
+          f"{'CPU ms/token':>13} {'hop (CPU)':>10} {'prefill tok/s':>14} {'vs 1':>6}")
     for n in sorted(decode):
         ms_per_token = 1e3 / decode[n]
-        per_hop = "" if n == 1 else f"{(ms_per_token - 1e3 / decode[1]) / n * 1e3:10.0f} us"
+        wall_hop = "" if n == 1 else f"{(ms_per_token - 1e3 / decode[1]) / n * 1e3:.0f} us"
+        cpu_hop = "" if n == 1 else f"{(cpu[n] - cpu[1]) / n * 1e3:.0f} us"
         print(f"{n:>6} {decode[n]:>13.1f} {decode[n] / decode[1]:>6.2f} {ms_per_token:>9.2f} "
-              f"{prefill[n]:>14.1f} {prefill[n] / prefill[1]:>6.2f} {per_hop:>13}")
+              f"{wall_hop:>11} {cpu[n]:>13.2f} {cpu_hop:>10} {prefill[n]:>14.1f} "
+              f"{prefill[n] / prefill[1]:>6.2f}")
     print(f"wire hop (DecodeEmbd frame + reply over loopback, no compute): {hop_us:.0f} us")
     ratio = decode[2] / decode[1]
     verdict = "met" if ratio >= GOAL_RATIO else "NOT met"
