@@ -7,9 +7,11 @@ import sys
 
 import pytest
 
+from skippy.runtime.proposers import Proposer
 from skippy.runtime.speculation import (
     AdaptiveWindow,
     SpeculationStats,
+    Speculator,
     WindowOutcome,
     accept_window,
     settle_window,
@@ -132,3 +134,51 @@ def test_bookkeeping_imports_no_torch():
     """speculation.py and proposers.py decide; only draft_proposer.py computes (style §5.2)."""
     code = "import sys, skippy.runtime.speculation; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class Echo(Proposer):
+    """Proposes fixed drafts and remembers what it was told."""
+
+    def __init__(self, drafts):
+        super().__init__()
+        self.drafts = drafts
+
+    def propose(self, max_tokens):
+        return self.drafts[:max_tokens] + [99] * 3  # longer than asked: the speculator cuts it
+
+
+def test_speculator_runs_a_request():
+    proposer = Echo([5, 6, 7])
+    spec = Speculator(proposer, max_tokens=6, stop_ids={0}, window=AdaptiveWindow(1, 4, 3))
+    assert spec.start([1, 2], 4) == [4] and proposer.history == [1, 2, 4]
+    assert spec.next_width(num_free=100) == 3  # the window's width
+    assert spec.next_width(num_free=3) == 2  # the context: the current token needs a row too
+    assert spec.next_width(num_free=100, num_pending=3) == 1  # 6 - 1 emitted - 3 in flight - 1
+    drafts = spec.propose(3)
+    assert drafts == [5, 6, 7]
+    outcome = spec.settle(drafts, [5, 6, 8, 9])  # d3 rejected: commit 5, 6 and the correction 8
+    assert (outcome.tokens, outcome.num_kv_kept, spec.current) == ([5, 6, 8], 3, 8)
+    assert proposer.history == [1, 2, 4, 5, 6, 8] and spec.num_committed_positions == 5
+    assert spec.next_width(num_free=100) == 1  # halved by the rejection, and 2 tokens left
+    outcome = spec.settle([3], [3, 2])
+    assert outcome.tokens == [3, 2] and spec.finish_reason == "length"
+    assert spec.stats.num_proposed_tokens == 4 and spec.stats.num_accepted_tokens == 3
+
+
+# (max_tokens, first token, drafts, targets, emitted, finish reason)
+SPECULATOR_STOP_CASES = [
+    (5, 0, None, None, [], "stop"),  # the prefill's token is a stop id
+    (1, 4, None, None, [4], "length"),  # the prefill's token uses the whole budget
+    (5, 4, [5, 6], [5, 0, 9], [4, 5], "stop"),  # the correction is a stop id
+    (5, 4, [5, 6], [5, 6, 7], [4, 5, 6, 7], None),  # nothing stops: 1 token left
+    (3, 4, [5, 6], [5, 6, 7], [4, 5, 6], "length"),  # the budget ends inside the window
+]
+
+
+@pytest.mark.parametrize("max_tokens, first, drafts, targets, emitted, reason", SPECULATOR_STOP_CASES)
+def test_speculator_stops(max_tokens, first, drafts, targets, emitted, reason):
+    spec = Speculator(None, max_tokens, {0})
+    out = spec.start([1], first)
+    if drafts is not None:
+        out += spec.settle(drafts, targets).tokens
+    assert (out, spec.finish_reason) == (emitted, reason)
