@@ -86,7 +86,8 @@ async def http_round(client: httpx.AsyncClient, url: str, body: dict, concurrenc
 class Server:
     def __init__(self, args: argparse.Namespace):
         command = [sys.executable, "-m", "skippy.cli", "serve", "--port", "0", "--stages", str(args.stages),
-                   "--ctx-size", "2048", "--concurrency", str(max(args.concurrency))]  # fmt: skip
+                   "--ctx-size", "2048", "--concurrency", str(max(args.concurrency)),
+                   "--kv-cache-mem", "0"]  # every request repeats the prompt: measure cold prefills  # fmt: skip
         if args.model:
             command += ["--model", args.model]
         if args.threads:
