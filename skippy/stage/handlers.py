@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from .connection import StageConnection
 
 log = logging.getLogger("skippy.stage")
+# this stage's prefix-cache counters on its summary line (stage 0's /metrics cannot see them)
+SUMMARY_CACHE_FIELDS = ("hits", "misses", "disk_hits", "evictions", "rollbacks", "num_entries",
+                        "num_bytes", "disk_tier_quarantined")
 Handler = Callable[["StageConnection", StageMessage, Span], Awaitable[None]]
 
 
@@ -158,11 +161,14 @@ async def on_stop(conn: StageConnection, msg: StageMessage, span: Span) -> None:
     conn.server.returns.close((msg.request_id, msg.session_id))
     summary = conn.summaries.pop(msg.session_id, None)
     if summary is not None:
+        kv = conn.runtime.prefix_cache
+        cache = {} if kv is None else {f"kv_{name}": value for name, value in kv.stats().items()
+                                       if name in SUMMARY_CACHE_FIELDS}
         conn.telemetry.summary("stage.request_summary", stage_index=conn.config.stage_index,
                                messages=summary.messages, rows=summary.rows,
                                compute_ms=summary.compute_ms, lock_wait_ms=summary.lock_wait_ms,
                                forward_write_ms=summary.forward_write_ms,
-                               downstream_wait_ms=summary.downstream_wait_ms)
+                               downstream_wait_ms=summary.downstream_wait_ms, **cache)
     await conn.reply(StageReply.ack(stats))
 
 
