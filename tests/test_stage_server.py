@@ -266,3 +266,16 @@ def test_prefix_restore_is_a_miss_with_neutral_stats(make_stage):
             await server.close()
 
     run(main())
+
+
+def test_a_taken_port_fails_fast_with_its_own_exit_status():
+    """`skippy stage` binds before loading the model; launchers retry on this status."""
+    from skippy.stage.process import EXIT_ADDRESS_IN_USE, bind_listener
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_info:
+            bind_listener(stage_config(1, (29, 30), "x.gguf", bind_addr=f"127.0.0.1:{port}"))
+    assert exit_info.value.code == EXIT_ADDRESS_IN_USE

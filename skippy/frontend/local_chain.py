@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import queue
@@ -26,11 +27,16 @@ from ..protocol import (
     plan_layer_split,
 )
 from ..runtime.stage_cache import StagePrefixCache
-from ..stage.process import READY_PREFIX
+from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX
 from .driver import ChainClient
 
 log = logging.getLogger("skippy.driver")
 STARTUP_TIMEOUT_S = 600.0
+START_ATTEMPTS = 3   # a free port can be taken by someone else before its stage binds it
+
+
+class PortTaken(RuntimeError):
+    pass
 
 
 def model_num_layers(path: str | Path) -> int:
@@ -121,7 +127,11 @@ async def connect_topology(topology: Topology, model_path: str | Path, *,
                          model.args.context_length))
     client = ChainClient(model, downstream=downstream, auth_token=auth_token,
                          return_bind=first.endpoint, prefix_cache=prefix_cache, **client_options)
-    await client.start()
+    try:
+        await client.start()
+    except BaseException:
+        await client.close()  # its runtime worker and any lane already dialed
+        raise
     return client
 
 
@@ -141,39 +151,64 @@ class LocalChain:
         self.auth_token = secrets.token_hex(16)  # loopback, but still not open to anyone
         self.client_options = client_options
         self.kv_cache = kv_cache
-        endpoints = [f"127.0.0.1:{port}" for port in free_ports(num_stages)]
-        self.topology, configs = plan_chain(
-            model_path, endpoints, auth_token=self.auth_token, activation_dtype=activation_dtype,
-            ctx_size=ctx_size, lane_count=lane_count, weight_dtype=_WEIGHT_NAMES[dtype],
-            device="cpu")
-        stage_kv = kv_cache or KvCacheConfig(mode="disabled")
-        self.configs = [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)})
-                        for c in configs]
+        self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
+                                   ctx_size=ctx_size, lane_count=lane_count,
+                                   weight_dtype=_WEIGHT_NAMES[dtype], device="cpu")
+        self._num_layers = model_num_layers(model_path)
+        self._plan()
         self._dir = tempfile.TemporaryDirectory(prefix="skippy-chain-")
         self.processes: list[asyncio.subprocess.Process] = []
         self.client: ChainClient | None = None
 
+    def _plan(self) -> None:
+        """Pick free loopback ports and build the topology and every stage's config."""
+        endpoints = [f"127.0.0.1:{port}" for port in free_ports(self.num_stages)]
+        self.topology, configs = plan_chain(self.model_path, endpoints,
+                                            num_layers=self._num_layers, **self._stage_options)
+        stage_kv = self.kv_cache or KvCacheConfig(mode="disabled")
+        self.configs = [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)})
+                        for c in configs]
+
     async def start(self) -> ChainClient:
-        paths = write_plan(self.topology, self.configs, self._dir.name)
-        topology_path = paths[0]
         if self.threads:
             import torch
 
             torch.set_num_threads(self.threads)
         try:
-            for config, config_path in zip(self.configs[1:], paths[2:]):
-                self.processes.append(await self._spawn(config_path, topology_path))
-            for config, process in zip(self.configs[1:], self.processes):
-                await self._wait_ready(config, process)
-            self.client = await connect_topology(
-                self.topology, self.model_path, auth_token=self.auth_token, dtype=self.dtype,
-                concurrency=self.concurrency, ctx_size=self.configs[0].ctx_size,
-                activation_dtype=self.configs[0].activation_dtype, kv_cache=self.kv_cache,
-                **self.client_options)
+            for attempt in range(1, START_ATTEMPTS + 1):
+                try:
+                    await self._start_stages()
+                    self.client = await self._connect()
+                    break
+                except PortTaken as error:
+                    await self._stop_stages()
+                    if attempt == START_ATTEMPTS:
+                        raise RuntimeError(f"{error} ({START_ATTEMPTS} attempts)") from None
+                    log.warning("%s; retrying on other ports", error)
+                    self._plan()
         except BaseException:
             await self.close()
             raise
         return self.client
+
+    async def _connect(self) -> ChainClient:
+        try:
+            return await connect_topology(
+                self.topology, self.model_path, auth_token=self.auth_token, dtype=self.dtype,
+                concurrency=self.concurrency, ctx_size=self.configs[0].ctx_size,
+                activation_dtype=self.configs[0].activation_dtype, kv_cache=self.kv_cache,
+                **self.client_options)
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                raise
+            raise PortTaken(f"stage 0's port {self.configs[0].bind_port} was taken") from error
+
+    async def _start_stages(self) -> None:
+        paths = write_plan(self.topology, self.configs, self._dir.name)
+        for config_path in paths[2:]:
+            self.processes.append(await self._spawn(config_path, paths[0]))
+        for config, process in zip(self.configs[1:], self.processes):
+            await self._wait_ready(config, process)
 
     async def _spawn(self, config_path: Path, topology_path: Path):
         command = [sys.executable, "-m", "skippy.cli", "--log-level", self.log_level, "stage",
@@ -189,6 +224,8 @@ class LocalChain:
                 if line.decode(errors="replace").startswith(READY_PREFIX):
                     return
             code = await process.wait()
+            if code == EXIT_ADDRESS_IN_USE:
+                raise PortTaken(f"stage {config.stage_index}'s port {config.bind_port} was taken")
             raise RuntimeError(f"stage {config.stage_index} exited with code {code} before it "
                                "was ready (its error is above)")
 
@@ -202,6 +239,10 @@ class LocalChain:
         if self.client is not None:
             await self.client.close()
             self.client = None
+        await self._stop_stages()
+        self._dir.cleanup()
+
+    async def _stop_stages(self) -> None:
         for process in self.processes:
             if process.returncode is None:
                 process.terminate()
@@ -212,7 +253,6 @@ class LocalChain:
                 process.kill()
                 await process.wait()
         self.processes.clear()
-        self._dir.cleanup()
 
     async def __aenter__(self) -> ChainClient:
         return await self.start()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
+import sys
 
 import torch
 
@@ -19,6 +22,25 @@ log = logging.getLogger("skippy.stage")
 
 WEIGHT_DTYPES = {"auto": "float32", "f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 READY_PREFIX = "skippy: stage ready:"   # launchers wait for this line on stdout
+EXIT_ADDRESS_IN_USE = 98                 # exit status when the bind address is taken
+
+
+def bind_listener(config: StageConfig) -> socket.socket:
+    """Bind the stage's address before the (slow) model load, so a taken port fails fast."""
+    family = socket.AF_INET6 if ":" in config.bind_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.bind_host, config.bind_port))
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            print(f"skippy: error: stage {config.stage_index} cannot listen on "
+                  f"{config.bind_addr}: the address is in use", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_ADDRESS_IN_USE) from error
+        raise
+    sock.listen(128)
+    return sock
 
 
 def load_stage_runtime(config: StageConfig, telemetry: Telemetry) -> StageRuntime:
@@ -38,10 +60,11 @@ async def serve_stage(config: StageConfig, topology: Topology | None = None, *,
     """Load this stage's layers, listen, print the ready line, serve until SIGINT/SIGTERM."""
     if threads:
         torch.set_num_threads(threads)
+    sock = bind_listener(config)
     telemetry = Telemetry(f"skippy-stage{config.stage_index}", otlp_endpoint)
     runtime = load_stage_runtime(config, telemetry)
     server = StageServer(config, runtime, topology=topology, telemetry=telemetry)
-    endpoint = await server.start()
+    endpoint = await server.start(sock)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -50,9 +50,13 @@ class StageServer:
         host = self.config.bind_host
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._accept, self.config.bind_host,
-                                                  self.config.bind_port)
+    async def start(self, sock: socket.socket | None = None) -> str:
+        """Listen on the config's bind address, or on `sock` (already bound)."""
+        if sock is not None:
+            self._server = await asyncio.start_server(self._accept, sock=sock)
+        else:
+            self._server = await asyncio.start_server(self._accept, self.config.bind_host,
+                                                      self.config.bind_port)
         log.info("stage %d (%s) listening on %s, layers [%d, %d)", self.config.stage_index,
                  self.config.stage_id, self.endpoint, self.config.layer_start,
                  self.config.layer_end)
