@@ -140,8 +140,8 @@ class ChainDecoder:
                 await session.discard_windows(inflight[0].window_id, inflight[-1].window_id)
                 await session.retire(window.base, RETIRE_ALL)  # this window and the stale ones
                 inflight.clear()
-            else:
-                await session.retire(window.base, 1)
+            else:  # no later window is based at window.base: stage 0 need not wait
+                await session.retire(window.base, 1, wait=False)
             for token in outcome.tokens:
                 yield token
 

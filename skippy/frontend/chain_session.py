@@ -308,11 +308,17 @@ class ChainSession:
         await self._guard(f"{kind.name} step {self.decode_step}", self._send_predicting(msg))
         return None
 
-    async def retire(self, start: int, count: int) -> None:
-        await self.client.runtime.retire(self.key, start, count)
+    async def retire(self, start: int, count: int, *, wait: bool = True) -> None:
+        """RetireVerifyWindow on every stage. `wait` False does not wait for stage 0's own
+        worker (busy with a run-ahead window, say): only for a range no later window uses."""
         if not self.is_local:
             msg = self._message(MessageKind.RetireVerifyWindow, pos_start=start, token_count=count)
             await self._guard("RetireVerifyWindow", self.lane.link.send(msg))
+        retiring = asyncio.ensure_future(self.client.runtime.retire(self.key, start, count))
+        if wait:
+            await retiring
+        else:  # a session already stopped has nothing left to retire
+            retiring.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def discard_windows(self, low: int, high: int) -> None:
         self.session.discard_windows(low, high)
