@@ -3,8 +3,9 @@
 Each arm generates the same greedy continuation (checked: the "= off" column) of
 a copy-heavy prompt and a free-form one, stopping at end-of-generation or
 --max-tokens. One round runs every arm once on every prompt, in turn, so the
-machine's slow spells fall on all of them alike; the table shows medians over
-the rounds, after one warm-up round that is not counted.
+machine's slow spells fall on all of them alike, and each round starts the arms
+one place further along (a fixed order favoured whichever ran first by ~10%);
+the table shows medians over the rounds, after one warm-up round that is not counted.
 
     decode tok/s: tokens after the first / time after the first (the prefill is excluded);
                   --clock cpu times this process's CPU instead of the wall, which other
@@ -155,8 +156,9 @@ def main() -> None:
         task = progress.add_task("warm-up", total=(options.rounds + 1) * len(results))
         for round_index in range(options.rounds + 1):
             label = "warm-up" if round_index == 0 else f"round {round_index}/{options.rounds}"
+            turn = round_index % len(arms)
             for prompt_name, prompt in prompts.items():
-                for arm in arms:
+                for arm in arms[turn:] + arms[:turn]:
                     progress.update(task, description=f"{label}: {prompt_name} {arm}")
                     runs = results[prompt_name, arm] if round_index else None
                     run_once(model, prompt, arm, options, draft_model, runs)
