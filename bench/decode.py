@@ -1,0 +1,267 @@
+"""Prefill and greedy-decode speed: our runtime against transformers and llama.cpp.
+
+Every engine loads the same GGUF and runs the same prompt token ids on the same
+number of threads. One round runs each engine once, in turn (round-robin), so
+the machine's slow spells fall on all of them alike; the table shows medians
+over the rounds, after one warm-up round that is not counted.
+
+    prefill: the prompt in one forward pass, then the argmax of its last row
+    decode:  --decode-tokens steps of one token each, greedy (argmax), EOS ignored
+
+    python bench/decode.py                        # bundled SmolLM2, 5 rounds, 2 threads
+    python bench/decode.py --rounds 9 --decode-tokens 64 --threads 1 --model PATH.gguf
+
+llama.cpp runs only when `llama_cpp` imports (pip install -e '.[bench-llamacpp]';
+it compiles llama.cpp for about ten minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# libgomp's idle threads spin before they sleep. On a shared 2-core machine the
+# spinning thread takes the core its partner needs, and 2-thread matmuls ran 3 to
+# 10x slower than with PASSIVE. Read once, when torch loads libgomp; export
+# OMP_WAIT_POLICY=ACTIVE to measure the default.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+# Plain prose, repeated until the prompt is long enough: a realistic token mix.
+PROMPT_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type "
+    "made books cheap enough for merchants, students and craftsmen to own. Within fifty years "
+    "presses were running in more than two hundred cities, and the number of books in Europe "
+    "grew from thousands to millions. Scholars could compare editions, errors stopped multiplying "
+    "with every hand copy, and ideas travelled faster than any courier. "
+)
+
+# (numerator, denominator, phase) rows of the ratio table
+RATIOS = [
+    ("ours float32", "transformers float32", "decode"),
+    ("ours float32", "transformers float32", "prefill"),
+    ("ours float16", "ours float32", "decode"),
+    ("ours float16", "llama.cpp", "decode"),
+    ("ours float16", "llama.cpp", "prefill"),
+    ("ours float32", "llama.cpp", "decode"),
+]
+
+
+@dataclass
+class Timings:
+    prefill_tok_s: list[float] = field(default_factory=list)
+    decode_tok_s: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the last round's greedy continuation
+
+
+class OursEngine:
+    def __init__(self, path: Path, dtype: str):
+        from skippy.model.loader import load_stage
+
+        self.model = load_stage(path, dtype=dtype, device="cpu", progress=False)
+
+    def prefill(self, prompt: list[int]) -> int:
+        from skippy.model.llama import Segment
+
+        self.cache = self.model.new_cache(len(prompt) + 1024)
+        hidden = self.model.forward(torch.tensor(prompt), [Segment(self.cache, 0, len(prompt))])
+        return int(self.model.compute_logits(hidden[-1:]).argmax())
+
+    def decode(self, token: int) -> int:
+        from skippy.model.llama import Segment
+
+        hidden = self.model.forward(torch.tensor([token]), [Segment(self.cache, self.cache.length, 1)])
+        return int(self.model.compute_logits(hidden).argmax())
+
+
+class TransformersEngine:
+    """A plain loop over the KV cache, like ours: no generate() bookkeeping."""
+
+    def __init__(self, path: Path):
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int]) -> int:
+        out = self.model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        self.cache = out.cache
+        return int(out.logits[0, -1].argmax())
+
+    @torch.inference_mode()
+    def decode(self, token: int) -> int:
+        out = self.model(torch.tensor([[token]]), cache=self.cache, use_cache=True)
+        self.cache = out.cache
+        return int(out.logits[0, -1].argmax())
+
+
+class LlamaCppEngine:
+    def __init__(self, path: Path, num_threads: int, context: int):
+        import llama_cpp
+
+        self.llama_cpp = llama_cpp
+        self.llm = llama_cpp.Llama(
+            model_path=str(path), n_ctx=context, n_batch=512, n_threads=num_threads,
+            n_threads_batch=num_threads, logits_all=False, verbose=False,
+        )  # fmt: skip
+        self.vocab_size = self.llm.n_vocab()
+
+    def _argmax_last(self) -> int:
+        logits = self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        row = torch.frombuffer(
+            (self.llama_cpp.ctypes.c_float * self.vocab_size).from_address(
+                self.llama_cpp.ctypes.addressof(logits.contents)
+            ),
+            dtype=torch.float32,
+        )
+        return int(row.argmax())
+
+    def prefill(self, prompt: list[int]) -> int:
+        self.llm.reset()  # n_tokens = 0: eval() then drops the old KV rows
+        self.llm.eval(prompt)
+        return self._argmax_last()
+
+    def decode(self, token: int) -> int:
+        self.llm.eval([token])
+        return self._argmax_last()
+
+
+def prompt_ids(path: Path, num_tokens: int) -> list[int]:
+    from skippy.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(path)
+    ids = tokenizer.encode(PROMPT_TEXT)
+    while len(ids) < num_tokens:
+        ids += tokenizer.encode(PROMPT_TEXT, add_special_tokens=False)
+    return ids[:num_tokens]
+
+
+def run_once(engine, prompt: list[int], num_decode: int, timings: Timings | None) -> None:
+    started = time.perf_counter()
+    tokens = [engine.prefill(prompt)]
+    prefilled = time.perf_counter()
+    for _ in range(num_decode):
+        tokens.append(engine.decode(tokens[-1]))
+    finished = time.perf_counter()
+    if timings is not None:
+        timings.prefill_tok_s.append(len(prompt) / (prefilled - started))
+        timings.decode_tok_s.append(num_decode / (finished - prefilled))
+        timings.tokens = tokens
+
+
+def load_engines(path: Path, options, console: Console) -> dict[str, object]:
+    engines = {}
+    with console.status("Loading ours float32"):
+        engines["ours float32"] = OursEngine(path, "float32")
+    with console.status("Loading ours float16"):
+        engines["ours float16"] = OursEngine(path, "float16")
+    with console.status("Loading transformers float32 (converts the GGUF, ~30 s)"):
+        engines["transformers float32"] = TransformersEngine(path)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        console.print(escape("llama.cpp skipped: llama_cpp is not importable (pip install -e '.[bench-llamacpp]')"))
+    else:
+        context = options.prompt_tokens + options.decode_tokens + 16
+        with console.status("Loading llama.cpp"):
+            engines["llama.cpp"] = LlamaCppEngine(path, options.threads, context)
+    return engines
+
+
+def results_table(options, results: dict[str, Timings]) -> Table:
+    reference = results["ours float32"].tokens
+    table = Table(title=f"medians of {options.rounds} rounds, {options.threads} threads")
+    for column in ("engine", "prefill tok/s", "decode tok/s", "decode ms/token", "decode min..max", "same tokens"):
+        table.add_column(column, justify="left" if column == "engine" else "right")
+    for name, t in results.items():
+        decode = statistics.median(t.decode_tok_s)
+        same = next((i for i, (a, b) in enumerate(zip(t.tokens, reference)) if a != b), len(reference))
+        table.add_row(
+            name,
+            f"{statistics.median(t.prefill_tok_s):.0f}",
+            f"{decode:.1f}",
+            f"{1000 / decode:.1f}",
+            f"{min(t.decode_tok_s):.1f}..{max(t.decode_tok_s):.1f}",
+            f"{same}/{len(reference)}",
+        )
+    return table
+
+
+def ratio_table(results: dict[str, Timings]) -> Table:
+    table = Table(title="ratios of medians")
+    for column in ("ratio", "phase", "value"):
+        table.add_column(column, justify="right" if column == "value" else "left")
+    for numerator, denominator, phase in RATIOS:
+        if numerator in results and denominator in results:
+            field_name = f"{phase}_tok_s"
+            value = statistics.median(getattr(results[numerator], field_name)) / statistics.median(
+                getattr(results[denominator], field_name)
+            )
+            table.add_row(f"{numerator} / {denominator}", phase, f"{value:.2f}x")
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="GGUF file (default: the bundled SmolLM2-135M Q4_1)")
+    parser.add_argument("--rounds", type=int, default=5, help="counted rounds (after one warm-up)")
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=2)
+    options = parser.parse_args()
+    if options.model is None:
+        from skippy.model.locate import bundled_model_path
+
+        options.model = str(bundled_model_path())
+    path = Path(options.model)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise SystemExit(f"Expected a .gguf file for --model, got {options.model}")
+
+    torch.set_num_threads(options.threads)
+    console = Console(width=None if sys.stdout.isatty() else 110)  # rich wraps at 80 in a pipe
+    console.print(
+        f"model: {path}  threads: {options.threads}  OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}  "
+        f"torch {torch.__version__}"
+    )
+    prompt = prompt_ids(path, options.prompt_tokens)
+    engines = load_engines(path, options, console)
+    results = {name: Timings() for name in engines}
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as progress:
+        task = progress.add_task("warm-up", total=(options.rounds + 1) * len(engines))
+        for round_index in range(options.rounds + 1):
+            for name, engine in engines.items():
+                label = "warm-up" if round_index == 0 else f"round {round_index}/{options.rounds}"
+                progress.update(task, description=f"{label}: {name}")
+                run_once(engine, prompt, options.decode_tokens, results[name] if round_index else None)
+                progress.advance(task)
+
+    console.print(
+        f"prompt: {len(prompt)} tokens; decode: {options.decode_tokens} tokens, greedy; "
+        f"'same tokens': leading tokens equal to ours float32's (prefill's token included)"
+    )
+    console.print(results_table(options, results))
+    console.print(ratio_table(results))
+
+
+if __name__ == "__main__":
+    main()
