@@ -1,0 +1,189 @@
+"""Speculative decoding on a 2-stage chain: decode speed with speculation off vs n-gram proposers.
+
+Stage 1 is a separate process on loopback (as `skippy serve` starts it); stage 0 runs
+here and drives the chain. Each arm generates the greedy continuation of two
+copy-heavy prompts (code, text) and a free-form one, stopping at end-of-generation or
+--max-tokens; the "= off" column checks that it is the same continuation. One round
+runs every arm once on every prompt, in turn, so the machine's slow spells fall on
+all of them alike (each round also rotates the order of the arms); the table shows
+medians over the rounds, after one warm-up round that is not counted.
+
+    decode tok/s: tokens after the first / time after the first (the prefill is excluded)
+    CPU ms/token: CPU time (user + system) of both stage processes over the same span,
+                  per token: the work a token costs, which other load on the machine
+                  changes much less than it changes the wall time
+    acceptance:   accepted drafts / proposed drafts
+    windows:      verify windows (one chain trip each) and plain decode steps, per request
+
+    python bench/speculative.py                          # bundled SmolLM2, 5 rounds, 1 thread per stage
+    python bench/speculative.py --rounds 9 --max-window 8 --depth 2   # adds pipelined arms
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # an idle stage must not spin on the cores
+
+import torch  # noqa: E402
+
+from skippy.frontend.local_chain import LocalChain  # noqa: E402
+from skippy.model.locate import bundled_model_path  # noqa: E402
+from skippy.model.tokenizer import Tokenizer  # noqa: E402
+from skippy.runtime.speculation import SpeculativeSettings  # noqa: E402
+
+CODE = """def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return round(subtotal + tax, 2)"""
+TEXT = ("The history of the printing press begins in the fifteenth century, when movable type made books "
+        "cheap enough for merchants, students and craftsmen to own. Within fifty years presses were running "
+        "in more than two hundred cities, and the number of books in Europe grew from thousands to millions. "
+        "Printers competed for readers with cheaper paper, smaller formats and new typefaces, and the pamphlet "
+        "became the first mass medium: news, sermons and satire travelled faster than any courier could ride.")
+# SmolLM2-135M does not copy the code (it rewrites the function in ~30 tokens), but it copies
+# the text nearly word for word (~96 tokens): that is the copy-heavy prompt the goal is for.
+PROMPTS = {
+    "copy-code": "Repeat the following code exactly, changing only the function name to order_total:\n\n"
+                 f"```python\n{CODE}\n```",
+    "copy-text": f"Repeat the following text exactly:\n\n{TEXT}",
+    "free-form": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+GOALS = {"copy-text": 1.8, "free-form": 0.95}  # ngram-suffix decode tok/s vs off
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) of this process and the given ones, from /proc."""
+    total = time.process_time()
+    ticks = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
+@dataclass
+class Runs:
+    decode_tok_s: list[float] = field(default_factory=list)
+    cpu_ms: list[float] = field(default_factory=list)  # CPU ms per decode token, every process
+    tokens: list[int] = field(default_factory=list)  # the last round's output
+    figures: list[dict] = field(default_factory=list)  # ChainDecoder.report() per counted run
+
+    def total(self, name: str) -> float:
+        return sum(f.get(name, 0) for f in self.figures)
+
+
+async def run_once(client, pids, prompt, settings, options, runs: Runs | None) -> None:
+    stamps: list[float] = []
+    cpu: list[float] = []
+
+    def on_token(_) -> None:
+        stamps.append(time.perf_counter())
+        if len(stamps) == 1:
+            cpu.append(cpu_seconds(pids))
+
+    result = await client.generate(prompt, max_tokens=options.max_tokens, stop_ids=options.stop_ids,
+                                   speculative=settings, on_token=on_token)
+    cpu_end = cpu_seconds(pids)
+    if runs is not None and len(stamps) > 1:
+        runs.decode_tok_s.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+        runs.cpu_ms.append((cpu_end - cpu[0]) / (len(stamps) - 1) * 1e3)
+        runs.tokens = result.tokens
+        runs.figures.append(result.speculation)
+
+
+def arms(options) -> dict[str, SpeculativeSettings]:
+    out = {"off": SpeculativeSettings()}
+    for mode in ("ngram-suffix", "ngram-simple"):
+        out[mode] = SpeculativeSettings(mode, 1, options.max_window)
+    if options.depth > 1:
+        out[f"ngram-suffix/d{options.depth}"] = SpeculativeSettings("ngram-suffix", 1, options.max_window,
+                                                                    options.depth)
+    return out
+
+
+def report(options, results: dict[tuple[str, str], Runs], arm_names: list[str]) -> None:
+    print(f"\n2-stage chain (stage 1 a separate process), bundled SmolLM2-135M, torch threads "
+          f"{options.threads} per stage, greedy, up to {options.max_tokens} tokens, window "
+          f"1..{options.max_window}, {options.rounds} interleaved rounds (medians)")
+    header = (f"{'prompt':<10} {'arm':<16} {'tokens':>6} {'decode tok/s':>12} {'min..max':>13} "
+              f"{'vs off':>7} {'CPU ms/tok':>10} {'CPU vs off':>10} {'acceptance':>10} {'acc/prop':>9} {'windows':>8} {'plain':>6} "
+              f"{'mean width':>10} {'= off':>5}")
+    print(header)
+    print("-" * len(header))
+    for prompt_name in PROMPTS:
+        off = statistics.median(results[prompt_name, "off"].decode_tok_s)
+        off_cpu = statistics.median(results[prompt_name, "off"].cpu_ms)
+        for arm in arm_names:
+            runs = results[prompt_name, arm]
+            median = statistics.median(runs.decode_tok_s)
+            cpu_ms = statistics.median(runs.cpu_ms)
+            rounds = max(1, len(runs.figures))
+            windows = runs.total("speculative_num_windows") / rounds
+            plain = runs.total("speculative_num_empty_proposals") / rounds
+            proposed, accepted = runs.total("speculative_num_proposed_tokens"), runs.total(
+                "speculative_num_accepted_tokens")
+            is_spec = arm != "off"
+            print(f"{prompt_name:<10} {arm:<16} {len(runs.tokens):>6} {median:>12.1f} "
+                  f"{min(runs.decode_tok_s):>6.1f}..{max(runs.decode_tok_s):<6.1f} "
+                  f"{median / off:>6.2f}x {cpu_ms:>10.1f} {off_cpu / cpu_ms:>9.2f}x "
+                  f"{(f'{accepted / proposed:.0%}' if proposed else '-') if is_spec else '-':>10} "
+                  f"{f'{accepted:.0f}/{proposed:.0f}' if is_spec else '-':>9} "
+                  f"{f'{windows:.1f}' if is_spec else '-':>8} {f'{plain:.1f}' if is_spec else '-':>6} "
+                  f"{f'{proposed / rounds / windows:.2f}' if is_spec and windows else '-':>10} "
+                  f"{'yes' if runs.tokens == results[prompt_name, 'off'].tokens else 'NO':>5}")
+    print()
+    for prompt_name, goal in GOALS.items():
+        off = statistics.median(results[prompt_name, "off"].decode_tok_s)
+        ratio = statistics.median(results[prompt_name, "ngram-suffix"].decode_tok_s) / off
+        cpu_ratio = (statistics.median(results[prompt_name, "off"].cpu_ms)
+                     / statistics.median(results[prompt_name, "ngram-suffix"].cpu_ms))
+        verdict = "met" if ratio >= goal else "NOT met"
+        print(f"goal {prompt_name}: ngram-suffix decode tok/s >= {goal:.2f}x off: {ratio:.2f}x ({verdict}); "
+              f"CPU per token {cpu_ratio:.2f}x less")
+
+
+async def main(options) -> None:
+    torch.set_num_threads(options.threads)
+    path = bundled_model_path()
+    tokenizer = Tokenizer.from_gguf(path)
+    options.stop_ids = tokenizer.eog_ids
+    prompts = {name: tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+               for name, text in PROMPTS.items()}
+    arm_settings = arms(options)
+    results = {(p, arm): Runs() for p in prompts for arm in arm_settings}
+    chain = LocalChain(path, 2, threads=options.threads, ctx_size=2048)
+    async with chain as client:
+        pids = [process.pid for process in chain.processes]
+        names = list(arm_settings)
+        for round_index in range(options.rounds + 1):
+            order = names[round_index % len(names):] + names[:round_index % len(names)]
+            for prompt_name, prompt in prompts.items():
+                for arm in order:
+                    runs = results[prompt_name, arm] if round_index else None
+                    await run_once(client, pids, prompt, arm_settings[arm], options, runs)
+            if round_index:
+                print(f"round {round_index}/{options.rounds}: " + "  ".join(
+                    f"{p} {arm} {results[p, arm].decode_tok_s[-1]:.1f}"
+                    for p in prompts for arm in arm_settings), flush=True)
+            else:
+                print("warm-up done", flush=True)
+    report(options, results, list(arm_settings))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="counted rounds (after one warm-up)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-window", type=int, default=8, help="the adaptive window's most drafts")
+    parser.add_argument("--depth", type=int, default=1, help="> 1 adds a pipelined ngram-suffix arm")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in every stage")
+    asyncio.run(main(parser.parse_args()))
