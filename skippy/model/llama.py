@@ -17,7 +17,7 @@ import torch
 
 from .args import LayerRange, ModelArgs
 from .kv_cache import KVCache
-from .layers import apply_rope, attention, linear, rms_norm, rope_tables, swiglu
+from .layers import apply_rope, attention, decode_layout, linear, rms_norm, rope_tables, swiglu
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,18 +54,23 @@ class StageModel:
         self.embedding = weights.get("token_embd.weight") if layers.is_first else None
         if layers.is_last:
             self.output_norm = weights["output_norm.weight"]
-            self.head = weights.get("output.weight", weights.get("token_embd.weight"))
+            head = weights.get("output.weight", weights.get("token_embd.weight"))
+            self.head = decode_layout(head)
+            if self.embedding is head:  # tied: look tokens up in the head's copy, not a second one
+                self.embedding = self.head
         self.cos, self.sin = rope_tables(args, device)
 
     @staticmethod
     def _block(w: dict[str, torch.Tensor], i: int) -> Block:
         p = f"blk.{i}."
+        qkv = torch.cat([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
+        gate_up = torch.cat([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]])
         return Block(
             attn_norm=w[p + "attn_norm.weight"],
-            wqkv=torch.cat([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]]),
+            wqkv=decode_layout(qkv),
             wo=w[p + "attn_output.weight"],
             ffn_norm=w[p + "ffn_norm.weight"],
-            w_gate_up=torch.cat([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]]),
+            w_gate_up=decode_layout(gate_up),
             w_down=w[p + "ffn_down.weight"],
         )
 
