@@ -103,19 +103,21 @@ async def run_once(client, pids, prompt, settings, options, runs: Runs | None) -
 def arms(options) -> dict[str, SpeculativeSettings]:
     out = {"off": SpeculativeSettings()}
     for mode in ("ngram-suffix", "ngram-simple"):
-        out[mode] = SpeculativeSettings(mode, 1, options.max_window)
+        out[mode] = SpeculativeSettings(mode, options.min_window, options.max_window)
     if options.depth > 1:
-        out[f"ngram-suffix/d{options.depth}"] = SpeculativeSettings("ngram-suffix", 1, options.max_window,
-                                                                    options.depth)
+        out[f"ngram-suffix/d{options.depth}"] = SpeculativeSettings("ngram-suffix", options.min_window,
+                                                                    options.max_window, options.depth)
     return out
 
 
 def report(options, results: dict[tuple[str, str], Runs], arm_names: list[str]) -> None:
     print(f"\n2-stage chain (stage 1 a separate process), bundled SmolLM2-135M, torch threads "
           f"{options.threads} per stage, greedy, up to {options.max_tokens} tokens, window "
-          f"1..{options.max_window}, {options.rounds} interleaved rounds (medians)")
+          f"{options.min_window}..{options.max_window}, load average {os.getloadavg()[0]:.1f}, "
+          f"{options.rounds} interleaved rounds (medians)")
     header = (f"{'prompt':<10} {'arm':<16} {'tokens':>6} {'decode tok/s':>12} {'min..max':>13} "
-              f"{'vs off':>7} {'CPU ms/tok':>10} {'CPU vs off':>10} {'acceptance':>10} {'acc/prop':>9} {'windows':>8} {'plain':>6} "
+              f"{'vs off':>7} {'CPU ms/tok':>10} {'CPU vs off':>10} {'acceptance':>10} {'acc/prop':>9} "
+              f"{'windows':>8} {'plain':>6} "
               f"{'mean width':>10} {'= off':>5}")
     print(header)
     print("-" * len(header))
@@ -183,6 +185,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="counted rounds (after one warm-up)")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--min-window", type=int, default=1, help="the adaptive window's fewest drafts")
     parser.add_argument("--max-window", type=int, default=8, help="the adaptive window's most drafts")
     parser.add_argument("--depth", type=int, default=1, help="> 1 adds a pipelined ngram-suffix arm")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every stage")
