@@ -137,13 +137,18 @@ async def start_chain_backend(config: ServeConfig):
                    speculative=config.speculative_settings(), draft_model=await _load_draft_model(config))
     if config.topology is not None or config.num_stages == 1:
         if config.topology is None:  # one stage, in this process: a chain of one, for speculation
-            from .local_chain import plan_chain
+            from ..protocol import TopologyStage
+            from .local_chain import model_num_layers
 
             if config.threads:
                 import torch
 
                 torch.set_num_threads(config.threads)
-            topology = plan_chain(config.model, ["127.0.0.1:0"])[0]
+            # Nothing listens for it, so its endpoint is not an address (built unvalidated).
+            stage = TopologyStage.model_construct(stage_id="stage-0", stage_index=0, endpoint="in-process",
+                                                  layer_start=0, layer_end=model_num_layers(config.model))
+            topology = Topology.model_construct(topology_id="in-process", model_id=model_id_for(config.model),
+                                                stages=[stage])
         else:
             topology = Topology.load(config.topology)
         client = await connect_topology(topology, config.model, auth_token=config.chain_auth_token,
