@@ -76,6 +76,7 @@ class ChainBackend:
             namespace = cache_namespace_digest(request.prompt_cache_key)
             async with client.session(request.sampling, len(prompt), namespace) as session:
                 self._num_open += 1
+                decoder = None
                 try:
                     decoder = client.decoder(session, max_tokens=request.max_tokens,
                                              stop_ids=request.stop_ids,
@@ -100,6 +101,8 @@ class ChainBackend:
                 finally:
                     try:
                         if not session.stopped:
+                            if decoder is not None:  # the consumer left early: still log its figures
+                                decoder.report(client.telemetry)
                             await _stop_quietly(session)
                     finally:
                         self._num_open -= 1
