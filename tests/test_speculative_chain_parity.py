@@ -123,3 +123,16 @@ def test_penalties_sample_every_row_after_the_drafts_before_it(chains, prompts, 
                              stop_ids=tokenizer.eog_ids,
                              speculative=SpeculativeSettings("ngram-simple", 1, 8))
         assert on.tokens == off.tokens, name
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(chains, prompts, tokenizer):
+    """Sampling: the final stage draws each row from the request's seeded generator, in row
+    order, so the same seed and the same proposer give the same tokens."""
+    def sample(seed: int):
+        sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=seed)
+        return chains.generate(2, prompts["text"], max_tokens=24, sampling=sampling,
+                               speculative=SpeculativeSettings("ngram-suffix", 1, 8)).tokens
+
+    first = sample(7)
+    assert sample(7) == first
+    assert sample(8) != first
