@@ -81,11 +81,14 @@ class FakeModel:
         return [ValueError("boom") if s == "boom" else f"done {s}" for s in steps]
 
 
-async def _decode_loop(scheduler, key, steps):
+async def _decode_loop(scheduler, key, steps, *, start_s=0.0, downstream_s=0.0):
+    """`downstream_s`: the rest of the chain's time before this session's next step."""
+    await asyncio.sleep(start_s)
     out = []
     for i in range(steps):
         timed = await scheduler.submit_iteration(f"{key}:{i}", key)
         out.append(timed.value)
+        await asyncio.sleep(downstream_s)
     return out
 
 
@@ -102,6 +105,38 @@ def test_concurrent_decoders_share_one_forward():
     assert scheduler.stats.steps == 15
     assert scheduler.stats.batched_iterations >= 3 and scheduler.stats.max_batch_size == 3
     assert model.threads == {"skippy-runtime"}  # one worker owns the model
+
+
+def test_out_of_phase_chain_sessions_are_pulled_into_one_forward():
+    """Four sessions staggered across a chain round trip (20 ms here, 30 ms downstream)
+    first run alone; learning their cadence, the worker waits for the ones due back
+    within a forward's time, and they end up sharing every forward."""
+    model = FakeModel(delay_s=0.02)
+    scheduler = IterationScheduler(model, batch_wait_s=0.002)
+
+    async def main():
+        return await asyncio.gather(*(
+            _decode_loop(scheduler, k, 16, start_s=0.011 * i, downstream_s=0.03)
+            for i, k in enumerate("abcd")))
+
+    results = asyncio.run(main())
+    scheduler.shutdown()
+    assert [r[-1] for r in results] == [f"done {k}:15" for k in "abcd"]
+    assert len(model.batches[0]) == 1                       # staggered at first
+    assert [len(b) for b in model.batches[-6:]] == [4] * 6  # then in phase
+
+
+def test_a_lone_session_never_waits():
+    model = FakeModel(delay_s=0.005)
+    scheduler = IterationScheduler(model, batch_wait_s=0.05)
+
+    async def main():
+        return await _decode_loop(scheduler, "solo", 10, downstream_s=0.01)
+
+    asyncio.run(main())
+    scheduler.shutdown()
+    assert all(len(b) == 1 for b in model.batches)
+    assert scheduler.stats.steps == 10
 
 
 def test_a_failing_step_fails_alone_and_the_worker_survives():

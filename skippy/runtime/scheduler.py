@@ -7,10 +7,13 @@ Everyone else submits commands and awaits asyncio futures:
 * `submit_op(fn)`: any other runtime work (a prefill chunk, trim, drop...), run alone.
 
 Each turn the worker takes one kind of work, alternating when both are waiting so
-neither starves. When several sessions are decoding, a lone step waits up to
-`batch_wait_s` for its peers so they share one forward instead of queueing behind
-each other; a single stream never waits. A wait as long as a chain round trip
-pulls pipelined sessions into phase, so every stage then batches them.
+neither starves. A single stream never waits. When several sessions are decoding,
+the worker learns each one's cadence (the time between its steps: this stage's
+forward plus the round trip through the rest of the chain) and, before running a
+batch, waits for the peers it expects back within about a forward's time, so
+they share one forward instead of queueing behind each other. On a chain, that
+pulls pipelined sessions into phase within a round or two, and every stage then
+batches them. A peer with no cadence yet gets `batch_wait_s`.
 
 Decides only: no torch. `run_batch` (the runner) turns steps into tensors.
 """
@@ -29,8 +32,11 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 log = logging.getLogger("skippy.runtime")
 
-MAX_COMMANDS_PER_TURN = 64
-RECENT_DECODER_S = 0.05  # a session that submitted a step this recently counts as decoding
+RECENT_DECODER_S = 0.05   # with no cadence yet, a step this recent counts as decoding
+PEER_WAIT_FORWARDS = 1.5  # wait for a peer due back within this many forwards' time
+MAX_PEER_WAIT_S = 0.25    # never idle longer than this for a peer, however slow the forward
+CADENCE_SMOOTHING = 0.3   # weight of the newest gap in a session's cadence
+LATE_FACTOR = 2.0         # a session this many cadences overdue has stopped decoding
 
 
 class SchedulerBusyError(RuntimeError):
@@ -60,6 +66,27 @@ class SchedulerStats:
 
 
 @dataclass(slots=True)
+class _Cadence:
+    """When a decoding session last submitted a step, and its smoothed step period."""
+    last_submit: float
+    period_s: float | None = None
+
+    def observe(self, now: float) -> None:
+        gap = now - self.last_submit
+        self.period_s = gap if self.period_s is None else (
+            (1 - CADENCE_SMOOTHING) * self.period_s + CADENCE_SMOOTHING * gap)
+        self.last_submit = now
+
+    def expected_at(self) -> float | None:
+        return None if self.period_s is None else self.last_submit + self.period_s
+
+    def is_stale(self, now: float) -> bool:
+        horizon = RECENT_DECODER_S if self.period_s is None else max(RECENT_DECODER_S,
+                                                                     LATE_FACTOR * self.period_s)
+        return now - self.last_submit > horizon
+
+
+@dataclass(slots=True)
 class _Command:
     payload: Any                       # the step, or the callable of an op
     future: asyncio.Future
@@ -83,7 +110,8 @@ class IterationScheduler:
         self._cv = threading.Condition()
         self._iterations: deque[_Command] = deque()
         self._ops: deque[_Command] = deque()
-        self._recent: dict[Hashable, float] = {}
+        self._cadences: dict[Hashable, _Cadence] = {}
+        self._forward_s: float | None = None   # smoothed run time of one batched forward
         self._closed = False
         self._last_kind = "op"
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
@@ -105,13 +133,18 @@ class IterationScheduler:
             if len(self._iterations) + len(self._ops) >= self.capacity:
                 raise SchedulerBusyError(f"generation queue full ({self.capacity} commands)")
             queue.append(command)
+            if queue is self._iterations:
+                if (cadence := self._cadences.get(key)) is None:
+                    self._cadences[key] = _Cadence(command.submitted)
+                else:
+                    cadence.observe(command.submitted)
             self._cv.notify()
         return command.future
 
     def forget(self, key: Hashable) -> None:
         """The session ended: stop waiting for its steps."""
         with self._cv:
-            self._recent.pop(key, None)
+            self._cadences.pop(key, None)
 
     def shutdown(self) -> None:
         with self._cv:
@@ -148,19 +181,41 @@ class IterationScheduler:
                 self._run_op(op)
 
     def _wait_for_peers(self) -> None:
-        """Called with the lock held: give recently decoding sessions a moment to join."""
-        now = time.perf_counter()
-        horizon = max(RECENT_DECODER_S, 2 * self.batch_wait_s)
-        self._recent = {k: t for k, t in self._recent.items() if now - t < horizon}
-        deadline = now + self.batch_wait_s
+        """Called with the lock held: wait for the decoding sessions due back soon."""
+        since = time.perf_counter()
         while not self._closed and not self._ops:  # never hold other work back to wait
-            waiting = {c.key for c in self._iterations}
-            if len(self._recent.keys() - waiting) == 0 or len(waiting) >= self.max_batch_steps:
-                return
-            remaining = deadline - time.perf_counter()
+            deadline = self._peer_deadline(since)
+            remaining = deadline - time.perf_counter() if deadline is not None else 0.0
             if remaining <= 0:
                 return
             self._cv.wait(remaining)
+
+    def _peer_deadline(self, since: float) -> float | None:
+        """The latest time worth waiting until for a missing peer; None: run now.
+
+        A peer due within about a forward's time is worth its wait: batched, its row
+        adds little to this forward, while alone it would cost a whole forward of its own.
+        On a chain the peers in the other phase come back after the other stages' time,
+        roughly one forward here: hence the margin above 1."""
+        waiting = {c.key for c in self._iterations}
+        if len(waiting) >= self.max_batch_steps:
+            return None
+        now = time.perf_counter()
+        forward_s = self._forward_s or 0.0
+        budget = min(MAX_PEER_WAIT_S, max(self.batch_wait_s, PEER_WAIT_FORWARDS * forward_s))
+        latest = since + budget + self.batch_wait_s
+        deadline = None
+        for key, cadence in list(self._cadences.items()):
+            if cadence.is_stale(now):
+                del self._cadences[key]
+                continue
+            if key in waiting:
+                continue
+            expected = cadence.expected_at()
+            due = since + self.batch_wait_s if expected is None else expected + self.batch_wait_s
+            if due <= latest:
+                deadline = due if deadline is None else max(deadline, due)
+        return deadline
 
     def _run_iterations(self, batch: list[_Command]) -> None:
         started = time.perf_counter()
@@ -170,8 +225,9 @@ class IterationScheduler:
             log.exception("runtime worker: batch of %d steps failed", len(batch))
             results = [error] * len(batch)
         finished = time.perf_counter()
-        for command in batch:
-            self._recent[command.key] = finished
+        run_s = finished - started
+        self._forward_s = run_s if self._forward_s is None else (
+            (1 - CADENCE_SMOOTHING) * self._forward_s + CADENCE_SMOOTHING * run_s)
         size = len(batch)
         stats = self.stats
         stats.iterations += 1
