@@ -11,8 +11,13 @@ over the rounds, after one warm-up round that is not counted.
     python bench/decode.py                        # bundled SmolLM2, 5 rounds, 2 threads
     python bench/decode.py --rounds 9 --decode-tokens 64 --threads 1 --model PATH.gguf
 
+Ours and transformers dequantize the GGUF to float32 (ours also to float16);
+llama.cpp runs its quantized weights as they are (Q4_1 for the bundled model:
+about 5 bits a weight, so a decode step reads ~3x fewer bytes than float16).
 llama.cpp runs only when `llama_cpp` imports (pip install -e '.[bench-llamacpp]';
 it compiles llama.cpp for about ten minutes).
+
+The process sets OMP_WAIT_POLICY=PASSIVE unless it is already set (see below).
 """
 
 from __future__ import annotations
@@ -28,17 +33,24 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion bar
 # libgomp's idle threads spin before they sleep. On a shared 2-core machine the
 # spinning thread takes the core its partner needs, and 2-thread matmuls ran 3 to
 # 10x slower than with PASSIVE. Read once, when torch loads libgomp; export
 # OMP_WAIT_POLICY=ACTIVE to measure the default.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
+
+from skippy.model.llama import Segment  # noqa: E402
+from skippy.model.loader import load_stage  # noqa: E402
+from skippy.model.locate import bundled_model_path  # noqa: E402
+from skippy.model.tokenizer import Tokenizer  # noqa: E402
 
 # Plain prose, repeated until the prompt is long enough: a realistic token mix.
 PROMPT_TEXT = (
@@ -69,20 +81,14 @@ class Timings:
 
 class OursEngine:
     def __init__(self, path: Path, dtype: str):
-        from skippy.model.loader import load_stage
-
         self.model = load_stage(path, dtype=dtype, device="cpu", progress=False)
 
     def prefill(self, prompt: list[int]) -> int:
-        from skippy.model.llama import Segment
-
-        self.cache = self.model.new_cache(len(prompt) + 1024)
+        self.cache = self.model.new_cache()
         hidden = self.model.forward(torch.tensor(prompt), [Segment(self.cache, 0, len(prompt))])
         return int(self.model.compute_logits(hidden[-1:]).argmax())
 
     def decode(self, token: int) -> int:
-        from skippy.model.llama import Segment
-
         hidden = self.model.forward(torch.tensor([token]), [Segment(self.cache, self.cache.length, 1)])
         return int(self.model.compute_logits(hidden).argmax())
 
@@ -124,14 +130,9 @@ class LlamaCppEngine:
         self.vocab_size = self.llm.n_vocab()
 
     def _argmax_last(self) -> int:
-        logits = self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
-        row = torch.frombuffer(
-            (self.llama_cpp.ctypes.c_float * self.vocab_size).from_address(
-                self.llama_cpp.ctypes.addressof(logits.contents)
-            ),
-            dtype=torch.float32,
-        )
-        return int(row.argmax())
+        """The greedy token from the last evaluated row's logits, read in place."""
+        logits = self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)  # float* into llama.cpp's buffer
+        return int(np.ctypeslib.as_array(logits, shape=(self.vocab_size,)).argmax())
 
     def prefill(self, prompt: list[int]) -> int:
         self.llm.reset()  # n_tokens = 0: eval() then drops the old KV rows
@@ -144,8 +145,6 @@ class LlamaCppEngine:
 
 
 def prompt_ids(path: Path, num_tokens: int) -> list[int]:
-    from skippy.model.tokenizer import Tokenizer
-
     tokenizer = Tokenizer.from_gguf(path)
     ids = tokenizer.encode(PROMPT_TEXT)
     while len(ids) < num_tokens:
@@ -227,8 +226,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     options = parser.parse_args()
     if options.model is None:
-        from skippy.model.locate import bundled_model_path
-
         options.model = str(bundled_model_path())
     path = Path(options.model)
     if path.suffix != ".gguf" or not path.is_file():

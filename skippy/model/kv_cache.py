@@ -89,9 +89,10 @@ class KVCache:
         """Store k, v [kv_heads, n, head_dim] at [start, start+n); return the keys
         and values for positions [0, start+n). Call reserve() first."""
         end = start + k.shape[1]
-        self.k[layer, :, start:end] = k
-        self.v[layer, :, start:end] = v
-        return self.k[layer, :, :end], self.v[layer, :, :end]
+        keys, values = self.k[layer], self.v[layer]
+        keys.narrow(1, start, k.shape[1]).copy_(k)
+        values.narrow(1, start, v.shape[1]).copy_(v)
+        return keys.narrow(1, 0, end), values.narrow(1, 0, end)
 
     def commit(self, length: int) -> None:
         self.length = length

@@ -58,7 +58,7 @@ class StageModel:
             self.head = decode_layout(head)
             if self.embedding is head:  # tied: look tokens up in the head's copy, not a second one
                 self.embedding = self.head
-        self.cos, self.sin = rope_tables(args, device)
+        self.cos, self.signed_sin = rope_tables(args, device)
 
     @staticmethod
     def _block(w: dict[str, torch.Tensor], i: int) -> Block:
@@ -117,6 +117,7 @@ class StageModel:
             h = rms_norm(x, block.attn_norm, args.rms_norm_eps)
             qkv = linear(h, block.wqkv).view(T, H + 2 * KVH, args.head_dim)
             qk = apply_rope(qkv[:, : H + KVH], cos, sin)  # q and k heads rotate in one go
+            # [heads, T, head_dim] each
             q, k, v = qk[:, :H].transpose(0, 1), qk[:, H:].transpose(0, 1), qkv[:, H + KVH :].transpose(0, 1)
             outputs, row = [], 0
             for s in segments:
@@ -137,9 +138,9 @@ class StageModel:
         the tables, so a one-segment call builds no index tensor."""
         if len(segments) == 1:
             rows = slice(segments[0].start, segments[0].start + segments[0].num_tokens)
-            return self.cos[rows, None], self.sin[rows, None]
+            return self.cos[rows, None], self.signed_sin[rows, None]
         cos = torch.cat([self.cos[s.start : s.start + s.num_tokens] for s in segments])
-        sin = torch.cat([self.sin[s.start : s.start + s.num_tokens] for s in segments])
+        sin = torch.cat([self.signed_sin[s.start : s.start + s.num_tokens] for s in segments])
         return cos[:, None], sin[:, None]
 
     @torch.inference_mode()
