@@ -143,9 +143,12 @@ class LocalChain:
                  dtype: str = "float32", concurrency: int = 1, log_level: str = "WARNING",
                  kv_cache: KvCacheConfig | None = None, **client_options):
         """`kv_cache`: every stage's prefix-cache settings (disk tier: one subdirectory per
-        stage under `disk_dir`); None: no prefix cache anywhere."""
+        stage under `disk_dir`); None: no prefix cache anywhere. `threads`: torch threads in
+        every stage; by default each stage takes an equal share of this machine's cores, as
+        N stages each sized for the whole machine would fight over them."""
         if num_stages < 2:
             raise ValueError(f"Expected at least 2 stages for a chain, got {num_stages}")
+        threads = threads or max(1, (os.cpu_count() or 1) // num_stages)
         self.model_path, self.num_stages, self.threads = Path(model_path), num_stages, threads
         self.dtype, self.concurrency, self.log_level = dtype, concurrency, log_level
         self.auth_token = secrets.token_hex(16)  # loopback, but still not open to anyone
@@ -170,10 +173,9 @@ class LocalChain:
                         for c in configs]
 
     async def start(self) -> ChainClient:
-        if self.threads:
-            import torch
+        import torch
 
-            torch.set_num_threads(self.threads)
+        torch.set_num_threads(self.threads)
         try:
             for attempt in range(1, START_ATTEMPTS + 1):
                 try:
@@ -212,9 +214,8 @@ class LocalChain:
 
     async def _spawn(self, config_path: Path, topology_path: Path):
         command = [sys.executable, "-m", "skippy.cli", "--log-level", self.log_level, "stage",
-                   "--config", str(config_path), "--topology", str(topology_path)]
-        if self.threads:
-            command += ["--threads", str(self.threads)]
+                   "--config", str(config_path), "--topology", str(topology_path),
+                   "--threads", str(self.threads)]
         return await asyncio.create_subprocess_exec(
             *command, stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
