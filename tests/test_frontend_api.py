@@ -299,6 +299,17 @@ def test_client_disconnect_frees_the_session(stack):
     assert "skippy_active_generations 0.0" in metrics
 
 
+def test_client_disconnect_before_a_non_streaming_answer_frees_the_session(stack):
+    body = {"model": stack["model"], "messages": [{"role": "user", "content": "Write a very long essay."}],
+            "max_tokens": 500, "temperature": 0, "logit_bias": NO_EOS}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):  # we hang up while the model is still writing
+        httpx.post(stack["main"] + "/v1/chat/completions", json=body, timeout=1.5)
+    assert wait_until(lambda: active_sessions(stack["main"]) == 0, timeout_s=5)
+    metrics = httpx.get(stack["main"] + "/metrics").text
+    assert 'skippy_generations_total{outcome="cancelled"}' in metrics
+    assert "skippy_active_generations 0.0" in metrics
+
+
 # ---- errors -----------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ Every error leaves as the OpenAI envelope, through errors.to_api_error.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -134,26 +135,46 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
         received_at = time.perf_counter()
         body = ChatCompletionRequest.model_validate_json(await request.body())
         job = await prepare_chat(ctx, body, request.state.request_id, received_at)
-        return await _respond(ctx, job)
+        return await _respond(ctx, job, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         received_at = time.perf_counter()
         body = CompletionRequest.model_validate_json(await request.body())
         job = await prepare_text(ctx, body, request.state.request_id, received_at)
-        return await _respond(ctx, job)
+        return await _respond(ctx, job, request)
 
     return app
 
 
-async def _respond(ctx: ServeContext, job) -> Response:
+async def _respond(ctx: ServeContext, job, request: Request) -> Response:
     generation, lease = await start_generation(ctx, job)
     if job.is_stream:
         return EventStreamResponse(stream(job, generation, lease))
     try:
-        return JSONResponse((await complete(job, generation)).model_dump(mode="json"))
+        work = asyncio.ensure_future(complete(job, generation))
+        hang_up = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({work, hang_up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hang_up.cancel()
+        if not work.done():  # nobody is left to answer: stop generating (finish stops every stage)
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(work.result().model_dump(mode="json"))
     finally:
         await finish(generation, lease)
+
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client abandoned; never sent
+
+
+async def _client_gone(request: Request) -> None:
+    """Return when the client disconnects (the body is already read, so the next ASGI
+    message can only be the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _model_card(ctx: ServeContext, created: int, num_stages: int) -> ModelCard:
