@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from skippy.runtime.scheduler import IterationScheduler, SchedulerBusyError
+from skippy.runtime.scheduler import IterationScheduler, SchedulerBusyError, _Cadence
 from skippy.runtime.session import LaneLimitError, SessionError, SessionTable
 
 
@@ -107,23 +107,21 @@ def test_concurrent_decoders_share_one_forward():
     assert model.threads == {"skippy-runtime"}  # one worker owns the model
 
 
-def test_out_of_phase_chain_sessions_are_pulled_into_one_forward():
-    """Four sessions staggered across a chain round trip (20 ms here, 30 ms downstream)
-    first run alone; learning their cadence, the worker waits for the ones due back
-    within a forward's time, and they end up sharing every forward."""
-    model = FakeModel(delay_s=0.02)
-    scheduler = IterationScheduler(model, batch_wait_s=0.002)
-
-    async def main():
-        return await asyncio.gather(*(
-            _decode_loop(scheduler, k, 16, start_s=0.011 * i, downstream_s=0.03)
-            for i, k in enumerate("abcd")))
-
-    results = asyncio.run(main())
-    scheduler.shutdown()
-    assert [r[-1] for r in results] == [f"done {k}:15" for k in "abcd"]
-    assert len(model.batches[0]) == 1                       # staggered at first
-    assert [len(b) for b in model.batches[-6:]] == [4] * 6  # then in phase
+def test_a_straggler_is_waited_for_and_the_other_pipeline_wave_is_not():
+    """With 40 ms forwards: a peer due back in 5 ms is worth waiting for (its row costs
+    less than a forward of its own); a peer of the other wave, due a forward away, is
+    not: it is computing on the next stage while this one works."""
+    scheduler = IterationScheduler(FakeModel(delay_s=0))
+    try:
+        now = time.perf_counter()
+        scheduler._forward_s = 0.04
+        scheduler._cadences = {"straggler": _Cadence(last_submit=now - 0.095, period_s=0.1)}
+        deadline = scheduler._peer_deadline(since=now)
+        assert deadline == pytest.approx(now + 0.005 + scheduler.batch_wait_s, abs=1e-6)
+        scheduler._cadences = {"other wave": _Cadence(last_submit=now - 0.06, period_s=0.1)}
+        assert scheduler._peer_deadline(since=now) is None
+    finally:
+        scheduler.shutdown()
 
 
 def test_a_lone_session_never_waits():
