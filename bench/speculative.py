@@ -15,7 +15,7 @@ medians over the rounds, after one warm-up round that is not counted.
     acceptance:   accepted drafts / proposed drafts
     windows:      verify windows (one chain trip each) and plain decode steps, per request
 
-    python bench/speculative.py                          # bundled SmolLM2, 5 rounds, 1 thread per stage
+    python bench/speculative.py                          # bundled SmolLM2, 5 rounds, 1 thread per stage, window 1..16
     python bench/speculative.py --rounds 9 --max-window 8 --depth 2   # adds pipelined arms
 """
 
@@ -186,7 +186,10 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=5, help="counted rounds (after one warm-up)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--min-window", type=int, default=1, help="the adaptive window's fewest drafts")
-    parser.add_argument("--max-window", type=int, default=8, help="the adaptive window's most drafts")
+    # 16: on this CPU a 9-row verify costs ~4x a 1-row step, so long copies need wide
+    # windows (copy-text 1.87x at 16 vs 1.62x at 8); copy-code, with ~50-75%
+    # acceptance, does better at 8 (1.38x vs 1.14x).
+    parser.add_argument("--max-window", type=int, default=16, help="the adaptive window's most drafts")
     parser.add_argument("--depth", type=int, default=1, help="> 1 adds a pipelined ngram-suffix arm")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every stage")
     asyncio.run(main(parser.parse_args()))
