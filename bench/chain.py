@@ -34,18 +34,9 @@ from skippy.protocol import (  # noqa: E402
     MessageKind, StageMessage, StageReply, read_message, read_reply, write_message, write_reply,
 )
 
+from common import cpu_seconds  # noqa: E402
+
 GOAL_RATIO = 0.85
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU time (user + system) of this process and the given ones, from /proc."""
-    total = time.process_time()
-    ticks = os.sysconf("SC_CLK_TCK")
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-    return total
 
 
 async def measure(client: ChainClient, pids: list[int], prompt: list[int],

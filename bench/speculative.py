@@ -37,37 +37,10 @@ from skippy.model.locate import bundled_model_path  # noqa: E402
 from skippy.model.tokenizer import Tokenizer  # noqa: E402
 from skippy.runtime.speculation import SpeculativeSettings  # noqa: E402
 
-CODE = """def total_price(items, tax_rate):
-    subtotal = 0
-    for item in items:
-        subtotal += item.price * item.quantity
-    tax = subtotal * tax_rate
-    return round(subtotal + tax, 2)"""
-TEXT = ("The history of the printing press begins in the fifteenth century, when movable type made books "
-        "cheap enough for merchants, students and craftsmen to own. Within fifty years presses were running "
-        "in more than two hundred cities, and the number of books in Europe grew from thousands to millions. "
-        "Printers competed for readers with cheaper paper, smaller formats and new typefaces, and the pamphlet "
-        "became the first mass medium: news, sermons and satire travelled faster than any courier could ride.")
-# SmolLM2-135M does not copy the code (it rewrites the function in ~30 tokens), but it copies
-# the text nearly word for word (~96 tokens): that is the copy-heavy prompt the goal is for.
-PROMPTS = {
-    "copy-code": "Repeat the following code exactly, changing only the function name to order_total:\n\n"
-                 f"```python\n{CODE}\n```",
-    "copy-text": f"Repeat the following text exactly:\n\n{TEXT}",
-    "free-form": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-}
+from common import cpu_seconds, speculative_prompts  # noqa: E402
+
+PROMPTS = speculative_prompts(3)
 GOALS = {"copy-text": 1.8, "free-form": 0.95}  # ngram-suffix decode tok/s vs off
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU time (user + system) of this process and the given ones, from /proc."""
-    total = time.process_time()
-    ticks = os.sysconf("SC_CLK_TCK")
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-    return total
 
 
 @dataclass

@@ -36,23 +36,9 @@ from skippy.runtime.local_generation import GenerationLimits
 from skippy.runtime.local_speculative import generate_tokens_speculative
 from skippy.runtime.speculation import AdaptiveWindow, SpeculationStats, create_proposer
 
-CODE = """def total_price(items, tax_rate):
-    subtotal = 0
-    for item in items:
-        subtotal += item.price * item.quantity
-    tax = subtotal * tax_rate
-    return round(subtotal + tax, 2)"""
-TEXT = (
-    "The history of the printing press begins in the fifteenth century, when movable type made books "
-    "cheap enough for merchants, students and craftsmen to own. Within fifty years presses were running "
-    "in more than two hundred cities, and the number of books in Europe grew from thousands to millions."
-)
-PROMPTS = {
-    "copy-code": "Repeat the following code exactly, changing only the function name to order_total:\n\n"
-    f"```python\n{CODE}\n```",
-    "copy-text": f"Repeat the following text exactly:\n\n{TEXT}",
-    "free-form": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-}
+from common import speculative_prompts
+
+PROMPTS = speculative_prompts(2)
 NGRAM_ARMS = ["ngram-suffix", "ngram-simple"]
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 

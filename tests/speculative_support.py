@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from chain_support import start_chain
@@ -81,3 +82,13 @@ class Oracle(Proposer, name="test-oracle"):
             drafts = [t + 1 if (done + i) % self.wrong_every == self.wrong_every - 1 else t
                       for i, t in enumerate(drafts)]
         return drafts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two shared cores: one torch thread per forward keeps multi-row windows fast.
+    Autouse in the modules that import it."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)

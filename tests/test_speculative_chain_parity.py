@@ -10,9 +10,8 @@ do not change a token either.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from speculative_support import NUM_TOKENS, Chains, encode_prompts, small_draft
+from speculative_support import NUM_TOKENS, Chains, encode_prompts, one_thread, small_draft  # noqa: F401
 from skippy.protocol import SamplingConfig
 from skippy.runtime.speculation import SpeculativeSettings
 
@@ -23,15 +22,6 @@ ARMS = {  # name -> settings
     "ngram-simple": SpeculativeSettings("ngram-simple", 1, 8),
     "draft": SpeculativeSettings("draft", 1, 4),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two shared cores: one torch thread per forward keeps multi-row windows fast."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,10 @@ import re
 
 import httpx
 import pytest
-import torch
 
 from chain_support import start_chain
 from prefix_chain_support import LoopThread, start_cached_chain, system_text
-from speculative_support import NUM_TOKENS, Oracle, encode_prompts
+from speculative_support import NUM_TOKENS, Oracle, encode_prompts, one_thread  # noqa: F401
 from skippy.frontend.api import ApiSettings, create_app
 from skippy.frontend.chain_backend import ChainBackend
 from skippy.frontend.local_chain import plan_chain
@@ -27,14 +26,6 @@ from skippy.protocol import KvCacheConfig, cache_namespace_digest
 from skippy.runtime.speculation import SpeculativeSettings
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,51 @@
+"""What several benches share: the speculative prompts and the CPU clock over processes.
+
+Benches run as scripts (`python bench/x.py`), so this directory is on sys.path and
+they import it as `common`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+CODE = """def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return round(subtotal + tax, 2)"""
+PRINTING_PRESS = [
+    "The history of the printing press begins in the fifteenth century, when movable type made books "
+    "cheap enough for merchants, students and craftsmen to own.",
+    "Within fifty years presses were running in more than two hundred cities, and the number of books "
+    "in Europe grew from thousands to millions.",
+    "Printers competed for readers with cheaper paper, smaller formats and new typefaces, and the "
+    "pamphlet became the first mass medium: news, sermons and satire travelled faster than any courier "
+    "could ride.",
+]
+
+
+def speculative_prompts(num_sentences: int) -> dict[str, str]:
+    """Copy-heavy (code, then `num_sentences` of prose) and free-form chat prompts.
+
+    SmolLM2-135M does not copy the code (it rewrites the function in ~30 tokens), but
+    it copies the text nearly word for word: that is the copy-heavy prompt."""
+    text = " ".join(PRINTING_PRESS[:num_sentences])
+    return {
+        "copy-code": "Repeat the following code exactly, changing only the function name to order_total:\n\n"
+                     f"```python\n{CODE}\n```",
+        "copy-text": f"Repeat the following text exactly:\n\n{text}",
+        "free-form": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    }
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) of this process and the given ones, from /proc."""
+    total = time.process_time()
+    ticks = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
