@@ -14,6 +14,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weight dtype")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     parser.add_argument("--ctx-size", type=int, default=None, help="context size per session (default: the model's)")
+    parser.add_argument("--no-repack", dest="repack", action="store_false",
+                        help="do not keep a second, batch-friendly copy of float32 CPU weights (halves their "
+                             "memory; batched decode, prefill and verify windows run slower)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -193,7 +196,7 @@ def run_generate(args: argparse.Namespace) -> int:
     speculative = speculative_settings(args)
     if args.stages > 1 or args.topology:
         return emit(args, tokenizer, ids, chain_tokens(args, path, ids, tokenizer, speculative))
-    model = load_stage(path, dtype=args.dtype, device=args.device)
+    model = load_stage(path, dtype=args.dtype, device=args.device, repack=args.repack)
     limits = GenerationLimits(max_tokens=args.max_tokens, stop_ids=tokenizer.eog_ids)
     if not speculative.is_enabled:
         tokens = generate_tokens(model, ids, limits, sampling_config(args), args.ctx_size)
@@ -227,6 +230,7 @@ def run_serve(args: argparse.Namespace) -> int:
         chain_auth_token=args.chain_auth_token,
         dtype=args.dtype,
         device=args.device,
+        repack=args.repack,
         activation_dtype=args.activation_dtype,
         threads=args.threads,
         admission_timeout_s=args.admission_timeout,
@@ -248,7 +252,7 @@ def chain_tokens(args: argparse.Namespace, path, ids: list[int], tokenizer, spec
     from .frontend.local_chain import generate_on_chain
     from .protocol import Topology
 
-    options = {"activation_dtype": args.activation_dtype, "dtype": args.dtype,
+    options = {"activation_dtype": args.activation_dtype, "dtype": args.dtype, "repack": args.repack,
                "ctx_size": args.ctx_size or 2048, "speculative": speculative,
                "draft_model": load_draft_model(args)}
     topology = Topology.load(args.topology) if args.topology else None

@@ -99,8 +99,13 @@ def test_authoritative_start_overwrites_speculative_tail(make_stage):
     assert (got - expected).abs().max().item() <= 1e-5
 
 
-def test_batched_forward_equals_per_session(make_stage):
+@pytest.mark.parametrize("repack", [False, True], ids=["mkl", "repacked"])
+def test_batched_forward_equals_per_session(make_stage, repack):
     model = make_stage()
+    tolerance = 1e-5
+    if repack:  # several rows then run on the oneDNN copy, one row on MKL: two kernels' roundings
+        assert model.repack_for_batches() == model.repack_bytes > 0
+        tolerance = 5e-5
     prompts = [PROMPT, PROMPT[:13], [5, 6, 7, 8, 9, 10, 11]]
     solo_caches = [model.new_cache() for _ in prompts]
     solo = [logits_of(model, p, c) for p, c in zip(prompts, solo_caches)]
@@ -108,14 +113,14 @@ def test_batched_forward_equals_per_session(make_stage):
     caches = [model.new_cache() for _ in prompts]
     ids = torch.tensor([t for p in prompts for t in p])
     batched = model.compute_logits(model.forward(ids, [Segment(c, 0, len(p)) for p, c in zip(prompts, caches)]))
-    assert max_relative_error(batched, torch.cat(solo)) <= 1e-5
+    assert max_relative_error(batched, torch.cat(solo)) <= tolerance
     assert batched.argmax(-1).tolist() == torch.cat(solo).argmax(-1).tolist()
 
     # one decode row per session, at different positions, in one call
     tokens = [3, 4, 5]
     expected = torch.cat([logits_of(model, [t], c) for t, c in zip(tokens, solo_caches)])
     got = model.compute_logits(model.forward(torch.tensor(tokens), [Segment(c, c.length, 1) for c in caches]))
-    assert max_relative_error(got, expected) <= 1e-5
+    assert max_relative_error(got, expected) <= tolerance
     assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
@@ -145,3 +150,42 @@ def test_sparse_stages_hold_about_half_the_weights(make_stage):
     assert 0.4 < first / full < 0.7 and 0.4 < second / full < 0.7
     middle = make_stage(10, 20).parameter_bytes
     assert middle < first
+
+
+def test_repacked_weights_change_no_result(make_stage):
+    plain, repacked = make_stage(15, 30), make_stage(15, 30)
+    added = repacked.repack_for_batches()
+    assert added == repacked.repack_bytes >= repacked.parameter_bytes // 2
+    assert repacked.parameter_bytes == plain.parameter_bytes  # the copy is not a parameter
+    assert repacked.repack_for_batches() == 0  # once only
+    hidden = torch.randn(len(PROMPT), plain.args.hidden_size)
+    caches = plain.new_cache(), repacked.new_cache()
+    prefill = [m.compute_logits(m.forward(hidden, [Segment(c, 0, len(PROMPT))])) for m, c in zip((plain, repacked), caches)]
+    assert max_relative_error(prefill[1], prefill[0]) <= 1e-5
+    assert prefill[1].argmax(-1).tolist() == prefill[0].argmax(-1).tolist()
+    row = torch.randn(1, plain.args.hidden_size)  # one row keeps to the same kernel: identical
+    one = [m.compute_logits(m.forward(row, [Segment(m.new_cache(), 0, 1)])) for m in (plain, repacked)]
+    assert torch.equal(one[0], one[1])
+
+
+def test_repack_applies_to_float32_cpu_weights_only(full_weights):
+    from skippy.model.args import LayerRange
+    from skippy.model.llama import StageModel
+
+    args, weights = full_weights
+    half = {name: w.half() for name, w in weights.items() if name.startswith("blk.29.") or "output" in name
+            or name == "token_embd.weight"}
+    model = StageModel(args, LayerRange(29, 30, 30), half, torch.device("cpu"))
+    assert model.repack_bytes == 0 and model.repack_for_batches() == 0
+
+
+def test_repack_is_skipped_with_a_fix_when_memory_is_short(make_stage, monkeypatch, caplog):
+    from skippy.model import loader
+
+    model = make_stage(29, 30)
+    monkeypatch.setattr(loader, "available_memory_bytes", lambda: model.repack_bytes)  # copy > half of it
+    with caplog.at_level("WARNING"):
+        assert loader.repack_if_it_fits(model) == 0
+    assert "--no-repack" in caplog.text and all(linear.batched is None for linear in model.linears)
+    monkeypatch.setattr(loader, "available_memory_bytes", lambda: None)  # unknown: repack
+    assert loader.repack_if_it_fits(model) == model.repack_bytes

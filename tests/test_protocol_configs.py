@@ -162,19 +162,46 @@ def test_plan_layer_split(n_layers, n_stages, weights, expected):
     assert plan_layer_split(n_layers, n_stages, weights) == expected
 
 
+HEAD_SPLITS = [
+    # (n_layers, n_stages, weights, head_layers, expected)
+    (30, 2, None, 8.0, [(0, 19), (19, 30)]),                    # SmolLM2: 19 | 11 + head
+    (30, 3, None, 8.0, [(0, 13), (13, 26), (26, 30)]),
+    (30, 2, [3, 1], 2.0, [(0, 24), (24, 30)]),                  # 32 shared 3:1, the head in stage 1's 8
+    (4, 2, None, 50.0, [(0, 3), (3, 4)]),                       # a huge head still leaves 1 layer
+    (30, 1, None, 8.0, [(0, 30)]),
+]
+
+
+@pytest.mark.parametrize("n_layers, n_stages, weights, head_layers, expected", HEAD_SPLITS)
+def test_plan_layer_split_counts_the_head_on_the_last_stage(n_layers, n_stages, weights, head_layers,
+                                                              expected):
+    assert plan_layer_split(n_layers, n_stages, weights, head_layers) == expected
+
+
+def test_plan_chain_balances_the_bundled_model_with_its_head(gguf_path):
+    from skippy.frontend.local_chain import model_args, plan_chain
+
+    assert model_args(gguf_path).head_cost_in_layers == pytest.approx(8.0)  # 49152 x 576 over 3,538,944
+    topology, configs = plan_chain(gguf_path, ["127.0.0.1:1", "127.0.0.1:2"])
+    assert [(s.layer_start, s.layer_end) for s in topology.stages] == [(0, 19), (19, 30)]
+    assert all(c.repack_weights for c in configs)
+
+
 SPLIT_ERRORS = [
     (3, 4, None),            # fewer layers than stages
     (10, 0, None),           # no stages
     (10, 2, [1]),            # weight count mismatch
     (10, 2, [1, 0]),         # zero weight
     (10, 2, [1, float("nan")]),
+    (10, 2, None, -1.0),     # negative head
+    (10, 2, None, float("inf")),
 ]
 
 
-@pytest.mark.parametrize("n_layers, n_stages, weights", SPLIT_ERRORS)
-def test_plan_layer_split_errors(n_layers, n_stages, weights):
+@pytest.mark.parametrize("arguments", SPLIT_ERRORS)
+def test_plan_layer_split_errors(arguments):
     with pytest.raises(ValueError):
-        plan_layer_split(n_layers, n_stages, weights)
+        plan_layer_split(*arguments)
 
 
 @st.composite
@@ -183,13 +210,14 @@ def split_inputs(draw):
     n_layers = draw(st.integers(n_stages, 200))
     weights = draw(st.none() | st.lists(st.floats(0.01, 100.0), min_size=n_stages,
                                         max_size=n_stages))
-    return n_layers, n_stages, weights
+    head_layers = draw(st.sampled_from([0.0, 0.0, 1.5, 8.0, 40.0]))
+    return n_layers, n_stages, weights, head_layers
 
 
 @given(split_inputs())
 def test_split_is_contiguous_and_covers_every_layer(args):
-    n_layers, n_stages, weights = args
-    ranges = plan_layer_split(n_layers, n_stages, weights)
+    n_layers, n_stages, weights, head_layers = args
+    ranges = plan_layer_split(n_layers, n_stages, weights, head_layers)
     assert len(ranges) == n_stages
     assert ranges[0][0] == 0 and ranges[-1][1] == n_layers
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
@@ -197,9 +225,11 @@ def test_split_is_contiguous_and_covers_every_layer(args):
     # The result is a valid topology.
     Topology.model_validate(_topology(*(_stage(i, s, e) for i, (s, e) in enumerate(ranges))))
     sizes = [end - start for start, end in ranges]
-    if weights is None:
+    if weights is None and head_layers == 0:
         assert max(sizes) - min(sizes) <= 1
     else:
-        ideal = [n_layers * w / sum(weights) for w in weights]
+        weights = weights or [1.0] * n_stages
+        ideal = [(n_layers + head_layers) * w / sum(weights) for w in weights]
+        ideal[-1] -= head_layers
         if min(ideal) >= 1:  # no stage was lifted to its 1-layer minimum
             assert all(abs(size - share) < 1 for size, share in zip(sizes, ideal))

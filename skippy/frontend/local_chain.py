@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from ..model.args import ModelArgs
 from ..model.loader import load_stage
 from ..protocol import (
     KvCacheConfig, PeerEndpoint, StageConfig, Topology, TopologyStage, parse_endpoint,
@@ -39,15 +40,19 @@ class PortTaken(RuntimeError):
     pass
 
 
-def model_num_layers(path: str | Path) -> int:
+def model_args(path: str | Path) -> ModelArgs:
     path = Path(path)
     if path.is_dir():
         from ..model.hf_loader import read_hf_args
 
-        return read_hf_args(path).num_layers
+        return read_hf_args(path)
     from ..model.gguf_loader import open_gguf, read_model_args
 
-    return read_model_args(open_gguf(path)).num_layers
+    return read_model_args(open_gguf(path))
+
+
+def model_num_layers(path: str | Path) -> int:
+    return model_args(path).num_layers
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -63,11 +68,13 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[float] | None = None,
-               num_layers: int | None = None, **stage_options) -> tuple[Topology, list[StageConfig]]:
+               args: ModelArgs | None = None, **stage_options) -> tuple[Topology, list[StageConfig]]:
     """Topology and stage configs for one stage per endpoint; endpoint 0 is the driver's
-    return listener, the others are where stages 1..N-1 listen (their bind address)."""
-    num_layers = num_layers or model_num_layers(model_path)
-    ranges = plan_layer_split(num_layers, len(endpoints), weights)
+    return listener, the others are where stages 1..N-1 listen (their bind address).
+    The split counts the output head's weights as layers of the last stage, so every
+    stage reads about as many bytes per token (with equal `weights`)."""
+    args = args or model_args(model_path)
+    ranges = plan_layer_split(args.num_layers, len(endpoints), weights, args.head_cost_in_layers)
     stages = [TopologyStage(stage_id=f"stage-{i}", stage_index=i, endpoint=endpoint,
                             layer_start=start, layer_end=end, host=parse_endpoint(endpoint)[0])
               for i, (endpoint, (start, end)) in enumerate(zip(endpoints, ranges))]
@@ -109,14 +116,14 @@ def stage_kv_cache(kv_cache: KvCacheConfig, stage_index: int) -> KvCacheConfig:
 
 async def connect_topology(topology: Topology, model_path: str | Path, *,
                            auth_token: str | None = None, dtype: str = "float32",
-                           device: str = "cpu", kv_cache: KvCacheConfig | None = None,
+                           device: str = "cpu", repack: bool = True, kv_cache: KvCacheConfig | None = None,
                            **client_options) -> ChainClient:
     """Stage 0 for a running chain: load layers [0, k), listen on the topology's stage-0
     endpoint for the direct return, connect the lanes to stage 1. `kv_cache`: stage 0's
     prefix cache (its disk tier under `disk_dir`/stage-0); None: no prefix cache."""
     first = topology.stages[0]
     model = load_stage(model_path, (first.layer_start, first.layer_end), dtype=dtype,
-                       device=device, progress=False)
+                       device=device, progress=False, repack=repack)
     downstream = topology.stages[1].endpoint if len(topology.stages) > 1 else None
     prefix_cache = None
     if kv_cache is not None:
@@ -140,7 +147,8 @@ class LocalChain:
 
     def __init__(self, model_path: str | Path, num_stages: int, *, threads: int | None = None,
                  activation_dtype: str = "f32", ctx_size: int = 2048, lane_count: int = 4,
-                 dtype: str = "float32", concurrency: int = 1, log_level: str = "WARNING",
+                 dtype: str = "float32", repack: bool = True, concurrency: int = 1,
+                 log_level: str = "WARNING",
                  kv_cache: KvCacheConfig | None = None, **client_options):
         """`kv_cache`: every stage's prefix-cache settings (disk tier: one subdirectory per
         stage under `disk_dir`); None: no prefix cache anywhere. `threads`: torch threads in
@@ -150,14 +158,14 @@ class LocalChain:
             raise ValueError(f"Expected at least 2 stages for a chain, got {num_stages}")
         threads = threads or max(1, (os.cpu_count() or 1) // num_stages)
         self.model_path, self.num_stages, self.threads = Path(model_path), num_stages, threads
-        self.dtype, self.concurrency, self.log_level = dtype, concurrency, log_level
+        self.dtype, self.repack, self.concurrency, self.log_level = dtype, repack, concurrency, log_level
         self.auth_token = secrets.token_hex(16)  # loopback, but still not open to anyone
         self.client_options = client_options
         self.kv_cache = kv_cache
         self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
                                    ctx_size=ctx_size, lane_count=lane_count,
-                                   weight_dtype=_WEIGHT_NAMES[dtype], device="cpu")
-        self._num_layers = model_num_layers(model_path)
+                                   weight_dtype=_WEIGHT_NAMES[dtype], repack_weights=repack, device="cpu")
+        self._model_args = model_args(model_path)
         self._plan()
         self._dir = tempfile.TemporaryDirectory(prefix="skippy-chain-")
         self.processes: list[asyncio.subprocess.Process] = []
@@ -167,7 +175,7 @@ class LocalChain:
         """Pick free loopback ports and build the topology and every stage's config."""
         endpoints = [f"127.0.0.1:{port}" for port in free_ports(self.num_stages)]
         self.topology, configs = plan_chain(self.model_path, endpoints,
-                                            num_layers=self._num_layers, **self._stage_options)
+                                            args=self._model_args, **self._stage_options)
         stage_kv = self.kv_cache or KvCacheConfig(mode="disabled")
         self.configs = [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)})
                         for c in configs]
@@ -196,7 +204,7 @@ class LocalChain:
     async def _connect(self) -> ChainClient:
         try:
             return await connect_topology(
-                self.topology, self.model_path, auth_token=self.auth_token, dtype=self.dtype,
+                self.topology, self.model_path, auth_token=self.auth_token, dtype=self.dtype, repack=self.repack,
                 concurrency=self.concurrency, ctx_size=self.configs[0].ctx_size,
                 activation_dtype=self.configs[0].activation_dtype, kv_cache=self.kv_cache,
                 **self.client_options)

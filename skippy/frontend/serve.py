@@ -44,6 +44,7 @@ class ServeConfig:
     chain_auth_token: str | None = None  # the stages' transport token (with --topology)
     dtype: str = "float32"
     device: str = "auto"
+    repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
     activation_dtype: str = "f32"
     threads: int | None = None  # torch threads in every stage process, this one included
     admission_timeout_s: float = 60.0
@@ -121,7 +122,7 @@ def load_local_backend(config: ServeConfig):
         import torch
 
         torch.set_num_threads(config.threads)
-    model = load_stage(config.model, dtype=config.dtype, device=config.device)
+    model = load_stage(config.model, dtype=config.dtype, device=config.device, repack=config.repack)
     backend = LocalBackend(model, num_lanes=config.num_lanes, ctx_size=config.ctx_size)
     return load_tokenizer(config.model), backend
 
@@ -152,12 +153,13 @@ async def start_chain_backend(config: ServeConfig):
         else:
             topology = Topology.load(config.topology)
         client = await connect_topology(topology, config.model, auth_token=config.chain_auth_token,
-                                        dtype=config.dtype, device=config.device, kv_cache=config.kv_cache(1),
+                                        dtype=config.dtype, device=config.device, repack=config.repack,
+                                        kv_cache=config.kv_cache(1),
                                         **options)  # fmt: skip
         backend = ChainBackend(client, topology, num_lanes=config.num_lanes, auth_token=config.chain_auth_token)
         return load_tokenizer(config.model), backend
     chain = LocalChain(config.model, config.num_stages, threads=config.threads, lane_count=config.num_lanes,
-                       dtype=config.dtype, log_level=config.log_level,
+                       dtype=config.dtype, repack=config.repack, log_level=config.log_level,
                        kv_cache=config.kv_cache(config.num_stages), **options)  # fmt: skip
     description = f"Starting {config.num_stages} stages of {Path(config.model).name}"
     with progress_bar(description, config.num_stages) as advance:

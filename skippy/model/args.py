@@ -22,6 +22,14 @@ class ModelArgs:
     rope_scaling: dict | None = None  # Hugging Face style: {"rope_type": "llama3", "factor": ...}
     tie_word_embeddings: bool = False
 
+    @property
+    def head_cost_in_layers(self) -> float:
+        """The output head's weights over one block's matmul weights: what the last
+        stage reads per token on top of its layers (8.0 for SmolLM2-135M)."""
+        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        feed_forward = 3 * self.hidden_size * self.intermediate_size
+        return self.vocab_size * self.hidden_size / (attention + feed_forward)
+
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

@@ -17,7 +17,7 @@ import torch
 
 from .args import LayerRange, ModelArgs
 from .kv_cache import KVCache
-from .layers import apply_rope, attention, decode_layout, linear, rms_norm, rope_tables, swiglu
+from .layers import Linear, apply_rope, attention, rms_norm, rope_tables, swiglu
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +32,11 @@ class Segment:
 @dataclass(frozen=True, slots=True)
 class Block:
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor  # q, k, v projections stacked: one matmul instead of three
-    wo: torch.Tensor
+    wqkv: Linear  # q, k, v projections stacked: one matmul instead of three
+    wo: Linear
     ffn_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # gate and up stacked
-    w_down: torch.Tensor
+    w_gate_up: Linear  # gate and up stacked
+    w_down: Linear
 
 
 class StageModel:
@@ -55,9 +55,9 @@ class StageModel:
         if layers.is_last:
             self.output_norm = weights["output_norm.weight"]
             head = weights.get("output.weight", weights.get("token_embd.weight"))
-            self.head = decode_layout(head)
+            self.head = Linear.of(head)
             if self.embedding is head:  # tied: look tokens up in the head's copy, not a second one
-                self.embedding = self.head
+                self.embedding = self.head.weight
         self.cos, self.signed_sin = rope_tables(args, device)
 
     @staticmethod
@@ -67,11 +67,11 @@ class StageModel:
         gate_up = torch.cat([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]])
         return Block(
             attn_norm=w[p + "attn_norm.weight"],
-            wqkv=decode_layout(qkv),
-            wo=w[p + "attn_output.weight"],
+            wqkv=Linear.of(qkv),
+            wo=Linear.of(w[p + "attn_output.weight"]),
             ffn_norm=w[p + "ffn_norm.weight"],
-            w_gate_up=decode_layout(gate_up),
-            w_down=w[p + "ffn_down.weight"],
+            w_gate_up=Linear.of(gate_up),
+            w_down=Linear.of(w[p + "ffn_down.weight"]),
         )
 
     @classmethod
@@ -88,11 +88,29 @@ class StageModel:
         )  # fmt: skip
 
     @property
+    def linears(self) -> list[Linear]:
+        heads = [self.head] if self.layers.is_last else []
+        return [getattr(b, name) for b in self.blocks for name in ("wqkv", "wo", "w_gate_up", "w_down")] + heads
+
+    @property
     def parameter_bytes(self) -> int:
+        """Bytes of the model's own tensors (not the repacked copies)."""
         tensors = [t for b in self.blocks for t in vars_of(b)]
-        tensors += [t for t in (self.embedding, getattr(self, "head", None), getattr(self, "output_norm", None)) if t is not None]
+        tensors += [t for t in (self.embedding, getattr(self, "output_norm", None)) if t is not None]
+        tensors += [linear.weight for linear in self.linears]
         unique = {t.data_ptr(): t.nbytes for t in tensors}
         return sum(unique.values())
+
+    @property
+    def repack_bytes(self) -> int:
+        """What `repack_for_batches` adds (or added)."""
+        return sum(linear.weight.nbytes for linear in self.linears if linear.can_repack)
+
+    def repack_for_batches(self) -> int:
+        """Keep a multi-row copy of every matmul weight (see Linear): batched decode,
+        prefill and verify windows run faster for twice the weights' memory. Returns the
+        bytes added; 0 off CPU float32."""
+        return sum(linear.repack() for linear in self.linears)
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
@@ -115,7 +133,7 @@ class StageModel:
         for layer, block in enumerate(self.blocks):
             # attention: x + Wo · attn(rope(Wq·h), rope(Wk·h), Wv·h)
             h = rms_norm(x, block.attn_norm, args.rms_norm_eps)
-            qkv = linear(h, block.wqkv).view(T, H + 2 * KVH, args.head_dim)
+            qkv = block.wqkv(h).view(T, H + 2 * KVH, args.head_dim)
             qk = apply_rope(qkv[:, : H + KVH], cos, sin)  # q and k heads rotate in one go
             # [heads, T, head_dim] each
             q, k, v = qk[:, :H].transpose(0, 1), qk[:, H:].transpose(0, 1), qkv[:, H + KVH :].transpose(0, 1)
@@ -125,7 +143,7 @@ class StageModel:
                 keys, values = s.cache.write(layer, s.start, k[:, rows], v[:, rows])
                 outputs.append(attention(q[:, rows], keys, values, s.start))
                 row += s.num_tokens
-            x = x + linear(torch.cat(outputs) if len(outputs) > 1 else outputs[0], block.wo)
+            x = x + block.wo(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
             # feed-forward: x + W_down · (silu(W_gate·h) * W_up·h)
             x = x + swiglu(rms_norm(x, block.ffn_norm, args.rms_norm_eps), block.w_gate_up, block.w_down)
 
@@ -148,8 +166,10 @@ class StageModel:
         """hidden [T, D] -> float32 logits [T, vocab] (last stage only)."""
         if not self.layers.is_last:
             raise RuntimeError(f"Stage {self.layers} has no output head; only the last stage computes logits")
-        return linear(rms_norm(hidden, self.output_norm, self.args.rms_norm_eps), self.head).float()
+        return self.head(rms_norm(hidden, self.output_norm, self.args.rms_norm_eps)).float()
 
 
 def vars_of(block: Block) -> list[torch.Tensor]:
-    return [getattr(block, name) for name in Block.__slots__]
+    """The block's tensors as loaded (a Linear's weight, not its repacked copy)."""
+    fields = [getattr(block, name) for name in Block.__slots__]
+    return [f.weight if isinstance(f, Linear) else f for f in fields]

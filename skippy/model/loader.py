@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ from .gguf_loader import load_gguf_tensors, open_gguf, read_model_args
 from .hf_loader import load_hf_tensors, read_hf_args
 from .llama import StageModel
 from .weights import needed_tensor_names
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -37,8 +40,13 @@ def load_stage(
     dtype: str | torch.dtype = "float32",
     device: str = "auto",
     progress: bool = True,
+    repack: bool = False,
 ) -> StageModel:
-    """Load layers [start, end) of the model at `path` (all layers when None)."""
+    """Load layers [start, end) of the model at `path` (all layers when None).
+
+    `repack`: also keep the matmul weights prepacked for multi-row batches (CPU float32;
+    see Linear), unless that copy would take over half the memory still available.
+    """
     path = Path(path)
     torch_device, weight_dtype = resolve_device(device), resolve_dtype(dtype)
     if path.is_dir():
@@ -55,4 +63,33 @@ def load_stage(
             weights = load_hf_tensors(path, args, layer_range, weight_dtype, torch_device, advance)
         else:
             weights = load_gguf_tensors(reader, args, layer_range, weight_dtype, torch_device, advance)
-    return StageModel(args, layer_range, weights, torch_device)
+    model = StageModel(args, layer_range, weights, torch_device)
+    if repack:
+        repack_if_it_fits(model)
+    return model
+
+
+def repack_if_it_fits(model: StageModel) -> int:
+    """Repack `model` for batches when the copy fits in half the available memory; returns the bytes added."""
+    needed, available = model.repack_bytes, available_memory_bytes()
+    if needed and available is not None and needed > available // 2:
+        log.warning("not repacking weights for batches: the copy needs %d MiB and %d MiB are available, "
+                    "so batched steps run slower. Fix: free memory, or pass --no-repack to skip this check",
+                    needed >> 20, available >> 20)
+        return 0
+    added = model.repack_for_batches()
+    if added:
+        log.info("repacked weights for batches: %d MiB more", added >> 20)
+    return added
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where that is unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -100,6 +100,7 @@ class StageConfig(_Frozen):
     auth_token: str | None = Field(None, repr=False)
     activation_dtype: Literal["f32", "f16", "bf16"] = "f32"
     weight_dtype: Literal["auto", "f32", "f16", "bf16"] = "auto"
+    repack_weights: bool = True                # a batch-friendly copy of float32 CPU weights
     device: str = "auto"
     max_inflight: int = Field(4, ge=1)
     reply_credit_limit: int | None = Field(None, ge=0)   # None = max_inflight - 1 (§2.6)
@@ -215,13 +216,16 @@ class Topology(_Frozen):
         return self.stages[stage_index]
 
 
-def plan_layer_split(n_layers: int, n_stages: int,
-                     weights: Sequence[float] | None = None) -> list[tuple[int, int]]:
+def plan_layer_split(n_layers: int, n_stages: int, weights: Sequence[float] | None = None,
+                     head_layers: float = 0.0) -> list[tuple[int, int]]:
     """Split [0, n_layers) into `n_stages` contiguous half-open ranges of >= 1 layer each.
 
     Without weights the split is even (earlier stages take the remainder); with
     weights (e.g. per-host memory or speed) each stage gets a share proportional to
     its weight, rounded by largest remainder, ties to the earlier stage.
+    `head_layers`: the output head's work in layers (its weight bytes over one
+    layer's), which the last stage does on top of its layers; the shares cover
+    n_layers + head_layers, so the last stage takes that many fewer layers.
     """
     if n_stages < 1:
         raise ValueError(f"Expected n_stages >= 1, got {n_stages}")
@@ -233,8 +237,11 @@ def plan_layer_split(n_layers: int, n_stages: int,
         raise ValueError(f"Expected {n_stages} weights, got {len(weights)}")
     if not all(math.isfinite(w) and w > 0 for w in weights):
         raise ValueError(f"Expected finite positive weights, got {weights}")
+    if not (math.isfinite(head_layers) and head_layers >= 0):
+        raise ValueError(f"Expected a finite head_layers >= 0, got {head_layers}")
     total = sum(weights)
-    ideal = [n_layers * w / total for w in weights]
+    ideal = [(n_layers + head_layers) * w / total for w in weights]
+    ideal[-1] -= head_layers
     counts = [max(1, math.floor(share)) for share in ideal]
     # Largest remainder: hand out missing layers where the share was most rounded down,
     # and take surplus ones (from the max(1, .) floor) where it was least.

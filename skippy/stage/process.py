@@ -46,7 +46,7 @@ def bind_listener(config: StageConfig) -> socket.socket:
 def load_stage_runtime(config: StageConfig, telemetry: Telemetry) -> StageRuntime:
     model = load_stage(config.model_path, (config.layer_start, config.layer_end),
                        dtype=WEIGHT_DTYPES[config.weight_dtype], device=config.device,
-                       progress=False)
+                       progress=False, repack=config.repack_weights)
     runtime = StageRuntime(model, lane_count=config.lane_count, ctx_size=config.ctx_size,
                            telemetry=telemetry, name=f"skippy-stage{config.stage_index}")
     runtime.prefix_cache = StagePrefixCache.build(
