@@ -195,9 +195,14 @@ def test_two_concurrent_sessions_are_independent_and_batched(make_stage):
     async def main():
         chain = await start_chain(make_stage, 3, concurrency=2, batch_wait_s=1.0)
         try:
-            results = await asyncio.gather(*(chain.client.generate(p, max_tokens=12)
-                                             for p in prompts))
-            assert [r.tokens for r in results] == expected
+            # In lock step, so both sessions' steps reach every stage together whatever the
+            # machine's load (free-running, they settle into two waves that need not meet).
+            async with chain.client.session(SamplingConfig(), len(prompts[0])) as a, \
+                    chain.client.session(SamplingConfig(), len(prompts[1])) as b:
+                tokens = [list(await asyncio.gather(a.prefill(prompts[0]), b.prefill(prompts[1])))]
+                while len(tokens) < 12:
+                    tokens.append(list(await asyncio.gather(a.decode(tokens[-1][0]), b.decode(tokens[-1][1]))))
+            assert [[t[0] for t in tokens], [t[1] for t in tokens]] == expected
             assert chain.client.telemetry.counters[BATCHED_STEPS_COUNTER] >= 1
             assert any(server.runtime.scheduler.stats.batched_iterations for server in chain.servers)
             # and each alone afterwards still gives the same tokens
@@ -223,6 +228,37 @@ def test_relay_fallback_and_persistent_lanes(make_stage, greedy):
             assert len(chain.servers[0].connections) == 1       # one lane, reused
             assert len(chain.servers[1].connections) == 1
             assert all(len(server.runtime.sessions) == 0 for server in chain.servers)
+        finally:
+            await chain.close()
+
+    run(main())
+
+
+def test_every_stage_reports_its_own_layers_and_open_sessions(make_stage, greedy):
+    """GetStageStatus, asked of each stage on a connection of its own: the count is the
+    stage's session table, so a session a stage failed to drop would show."""
+    from skippy.frontend.chain_backend import query_stage_status
+
+    async def sessions_per_stage(chain) -> list[int]:
+        reports = [await query_stage_status(server.endpoint, "t" * 16) for server in chain.servers]
+        return [r.active_sessions for r in reports]
+
+    async def main():
+        chain = await start_chain(make_stage, 3, splits=[(0, 10), (10, 21), (21, 30)],
+                                  stage_options={"auth_token": "t" * 16})
+        try:
+            reports = [await query_stage_status(s.endpoint, "t" * 16) for s in chain.servers]
+            assert [(r.stage_index, r.layer_start, r.layer_end, r.lane_count) for r in reports] == [
+                (1, 10, 21, 4), (2, 21, 30, 4)]
+            assert await sessions_per_stage(chain) == [0, 0]
+            async with chain.client.session(SamplingConfig(), P) as s:
+                assert await s.prefill(PROMPT) == greedy[0]
+                assert await sessions_per_stage(chain) == [1, 1]
+            assert await sessions_per_stage(chain) == [0, 0]
+            chain.servers[1].runtime.open_session((999, 1), 1)  # a session leaked on stage 2 alone
+            assert await sessions_per_stage(chain) == [0, 1]
+            assert await query_stage_status(chain.servers[0].endpoint, "wrong-token-0000") is None
+            assert await query_stage_status("127.0.0.1:1", None) is None  # nothing listens
         finally:
             await chain.close()
 

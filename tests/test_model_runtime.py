@@ -160,7 +160,8 @@ def test_repacked_weights_change_no_result(make_stage):
     assert repacked.repack_for_batches() == 0  # once only
     hidden = torch.randn(len(PROMPT), plain.args.hidden_size)
     caches = plain.new_cache(), repacked.new_cache()
-    prefill = [m.compute_logits(m.forward(hidden, [Segment(c, 0, len(PROMPT))])) for m, c in zip((plain, repacked), caches)]
+    prefill = [m.compute_logits(m.forward(hidden, [Segment(c, 0, len(PROMPT))]))
+               for m, c in zip((plain, repacked), caches)]
     assert max_relative_error(prefill[1], prefill[0]) <= 1e-5
     assert prefill[1].argmax(-1).tolist() == prefill[0].argmax(-1).tolist()
     row = torch.randn(1, plain.args.hidden_size)  # one row keeps to the same kernel: identical

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from skippy.protocol import (
     ActivationDtype, FrameError, MessageKind, ProtocolError, ReplyKind, SamplingConfig,
-    StageMessage, StageReply, StageReplyStats, VersionMismatch, cache_namespace_digest,
+    StageMessage, StageReply, StageReplyStats, StageStatusReport, VersionMismatch, cache_namespace_digest,
     decode_message, decode_reply, encode_message, encode_message_parts, encode_reply,
 )
 from skippy.protocol.constants import (
@@ -183,6 +183,16 @@ GOLDEN = [
      "ffffffff 00000000 00000000 00000000"
      "00000000 00000000",
      "02000000 04000000"),
+    # GetStageStatus: no session, no body; the stage answers with its own status
+    (StageMessage(K.GetStageStatus),
+     "47534d53 02000000 00000000 00000000"
+     "00000000 00000000 00000000 00000000"
+     "18000000 00000000 00000000 00000000"
+     "00000000 00000000 01000000 00000000"
+     "00000000 00000000 00000000 00000000"
+     "ffffffff 00000000 00000000 00000000"
+     "00000000 00000000",
+     ""),
 ]
 
 
@@ -567,6 +577,8 @@ REPLY_CASES = [
     StageReply(ReplyKind.PredictedToken, 42, [42], draft_tokens=[43, 44], draft_compute_us=12_345),
     # an empty draft is still a draft
     StageReply(ReplyKind.PredictedToken, -1, [-1], draft_tokens=[]),
+    # a stage's status: stage 1, layers [19, 30), 2 open sessions, 8 lanes
+    StageReply.of_status(StageStatusReport(1, 19, 30, 2, 8)),
 ]
 
 
@@ -585,6 +597,12 @@ def test_reply_golden_bytes():
         "00000000 00000000")                    # draft_compute_us
     assert wire[REPLY_HEADER.size:REPLY_HEADER.size + 8] == unhex("01000000 00000000")
     assert wire[256:] == unhex("05000000 06000000")
+    status = encode_reply(StageReply.of_status(StageStatusReport(1, 19, 30, 2, 8)))
+    assert status[:REPLY_HEADER.size] == unhex(
+        "59505253 02000000 04000000 00000000"   # StageStatus, no prediction
+        "00000000 05000000 00000000 00000000"   # 5 status values
+        "00000000 00000000")
+    assert status[256:] == unhex("01000000 13000000 1e000000 02000000 08000000")
 
 
 def _set_reply(wire: bytes, name: str, value: int) -> bytes:
@@ -596,6 +614,7 @@ def _set_reply(wire: bytes, name: str, value: int) -> bytes:
 
 TOKEN_REPLY = encode_reply(StageReply.token(42))
 ACK_REPLY = encode_reply(StageReply.ack())
+STATUS_REPLY = encode_reply(StageReply.of_status(StageStatusReport(1, 19, 30, 2, 8)))
 
 REPLY_ERROR_CASES = [
     # (wire bytes, error, message fragment)
@@ -604,7 +623,13 @@ REPLY_ERROR_CASES = [
     (_set_reply(TOKEN_REPLY, "predicted_count", MAX_PREDICTED_COUNT + 1), FrameError,
      "predicted_count"),                                                     # over 262,144
     (_set_reply(TOKEN_REPLY, "predicted_count", -1), FrameError, "predicted_count"),
-    (_set_reply(TOKEN_REPLY, "kind", 4), FrameError, "reply kind"),
+    (_set_reply(TOKEN_REPLY, "kind", 5), FrameError, "reply kind"),
+    (_set_reply(STATUS_REPLY, "predicted_count", 4), FrameError, "StageStatus"),
+    (_set_reply(STATUS_REPLY, "predicted", 1), FrameError, "StageStatus"),
+    (STATUS_REPLY[:256] + unhex("01000000 1e000000 13000000 02000000 08000000"), FrameError,
+     "stage status"),                                                        # layers reversed
+    (STATUS_REPLY[:256] + unhex("01000000 13000000 1e000000 ffffffff 08000000"), FrameError,
+     "stage status"),                                                        # -1 sessions
     (_set_reply(TOKEN_REPLY, "has_draft", 2), FrameError, "has_draft"),
     (_set_reply(TOKEN_REPLY, "draft_count", 1), FrameError, "without a draft"),
     # predicted_tokens[0] != predicted
@@ -641,3 +666,12 @@ def test_reply_encoder_refuses_bad_tokens():
         encode_reply(StageReply(ReplyKind.PredictedTokens, 1, [2, 3]))
     with pytest.raises(FrameError, match="stats"):
         encode_reply(StageReply.ack(StageReplyStats(kv_lookup_hits=1 << 63)))
+
+
+def test_status_travels_only_in_a_stage_status_reply():
+    with pytest.raises(FrameError, match="StageStatus replies only"):
+        encode_reply(StageReply(ReplyKind.StageStatus))
+    with pytest.raises(FrameError, match="StageStatus replies only"):
+        encode_reply(StageReply(ReplyKind.Ack, status=StageStatusReport(1, 0, 1, 0, 1)))
+    with pytest.raises(FrameError, match="stage status"):
+        StageStatusReport(1, 5, 5, 0, 1)

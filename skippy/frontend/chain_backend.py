@@ -6,11 +6,10 @@ after its downstream did). A consumer that leaves early (stop string, client
 gone, timeout) still gets a Stop sent; if that fails the lane is closed, and each
 stage reclaims a session whose connection ended without Stop (spec §3.3).
 
-Stage state comes from a handshake probe of each stage's endpoint. Active
-sessions on stages 1..N-1 are stage 0's ledger: sessions whose ConfigureGeneration
-every stage ACKed and that are not yet Stopped or abandoned with their lane (the
-wire protocol has no status query). A chain failure is reported as
-`StageUnavailable`, naming the first stage that does not answer the probe.
+Stage state comes from asking each stage directly (`GetStageStatus` on a
+connection of its own): a stage that answers is ready and reports the sessions
+open on it, so a session a stage failed to drop shows there. A chain failure is
+reported as `StageUnavailable`, naming the first stage that does not answer.
 """
 
 from __future__ import annotations
@@ -20,7 +19,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
-from ..protocol import StageReplyStats, Topology, cache_namespace_digest
+from ..protocol import (
+    MessageKind, ProtocolError, ReplyKind, StageMessage, StageReplyStats, StageStatusReport, Topology,
+    cache_namespace_digest, read_reply, write_message,
+)
 from ..runtime.speculation import SpeculativeSettings
 from ..stage.downstream import LinkBroken, open_connection
 from .backend import (
@@ -49,7 +51,6 @@ class ChainBackend:
         self._num_lanes = num_lanes
         self._auth_token = auth_token
         self._on_close = on_close
-        self._num_open = 0  # sessions configured on every stage and not yet stopped or abandoned
         # prefix-cache restores as the chain saw them, per stage: [hits, misses]
         self._restores = [[0, 0] for _ in topology.stages]
 
@@ -75,7 +76,6 @@ class ChainBackend:
         try:
             namespace = cache_namespace_digest(request.prompt_cache_key)
             async with client.session(request.sampling, len(prompt), namespace) as session:
-                self._num_open += 1
                 decoder = None
                 try:
                     decoder = client.decoder(session, max_tokens=request.max_tokens,
@@ -99,13 +99,10 @@ class ChainBackend:
                               **decoder.report(client.telemetry)}
                     yield Finished(reason, num_generated, decode_ms, extras)
                 finally:
-                    try:
-                        if not session.stopped:
-                            if decoder is not None:  # the consumer left early: still log its figures
-                                decoder.report(client.telemetry)
-                            await _stop_quietly(session)
-                    finally:
-                        self._num_open -= 1
+                    if not session.stopped:
+                        if decoder is not None:  # the consumer left early: still log its figures
+                            decoder.report(client.telemetry)
+                        await _stop_quietly(session)
         except (ChainError, LinkBroken) as exc:
             raise await self._unavailable(exc) from exc
 
@@ -136,28 +133,29 @@ class ChainBackend:
         return out
 
     async def _unavailable(self, exc: Exception) -> BackendError:
-        for stage, is_up in zip(self._topology.stages[1:], await self._probe_all()):
-            if not is_up:
+        for stage, report in zip(self._topology.stages[1:], await self._query_all()):
+            if report is None:
                 where = f"{stage.endpoint}, layers [{stage.layer_start}, {stage.layer_end})"
                 return StageUnavailable(stage.stage_id, f"it does not answer at {where} ({exc})")
         return BackendError(f"The stage chain failed: {exc}")
 
-    async def _probe_all(self) -> list[bool]:
+    async def _query_all(self) -> list[StageStatusReport | None]:
         stages = self._topology.stages[1:]
-        return await asyncio.gather(*(probe_stage(s.endpoint, self._auth_token) for s in stages))
+        return await asyncio.gather(*(query_stage_status(s.endpoint, self._auth_token) for s in stages))
 
     async def status(self) -> list[StageStatus]:
         first, *rest = self._topology.stages
         statuses = [StageStatus(first.stage_id, first.layer_start, first.layer_end, first.endpoint, "ready",
                                 len(self._client.runtime.sessions))]  # fmt: skip
-        for stage, is_up in zip(rest, await self._probe_all()):
+        for stage, report in zip(rest, await self._query_all()):
             statuses.append(StageStatus(stage.stage_id, stage.layer_start, stage.layer_end, stage.endpoint,
-                                        "ready" if is_up else "down", self._num_open))  # fmt: skip
+                                        "down" if report is None else "ready",
+                                        0 if report is None else report.active_sessions))  # fmt: skip
         return statuses
 
     async def ready(self) -> Readiness:
-        for stage, is_up in zip(self._topology.stages[1:], await self._probe_all()):
-            if not is_up:
+        for stage, report in zip(self._topology.stages[1:], await self._query_all()):
+            if report is None:
                 return Readiness(False, stage.stage_id, f"no handshake at {stage.endpoint}")
         return Readiness(True)
 
@@ -168,19 +166,25 @@ class ChainBackend:
             await self._client.close()
 
 
-async def probe_stage(endpoint: str, auth_token: str | None) -> bool:
-    """True when the stage completes a handshake; the connection then closes cleanly, which a
-    stage ends quietly (no sessions to reclaim)."""
+async def query_stage_status(endpoint: str, auth_token: str | None) -> StageStatusReport | None:
+    """The stage's own status, or None when it does not answer within PROBE_TIMEOUT_S. The
+    connection then closes cleanly, which a stage ends quietly (no sessions to reclaim)."""
     try:
-        _, writer = await open_connection(endpoint, auth_token=auth_token, timeout_s=PROBE_TIMEOUT_S)
+        reader, writer = await open_connection(endpoint, auth_token=auth_token, timeout_s=PROBE_TIMEOUT_S)
     except (LinkBroken, OSError, TimeoutError):
-        return False
-    writer.close()
+        return None
     try:
-        await writer.wait_closed()
-    except OSError:
-        pass
-    return True
+        await write_message(writer, StageMessage(MessageKind.GetStageStatus))
+        reply = await asyncio.wait_for(read_reply(reader), PROBE_TIMEOUT_S)
+        return reply.status if reply is not None and reply.kind == ReplyKind.StageStatus else None
+    except (ProtocolError, OSError, TimeoutError, asyncio.IncompleteReadError):
+        return None
+    finally:
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
 
 
 async def _stop_quietly(session: ChainSession) -> None:

@@ -51,10 +51,6 @@ def model_args(path: str | Path) -> ModelArgs:
     return read_model_args(open_gguf(path))
 
 
-def model_num_layers(path: str | Path) -> int:
-    return model_args(path).num_layers
-
-
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """Ports the OS says are free now (held together, so they are distinct)."""
     sockets = [socket.socket() for _ in range(count)]

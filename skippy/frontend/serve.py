@@ -139,7 +139,7 @@ async def start_chain_backend(config: ServeConfig):
     if config.topology is not None or config.num_stages == 1:
         if config.topology is None:  # one stage, in this process: a chain of one, for speculation
             from ..protocol import TopologyStage
-            from .local_chain import model_num_layers
+            from .local_chain import model_args
 
             if config.threads:
                 import torch
@@ -147,7 +147,7 @@ async def start_chain_backend(config: ServeConfig):
                 torch.set_num_threads(config.threads)
             # Nothing listens for it, so its endpoint is not an address (built unvalidated).
             stage = TopologyStage.model_construct(stage_id="stage-0", stage_index=0, endpoint="in-process",
-                                                  layer_start=0, layer_end=model_num_layers(config.model))
+                                                  layer_start=0, layer_end=model_args(config.model).num_layers)
             topology = Topology.model_construct(topology_id="in-process", model_id=model_id_for(config.model),
                                                 stages=[stage])
         else:
@@ -176,13 +176,13 @@ async def start_chain_backend(config: ServeConfig):
 
 async def _advance_as_stages_come_up(chain, advance) -> None:
     """Advance the bar as each child stage finishes loading and starts answering handshakes."""
-    from .chain_backend import probe_stage
+    from .chain_backend import query_stage_status
 
     pending = list(chain.topology.stages[1:])
     while pending:
         await asyncio.sleep(PROBE_INTERVAL_S)
         for stage in list(pending):
-            if await probe_stage(stage.endpoint, chain.auth_token):
+            if await query_stage_status(stage.endpoint, chain.auth_token) is not None:
                 pending.remove(stage)
                 advance()
 

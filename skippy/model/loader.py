@@ -74,7 +74,7 @@ def repack_if_it_fits(model: StageModel) -> int:
     needed, available = model.repack_bytes, available_memory_bytes()
     if needed and available is not None and needed > available // 2:
         log.warning("not repacking weights for batches: the copy needs %d MiB and %d MiB are available, "
-                    "so batched steps run slower. Fix: free memory, or pass --no-repack to skip this check",
+                    "so batched steps run slower. Fix: free memory, or pass --no-repack to go without it quietly",
                     needed >> 20, available >> 20)
         return 0
     added = model.repack_for_batches()

@@ -14,7 +14,7 @@ from .constants import (
 )
 from .errors import AuthError, FrameError, ProtocolError, VersionMismatch
 from .frames import (
-    StageMessage, StageReply, cache_namespace_digest, decode_message, decode_reply,
+    StageMessage, StageReply, StageStatusReport, cache_namespace_digest, decode_message, decode_reply,
     encode_message, encode_message_parts, encode_reply,
 )
 from .handshake import AuthPreamble, Ready
@@ -31,7 +31,7 @@ __all__ = [
     "ActivationDtype", "AuthError", "AuthPreamble", "FrameError", "KIND_INFO", "KvCacheConfig",
     "MessageKind", "PROTOCOL_VERSION", "PeerEndpoint", "Phase", "ProtocolError", "Ready",
     "ReplyKind", "SamplingConfig", "StageConfig", "StageMessage", "StageReply", "StageReplyStats",
-    "StateFlags", "Topology", "TopologyStage", "VersionMismatch", "cache_namespace_digest",
+    "StageStatusReport", "StateFlags", "Topology", "TopologyStage", "VersionMismatch", "cache_namespace_digest",
     "client_handshake",
     "decode_message", "decode_reply", "encode_message", "encode_message_parts", "encode_reply",
     "expects_reply", "is_control", "is_generation_control", "is_prefix_cache_control",

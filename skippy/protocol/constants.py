@@ -38,6 +38,7 @@ class MessageKind(IntEnum):
     VerifyWindow            = 21
     RetireVerifyWindow      = 22
     DiscardStaleWindows     = 23
+    GetStageStatus          = 24  # ours: this stage's layers and open sessions; not forwarded
 
 
 class ReplyKind(IntEnum):
@@ -46,6 +47,7 @@ class ReplyKind(IntEnum):
     Ack             = 1
     PredictedToken  = 2
     PredictedTokens = 3
+    StageStatus     = 4  # ours: answers GetStageStatus
 
 
 class Phase(IntEnum):
@@ -235,6 +237,7 @@ KIND_INFO: dict[MessageKind, KindInfo] = {
     K.VerifyWindow:            KindInfo(P.Decode,  True,  R.PredictedTokens),
     K.RetireVerifyWindow:      KindInfo(P.Prefill, False, None),
     K.DiscardStaleWindows:     KindInfo(P.Decode,  False, None),              # tokens [min, max]
+    K.GetStageStatus:          KindInfo(P.Prefill, False, R.StageStatus),
 }
 del K, P, R
 

@@ -12,7 +12,7 @@ import hashlib
 import math
 import struct
 from collections import namedtuple
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from typing import NoReturn
 
 import numpy as np
@@ -437,12 +437,34 @@ def decode_message(buf: Buffer) -> StageMessage:
 # Replies (spec §2.5)
 # ---------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
+class StageStatusReport:
+    """A stage's answer to GetStageStatus, sent as these i32 values, in this order, in
+    a StageStatus reply's token array."""
+
+    stage_index: int
+    layer_start: int
+    layer_end: int
+    active_sessions: int  # sessions open on this stage, over all its connections
+    lane_count: int
+
+    def __post_init__(self) -> None:
+        values = astuple(self)
+        if min(values) < 0 or self.layer_start >= self.layer_end:
+            _fail("stage status", "non-negative values and layer_start < layer_end", values)
+
+
+STATUS_VALUE_COUNT = len(fields(StageStatusReport))
+
+
+@dataclass(frozen=True, slots=True)
 class StageReply:
-    """A reply upstream: an Ack, one predicted token, or a verify window's predictions.
+    """A reply upstream: an Ack, one predicted token, a verify window's predictions, or a
+    stage's status.
 
     `predicted_tokens[0] == predicted` for the prediction kinds (a PredictedToken
     built with no tokens gets `[predicted]`). `draft_tokens` is the optional native
     MTP draft, kept apart so it is never confused with target predictions.
+    `status` is set on StageStatus replies only.
     """
 
     kind: ReplyKind
@@ -452,6 +474,7 @@ class StageReply:
     stats: StageReplyStats = field(default_factory=StageReplyStats)
     draft_tokens: list[int] | None = None
     draft_compute_us: int = 0
+    status: StageStatusReport | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", ReplyKind(self.kind))
@@ -477,6 +500,10 @@ class StageReply:
                stats: StageReplyStats | None = None) -> StageReply:
         return cls(ReplyKind.PredictedTokens, predicted_tokens[0] if predicted_tokens else 0,
                    list(predicted_tokens), window_id, stats or StageReplyStats())
+
+    @classmethod
+    def of_status(cls, status: StageStatusReport) -> StageReply:
+        return cls(ReplyKind.StageStatus, status=status)
 
 
 class ReplyHeader(namedtuple("ReplyHeader", [f.name for f in REPLY_HEADER_FIELDS])):
@@ -508,6 +535,10 @@ def check_reply_header(h: ReplyHeader) -> None:
         if h.predicted or h.predicted_count or h.has_draft:
             _fail("Ack reply", "no predictions and no draft",
                   (h.predicted, h.predicted_count, h.has_draft))
+    elif h.kind == ReplyKind.StageStatus:
+        if h.predicted or h.predicted_count != STATUS_VALUE_COUNT or h.has_draft or h.window_id:
+            _fail("StageStatus reply", f"{STATUS_VALUE_COUNT} status values, no prediction, window "
+                  "or draft", (h.predicted, h.predicted_count, h.window_id, h.has_draft))
     elif h.predicted_count < 1:
         _fail("predicted_count", f">= 1 for {ReplyKind(h.kind).name}", h.predicted_count)
 
@@ -527,15 +558,16 @@ def parse_reply_header(buf: Buffer) -> ReplyHeader:
 
 def encode_reply(reply: StageReply) -> bytes:
     draft = reply.draft_tokens
+    if (reply.kind == ReplyKind.StageStatus) != (reply.status is not None):
+        _fail("reply status", "set on StageStatus replies only", reply.kind.name)
+    tokens = reply.predicted_tokens if reply.status is None else astuple(reply.status)
     values = (REPLY_MAGIC, PROTOCOL_VERSION, int(reply.kind), reply.predicted, reply.window_id,
-              len(reply.predicted_tokens), int(draft is not None), len(draft or ()),
-              reply.draft_compute_us)
+              len(tokens), int(draft is not None), len(draft or ()), reply.draft_compute_us)
     header = _pack(REPLY_HEADER, REPLY_HEADER_FIELDS, values, "reply")
     check_reply_header(ReplyHeader(*values))
     _check_first_prediction(reply.predicted, reply.predicted_tokens)
     try:
-        arrays = struct.pack(f"<{len(reply.predicted_tokens) + len(draft or ())}i",
-                             *reply.predicted_tokens, *(draft or ()))
+        arrays = struct.pack(f"<{len(tokens) + len(draft or ())}i", *tokens, *(draft or ()))
     except struct.error as error:
         raise FrameError(f"reply tokens: expected i32 token ids ({error})") from error
     return header + encode_stats(reply.stats) + arrays
@@ -550,6 +582,8 @@ def decode_reply_body(header: ReplyHeader, body: Buffer) -> StageReply:
     stats = decode_stats(view[:STATS_BLOCK.size])
     tokens = np.frombuffer(view, dtype=_I32, offset=STATS_BLOCK.size)
     predicted = tokens[:header.predicted_count].tolist()
+    if header.kind == ReplyKind.StageStatus:
+        return StageReply(ReplyKind.StageStatus, stats=stats, status=StageStatusReport(*predicted))
     _check_first_prediction(header.predicted, predicted)
     return StageReply(
         kind=ReplyKind(header.kind), predicted=header.predicted, predicted_tokens=predicted,

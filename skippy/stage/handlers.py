@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from ..protocol import (
-    FrameError, MessageKind, StageMessage, StageReply, StageReplyStats, merge,
+    FrameError, MessageKind, StageMessage, StageReply, StageReplyStats, StageStatusReport, merge,
     prefill_compute_observation, prefill_edge_observation, stage_mask,
 )
 from ..runtime import SampleMode, Timed
@@ -309,6 +309,15 @@ async def on_return_open(conn: StageConnection, msg: StageMessage, span: Span) -
 
 
 K = MessageKind
+async def on_stage_status(conn: StageConnection, msg: StageMessage, span: Span) -> None:
+    """GetStageStatus: this stage's own layers and open sessions; not forwarded (stage 0
+    asks every stage directly, as it probes them)."""
+    config = conn.config
+    await conn.reply(StageReply.of_status(StageStatusReport(
+        config.stage_index, config.layer_start, config.layer_end, len(conn.runtime.sessions),
+        config.lane_count)))
+
+
 HANDLERS: dict[MessageKind, Handler] = {
     K.PrefillEmbd:             on_prefill,
     K.PrefillFinalEmbd:        on_predicting,
@@ -322,6 +331,7 @@ HANDLERS: dict[MessageKind, Handler] = {
     K.RetireVerifyWindow:      on_retire,
     K.DiscardStaleWindows:     on_discard,
     K.PredictionReturnOpen:    on_return_open,
+    K.GetStageStatus:          on_stage_status,
 }
 del K
 assert set(HANDLERS) == set(MessageKind), "every kind needs a handler"
