@@ -156,7 +156,7 @@ class ChainBackend:
     async def ready(self) -> Readiness:
         for stage, report in zip(self._topology.stages[1:], await self._query_all()):
             if report is None:
-                return Readiness(False, stage.stage_id, f"no handshake at {stage.endpoint}")
+                return Readiness(False, stage.stage_id, f"no status answer from {stage.endpoint}")
         return Readiness(True)
 
     async def close(self) -> None:
