@@ -78,8 +78,12 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.batched is not None and x.shape[0] > 1:
-            return torch.ops.mkldnn._linear_pointwise(x, self.batched, None, "none", [], "")
+            return self.through_repacked(x)
         return linear(x, self.weight)
+
+    def through_repacked(self, x: torch.Tensor) -> torch.Tensor:
+        """x through the oneDNN copy, whatever its row count (after `repack`)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.batched, None, "none", [], "")
 
     @property
     def can_repack(self) -> bool:
