@@ -52,7 +52,7 @@ def decode_layout(weight: torch.Tensor) -> torch.Tensor:
 
 
 # The batch size oneDNN picks its weight layout for; the layouts it picks for 2 to 64
-# measured alike on 1 to 16 rows.
+# measured alike on 1 to 8 rows.
 REPACK_BATCH_HINT = 4
 
 
