@@ -62,11 +62,11 @@ class Linear:
 
     `weight` is in decode_layout, for one-row steps. `batched` (after `repack`) is a
     second copy, prepacked by oneDNN, for calls with several rows: on CPU, MKL's
-    float32 GEMM repacks the weight on every call and runs small batches far below
-    the memory bound. Measured with 15 of SmolLM2's layers, 1 thread: 4 rows took
-    74-80 ms against the prepacked copy's 44-46 (one row: 26 ms, so batching was
-    barely worth it without); 8 rows 70-86 vs 46-54; a 256-row prefill 429 vs 384;
-    the output head at 4 rows 48 vs 19. One row stays on MKL: 26 ms vs oneDNN's 38.
+    float32 GEMM runs small batches far below the memory bound (4 rows cost ~3x
+    one row; through the prepacked copy ~2x). `python bench/matmul.py` (1 thread, SmolLM2 stage matmuls,
+    MKL time / repacked time): layers [0, 15) 0.98x at 2 rows, 1.46x at 4, 1.43x
+    at 8, 1.13x at 256; layers [19, 30) + head 2.08x at 4, 1.85x at 8, 1.52x at 64.
+    One row stays on MKL, where oneDNN takes ~1.5x as long.
     """
 
     weight: torch.Tensor
