@@ -92,6 +92,8 @@ class Server:
             command += ["--model", args.model]
         if args.threads:
             command += ["--threads", str(args.threads)]
+        if not args.repack:
+            command += ["--no-repack"]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         for line in self.process.stdout:
             if match := READY.search(line):
@@ -119,11 +121,11 @@ class Direct:
         if args.stages == 1:
             from skippy.model.loader import load_stage
 
-            self.model = load_stage(path, progress=False)
+            self.model = load_stage(path, progress=False, repack=args.repack)
         else:
             from skippy.frontend.local_chain import LocalChain
 
-            self.chain = LocalChain(path, args.stages, ctx_size=2048, threads=args.threads)
+            self.chain = LocalChain(path, args.stages, ctx_size=2048, threads=args.threads, repack=args.repack)
             self.client = loop.run_until_complete(self.chain.start())
 
     def generate(self, prompt_ids: list[int], stop_ids: frozenset[int]) -> Sample:
@@ -161,6 +163,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="torch threads in every process (default: torch's)")
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 4, 8])
+    parser.add_argument("--no-repack", dest="repack", action="store_false",
+                        help="both arms without the batch-friendly weight copy (skippy serve --no-repack)")
     args = parser.parse_args()
 
     from skippy.frontend.serve import load_tokenizer, model_id_for
@@ -211,7 +215,7 @@ def main() -> None:
 
     print(f"\n{path.name}, {args.stages} stage(s), {args.max_tokens} tokens per stream, "
           f"{len(prompt_ids)} prompt tokens, {os.cpu_count()} CPUs, threads {args.threads or 'default'}, "
-          f"medians of {args.rounds} rounds")  # fmt: skip
+          f"weights {'repacked' if args.repack else 'not repacked'}, medians of {args.rounds} rounds")  # fmt: skip
     print(f"{'config':<12} {'TTFT ms':>9} {'decode tok/s/stream':>20} {'aggregate tok/s':>16}")
     for name, (ttft, decode, aggregate) in table.items():
         print(f"{name:<12} {ttft:>9.1f} {decode:>20.2f} {aggregate:>16.2f}")

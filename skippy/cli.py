@@ -137,6 +137,8 @@ def add_stage_commands(commands) -> None:
     stage.add_argument("--otlp-endpoint", default=None, help="export spans over OTLP gRPC (needs the exporter)")
     stage.add_argument("--max-inflight", type=int, default=None, help="async forwarder depth (overrides the config)")
     stage.add_argument("--reply-credit-limit", type=int, default=None, help="deferred ACKs before a credit wait")
+    stage.add_argument("--no-repack", action="store_true",
+                       help="no batch-friendly copy of float32 CPU weights (overrides the config)")
     add_kv_disk_options(stage, "this stage; overrides the config")
     stage.set_defaults(run=run_stage)
 
@@ -265,13 +267,25 @@ def chain_tokens(args: argparse.Namespace, path, ids: list[int], tokenizer, spec
 
 def run_stage(args: argparse.Namespace) -> int:
     import asyncio
-    from pathlib import Path
 
-    from .protocol import StageConfig, Topology
+    from .protocol import Topology
     from .stage.process import serve_stage
 
+    config = stage_config(args)
+    topology = Topology.load(args.topology) if args.topology else None
+    asyncio.run(serve_stage(config, topology, threads=args.threads, otlp_endpoint=args.otlp_endpoint))
+    return 0
+
+
+def stage_config(args: argparse.Namespace):
+    """`skippy stage`'s config file with the command line's overrides applied."""
+    from pathlib import Path
+
+    from .protocol import StageConfig
+
     config = StageConfig.load(args.config)
-    overrides = {"max_inflight": args.max_inflight, "reply_credit_limit": args.reply_credit_limit}
+    overrides = {"max_inflight": args.max_inflight, "reply_credit_limit": args.reply_credit_limit,
+                 "repack_weights": False if args.no_repack else None}
     overrides = {key: value for key, value in overrides.items() if value is not None}
     kv_overrides = {"disk_budget_bytes": args.kv_disk_budget}
     if args.kv_disk_dir is not None:  # this stage's own subdirectory, as `skippy serve` does
@@ -281,9 +295,7 @@ def run_stage(args: argparse.Namespace) -> int:
         overrides["kv_cache"] = {**config.kv_cache.model_dump(), **kv_overrides}
     if overrides:
         config = StageConfig.model_validate({**config.model_dump(), **overrides})
-    topology = Topology.load(args.topology) if args.topology else None
-    asyncio.run(serve_stage(config, topology, threads=args.threads, otlp_endpoint=args.otlp_endpoint))
-    return 0
+    return config
 
 
 def run_plan(args: argparse.Namespace) -> int:

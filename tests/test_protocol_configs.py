@@ -233,3 +233,16 @@ def test_split_is_contiguous_and_covers_every_layer(args):
         ideal[-1] -= head_layers
         if min(ideal) >= 1:  # no stage was lifted to its 1-layer minimum
             assert all(abs(size - share) < 1 for size, share in zip(sizes, ideal))
+
+
+def test_skippy_stage_command_line_overrides_its_config(gguf_path, tmp_path):
+    from skippy.cli import build_parser, stage_config
+    from skippy.frontend.local_chain import plan_chain, write_plan
+
+    _, config_path, _ = write_plan(*plan_chain(gguf_path, ["127.0.0.1:1", "127.0.0.1:2"]), tmp_path)
+    parse = build_parser().parse_args
+    plain = stage_config(parse(["stage", "--config", str(config_path)]))
+    assert plain.repack_weights and plain.max_inflight == 4
+    changed = stage_config(parse(["stage", "--config", str(config_path), "--no-repack", "--max-inflight", "2"]))
+    assert not changed.repack_weights and changed.max_inflight == 2
+    assert changed.model_copy(update={"repack_weights": True, "max_inflight": 4}) == plain
