@@ -177,23 +177,13 @@ def prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
-def load_tokenizer(path):
-    from pathlib import Path
-
-    from .model.tokenizer import Tokenizer
-
-    from .model.gguf_loader import open_gguf
-
-    path = Path(path)
-    return Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(open_gguf(path))
-
-
 def run_generate(args: argparse.Namespace) -> int:
     from .model.loader import load_stage
+    from .model.tokenizer import Tokenizer
     from .runtime.local_generation import GenerationLimits, generate_tokens
 
     path = model_path(args)
-    tokenizer = load_tokenizer(path)
+    tokenizer = Tokenizer.from_model(path)
     ids = prompt_ids(args, tokenizer)
     speculative = speculative_settings(args)
     if args.stages > 1 or args.topology:

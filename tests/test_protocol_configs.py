@@ -179,7 +179,8 @@ def test_plan_layer_split_counts_the_head_on_the_last_stage(n_layers, n_stages, 
 
 
 def test_plan_chain_balances_the_bundled_model_with_its_head(gguf_path):
-    from skippy.frontend.local_chain import model_args, plan_chain
+    from skippy.frontend.local_chain import plan_chain
+    from skippy.model.loader import model_args
 
     assert model_args(gguf_path).head_cost_in_layers == pytest.approx(8.0)  # 49152 x 576 over 3,538,944
     topology, configs = plan_chain(gguf_path, ["127.0.0.1:1", "127.0.0.1:2"])

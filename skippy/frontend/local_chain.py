@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..model.args import ModelArgs
-from ..model.loader import load_stage
+from ..model.loader import load_stage, model_args
 from ..protocol import (
     KvCacheConfig, PeerEndpoint, StageConfig, Topology, TopologyStage, parse_endpoint,
     plan_layer_split,
@@ -38,17 +38,6 @@ START_ATTEMPTS = 3   # a free port can be taken by someone else before its stage
 
 class PortTaken(RuntimeError):
     pass
-
-
-def model_args(path: str | Path) -> ModelArgs:
-    path = Path(path)
-    if path.is_dir():
-        from ..model.hf_loader import read_hf_args
-
-        return read_hf_args(path)
-    from ..model.gguf_loader import open_gguf, read_model_args
-
-    return read_model_args(open_gguf(path))
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:

@@ -106,11 +106,9 @@ def model_id_for(path: Path) -> str:
 
 
 def load_tokenizer(path: Path):
-    from ..model.gguf_loader import open_gguf
     from ..model.tokenizer import Tokenizer
 
-    path = Path(path)
-    return Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(open_gguf(path))
+    return Tokenizer.from_model(path)
 
 
 def load_local_backend(config: ServeConfig):
@@ -139,7 +137,7 @@ async def start_chain_backend(config: ServeConfig):
     if config.topology is not None or config.num_stages == 1:
         if config.topology is None:  # one stage, in this process: a chain of one, for speculation
             from ..protocol import TopologyStage
-            from .local_chain import model_args
+            from ..model.loader import model_args
 
             if config.threads:
                 import torch

@@ -63,10 +63,10 @@ class Linear:
     `weight` is in decode_layout, for one-row steps. `batched` (after `repack`) is a
     second copy, prepacked by oneDNN, for calls with several rows: on CPU, MKL's
     float32 GEMM runs small batches far below the memory bound (4 rows cost ~3x
-    one row; through the prepacked copy ~2x). `python bench/matmul.py` (1 thread, SmolLM2 stage matmuls,
-    MKL time / repacked time): layers [0, 15) 0.98x at 2 rows, 1.46x at 4, 1.43x
-    at 8, 1.13x at 256; layers [19, 30) + head 2.08x at 4, 1.85x at 8, 1.52x at 64.
-    One row stays on MKL, where oneDNN takes ~1.5x as long.
+    one row; through the prepacked copy ~2x). `python bench/matmul.py` (1 thread,
+    SmolLM2 stage matmuls, MKL time / repacked time): layers [0, 15) 0.98x at 2
+    rows, 1.46x at 4, 1.43x at 8, 1.13x at 256; layers [19, 30) + head 2.08x at 4,
+    1.85x at 8, 1.52x at 64. One row stays on MKL, where oneDNN takes ~1.5x as long.
     """
 
     weight: torch.Tensor

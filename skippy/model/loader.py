@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..console import progress_bar
-from .args import LayerRange
+from .args import LayerRange, ModelArgs
 from .errors import ModelLoadError
 from .gguf_loader import load_gguf_tensors, open_gguf, read_model_args
 from .hf_loader import load_hf_tensors, read_hf_args
@@ -34,6 +34,21 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+def open_model(path: Path):
+    """(hyperparameters, GGUF reader or None for a Hugging Face directory) of the model at `path`."""
+    if path.is_dir():
+        return read_hf_args(path), None
+    if path.exists():
+        reader = open_gguf(path)
+        return read_model_args(reader), reader
+    raise ModelLoadError(f"Model not found: {path}. Fix: pass --model with a .gguf file or a Hugging Face directory.")
+
+
+def model_args(path: str | Path) -> ModelArgs:
+    """The model's hyperparameters, without loading any weight."""
+    return open_model(Path(path))[0]
+
+
 def load_stage(
     path: str | Path,
     layers: tuple[int, int] | None = None,
@@ -49,13 +64,7 @@ def load_stage(
     """
     path = Path(path)
     torch_device, weight_dtype = resolve_device(device), resolve_dtype(dtype)
-    if path.is_dir():
-        args, reader = read_hf_args(path), None
-    elif path.exists():
-        reader = open_gguf(path)
-        args = read_model_args(reader)
-    else:
-        raise ModelLoadError(f"Model not found: {path}. Fix: pass --model with a .gguf file or a Hugging Face directory.")
+    args, reader = open_model(path)
     layer_range = LayerRange(*(layers or (0, args.num_layers)), args.num_layers)
     total = len(needed_tensor_names(layer_range, args.tie_word_embeddings))
     with progress_bar(f"Loading layers {layer_range} of {path.name}", total, progress) as advance:

@@ -170,6 +170,15 @@ class Tokenizer:
         )
 
     @classmethod
+    def from_model(cls, path: str | os.PathLike) -> Tokenizer:
+        """The tokenizer of a model path: a Hugging Face directory or a GGUF file (through
+        the loader's cached reader, so the weights' load does not parse it again)."""
+        from .gguf_loader import open_gguf  # local: the tokenizer alone needs no torch
+
+        path = Path(path)
+        return cls.from_hf_dir(path) if path.is_dir() else cls.from_gguf(open_gguf(path))
+
+    @classmethod
     def from_hf_dir(cls, directory: str | os.PathLike) -> Tokenizer:
         """Build from tokenizer.json, plus tokenizer_config.json / chat_template.jinja when present."""
         directory = Path(directory)

@@ -18,9 +18,9 @@ with no cadence yet gets `batch_wait_s`.
 It does not wait for the other wave of a pipelined chain: while this stage idles
 for it, that wave is computing on the next stage, and pulling every session into
 one wave leaves each stage idle while the other works. On CPU that measured 1.3x
-slower at 4 sessions on 2 stages than two waves that keep both stages busy (when 8
-rows cost ~4x one row; with repacked weights they cost ~2x, and two waves of 4,
-at ~1.7x each, still keep both stages busier than one wave of 8).
+slower at 4 sessions on 2 stages than two waves that keep both stages busy (with
+MKL's small batches; the repacked weights make batches cheaper, but one wave still
+idles each stage half the time).
 
 Decides only: no torch. `run_batch` (the runner) turns steps into tensors.
 """
