@@ -76,3 +76,19 @@ def tokenizer(gguf_path):
     from skippy.model.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(gguf_path)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Every numeric comparison's observed error and bound, tightest first, so the
+    next tolerance about to fail on some machine shows before it does."""
+    from numerics import MARGINS
+
+    if not MARGINS:
+        return
+    terminalreporter.section("numeric margins (bound / observed, tightest first; tests/numerics.py)")
+    for margin in sorted(MARGINS, key=lambda m: m.ratio)[:12]:
+        terminalreporter.write_line(
+            f"{margin.ratio:9.1f}x  observed {margin.observed:.3g}  bound {margin.limit:.3g}  {margin.what}"
+        )
+    if len(MARGINS) > 12:
+        terminalreporter.write_line(f"... and {len(MARGINS) - 12} comparisons with more room")

@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from numerics import assert_close, forward_tolerance, relative_error
 from skippy.model.errors import ContextOverflowError
 from skippy.model.llama import Segment
 
 PROMPT = list(range(300, 340))  # 40 token ids
 
 
-def max_relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """Max abs difference over the largest |logit|: BLAS picks different kernels
-    for different row counts, so batched rows differ from solo rows by a few ulps."""
-    return ((got - expected).abs().max() / expected.abs().max()).item()
+def tolerance(model, layers: int | None = None, positions: int = len(PROMPT) + 1) -> float:
+    """Two kernels' roundings of `layers` blocks (all of the model's by default) and the head."""
+    args = model.args
+    return forward_tolerance(args, layers=layers or args.num_layers, positions=positions, head=True)
 
 
 def run(model, ids, cache, start=None):
@@ -41,13 +42,13 @@ def test_split_stages_compose_to_full_model(split, make_stage):
     c1, c2 = first.new_cache(), second.new_cache()
     hidden = first.forward(torch.tensor(PROMPT), [Segment(c1, 0, len(PROMPT))])
     got = second.compute_logits(second.forward(hidden, [Segment(c2, 0, len(PROMPT))]))
-    assert (got - expected).abs().max().item() <= 1e-5
+    assert_close(f"split at {split} == one stage, prefill logits", got, expected, tolerance(full))
     # and a decode step through both halves
     h = first.forward(torch.tensor([5]), [Segment(c1, 40, 1)])
     got = second.compute_logits(second.forward(h, [Segment(c2, 40, 1)]))
     ref_cache = full.new_cache()
     logits_of(full, PROMPT, ref_cache)
-    assert (got - logits_of(full, [5], ref_cache)).abs().max().item() <= 1e-5
+    assert_close(f"split at {split} == one stage, decode logits", got, logits_of(full, [5], ref_cache), tolerance(full))
 
 
 def test_trim_then_decode_equals_fresh_run(make_stage):
@@ -96,16 +97,16 @@ def test_authoritative_start_overwrites_speculative_tail(make_stage):
     logits_of(model, PROMPT + [1, 2, 3], cache)  # ahead by 3 uncommitted rows
     got = logits_of(model, [9], cache, start=40)
     assert cache.length == 41
-    assert (got - expected).abs().max().item() <= 1e-5
+    assert_close("authoritative start == fresh cache, decode logits", got, expected, tolerance(model))
 
 
 @pytest.mark.parametrize("repack", [False, True], ids=["mkl", "repacked"])
 def test_batched_forward_equals_per_session(make_stage, repack):
+    # Batched and solo rows may take different kernels (row counts, or oneDNN's copy
+    # for several rows and MKL for one): rule 4 of tests/numerics.py either way.
     model = make_stage()
-    tolerance = 1e-5
-    if repack:  # several rows then run on the oneDNN copy, one row on MKL: two kernels' roundings
+    if repack:
         assert model.repack_for_batches() == model.repack_bytes > 0
-        tolerance = 5e-5
     prompts = [PROMPT, PROMPT[:13], [5, 6, 7, 8, 9, 10, 11]]
     solo_caches = [model.new_cache() for _ in prompts]
     solo = [logits_of(model, p, c) for p, c in zip(prompts, solo_caches)]
@@ -113,15 +114,38 @@ def test_batched_forward_equals_per_session(make_stage, repack):
     caches = [model.new_cache() for _ in prompts]
     ids = torch.tensor([t for p in prompts for t in p])
     batched = model.compute_logits(model.forward(ids, [Segment(c, 0, len(p)) for p, c in zip(prompts, caches)]))
-    assert max_relative_error(batched, torch.cat(solo)) <= tolerance
+    kernels = "repacked" if repack else "mkl"
+    assert_close(f"batched == solo prefill logits ({kernels})", batched, torch.cat(solo), tolerance(model))
     assert batched.argmax(-1).tolist() == torch.cat(solo).argmax(-1).tolist()
 
     # one decode row per session, at different positions, in one call
     tokens = [3, 4, 5]
     expected = torch.cat([logits_of(model, [t], c) for t, c in zip(tokens, solo_caches)])
     got = model.compute_logits(model.forward(torch.tensor(tokens), [Segment(c, c.length, 1) for c in caches]))
-    assert max_relative_error(got, expected) <= tolerance
+    assert_close(f"batched == solo decode logits ({kernels})", got, expected, tolerance(model))
     assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("bug", ["position off by one", "another session's cache"])
+def test_a_wrong_row_exceeds_the_bound_by_orders_of_magnitude(make_stage, bug):
+    """The bound above must still catch a real bug: one decode row computed at the
+    wrong position, or against the wrong session's keys, is >= 100x over it."""
+    model = make_stage()
+    prompts = [PROMPT, PROMPT[:13]]
+    solo_caches = [model.new_cache() for _ in prompts]
+    for p, c in zip(prompts, solo_caches):
+        logits_of(model, p, c)
+    caches = [model.new_cache() for _ in prompts]
+    for p, c in zip(prompts, caches):
+        logits_of(model, p, c)
+    expected = torch.cat([logits_of(model, [t], c) for t, c in zip([3, 4], solo_caches)])
+    if bug == "position off by one":
+        segments = [Segment(caches[0], caches[0].length - 1, 1), Segment(caches[1], caches[1].length, 1)]
+    else:
+        segments = [Segment(caches[1], caches[1].length, 1), Segment(caches[0], caches[0].length, 1)]
+    got = model.compute_logits(model.forward(torch.tensor([3, 4]), segments))
+    error = relative_error(got, expected)
+    assert error >= 100 * tolerance(model), f"{bug}: error {error:.3g} is within 100x of the bound"
 
 
 def test_snapshot_restore_equals_original(make_stage):
@@ -162,7 +186,7 @@ def test_repacked_weights_change_no_result(make_stage):
     caches = plain.new_cache(), repacked.new_cache()
     prefill = [m.compute_logits(m.forward(hidden, [Segment(c, 0, len(PROMPT))]))
                for m, c in zip((plain, repacked), caches)]
-    assert max_relative_error(prefill[1], prefill[0]) <= 1e-5
+    assert_close("repacked == plain prefill logits, layers [15, 30)", prefill[1], prefill[0], tolerance(plain, 15))
     assert prefill[1].argmax(-1).tolist() == prefill[0].argmax(-1).tolist()
     row = torch.randn(1, plain.args.hidden_size)  # one row keeps to the same kernel: identical
     one = [m.compute_logits(m.forward(row, [Segment(m.new_cache(), 0, 1)])) for m in (plain, repacked)]

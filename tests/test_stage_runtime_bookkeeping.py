@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
 import threading
@@ -117,7 +118,8 @@ def test_a_straggler_is_waited_for_and_the_other_pipeline_wave_is_not():
         scheduler._forward_s = 0.04
         scheduler._cadences = {"straggler": _Cadence(last_submit=now - 0.095, period_s=0.1)}
         deadline = scheduler._peer_deadline(since=now)
-        assert deadline == pytest.approx(now + 0.005 + scheduler.batch_wait_s, abs=1e-6)
+        # two float64 sums of the same terms in another order: a few ulps of `now` apart
+        assert deadline == pytest.approx(now + 0.005 + scheduler.batch_wait_s, abs=4 * math.ulp(now + 1.0))
         scheduler._cadences = {"other wave": _Cadence(last_submit=now - 0.06, period_s=0.1)}
         assert scheduler._peer_deadline(since=now) is None
     finally:
