@@ -11,9 +11,9 @@ over the rounds, after one warm-up round that is not counted.
     python bench/decode.py                        # bundled SmolLM2, 5 rounds, 2 threads
     python bench/decode.py --rounds 9 --decode-tokens 64 --threads 1 --model PATH.gguf
 
-Ours and transformers dequantize the GGUF to float32 (ours also to float16);
-llama.cpp runs its quantized weights as they are (Q4_1 for the bundled model:
-about 5 bits a weight, so a decode step reads ~3x fewer bytes than float16).
+"ours auto" is the default: the GGUF's quantized weights stay 4-bit (quant.py),
+as llama.cpp runs them. "ours float32"/"float16" and transformers dequantize the
+GGUF (float32 is our parity reference).
 llama.cpp runs only when `llama_cpp` imports (pip install -e '.[bench-llamacpp]';
 it compiles llama.cpp for about ten minutes).
 
@@ -63,6 +63,9 @@ PROMPT_TEXT = (
 
 # (numerator, denominator, phase) rows of the ratio table
 RATIOS = [
+    ("ours auto", "llama.cpp", "decode"),
+    ("ours auto", "llama.cpp", "prefill"),
+    ("ours auto", "ours float32", "decode"),
     ("ours float32", "transformers float32", "decode"),
     ("ours float32", "transformers float32", "prefill"),
     ("ours float16", "ours float32", "decode"),
@@ -167,6 +170,8 @@ def run_once(engine, prompt: list[int], num_decode: int, timings: Timings | None
 
 def load_engines(path: Path, options, console: Console) -> dict[str, object]:
     engines = {}
+    with console.status("Loading ours auto (quantized)"):
+        engines["ours auto"] = OursEngine(path, "auto")
     with console.status("Loading ours float32"):
         engines["ours float32"] = OursEngine(path, "float32")
     with console.status("Loading ours float16"):

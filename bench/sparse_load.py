@@ -26,9 +26,9 @@ CHILD = """
 import gc, json, resource, sys, time
 from pathlib import Path
 import psutil
+import torch
 from skippy.model.gguf_loader import open_gguf, read_model_args
 from skippy.model.hf_loader import read_hf_args
-from skippy.model.llama import vars_of
 from skippy.model.loader import load_stage
 
 path, start, end, dtype = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -41,10 +41,11 @@ model = load_stage(path, (start, end), dtype=dtype, device="cpu", progress=False
 seconds = time.perf_counter() - started
 gc.collect()
 rss_loaded = rss()
-tensors = [t for b in model.blocks for t in vars_of(b)]
-tensors += [t for t in (model.embedding, getattr(model, "head", None)) if t is not None]
+tensors = [t for b in model.blocks for t in (b.attn_norm, b.ffn_norm)]
+tensors += [t for linear in model.linears for t in linear.tensors]
+tensors += [model.embedding] if isinstance(model.embedding, torch.Tensor) else []
 for t in tensors:
-    t.sum()  # reads every page
+    t.float().sum()  # reads every page
 print(json.dumps({
     "parameter_bytes": model.parameter_bytes,
     "rss_imports": rss_imports,
@@ -85,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="GGUF file or Hugging Face directory (default: the bundled SmolLM2)")
     parser.add_argument("--ranges", default="0:15,15:30,0:30", help="comma-separated start:end layer ranges")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     options = parser.parse_args()
     if options.model is None:
         from skippy.model.locate import bundled_model_path

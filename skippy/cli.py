@@ -11,7 +11,9 @@ from .console import configure_logging
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="GGUF file or Hugging Face directory (default: the bundled SmolLM2)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weight dtype")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="weights: auto (default) keeps them as the file stores them, GGUF 4- to 8-bit types "
+                             "quantized; a float dtype dequantizes every weight to it")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     parser.add_argument("--ctx-size", type=int, default=None, help="context size per session (default: the model's)")
     parser.add_argument("--no-repack", dest="repack", action="store_false",

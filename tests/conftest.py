@@ -72,6 +72,36 @@ def make_stage(full_weights):
 
 
 @pytest.fixture(scope="session")
+def quant_weights(gguf_path):
+    """(args, weights as `--dtype auto` loads them): QuantizedTensors, views of the GGUF's blocks."""
+    import torch
+
+    from skippy.model.args import LayerRange
+    from skippy.model.gguf_loader import load_gguf_tensors, open_gguf, read_model_args
+
+    reader = open_gguf(gguf_path)
+    args = read_model_args(reader)
+    return args, load_gguf_tensors(reader, args, LayerRange.full(args.num_layers), None, torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def make_quant_stage(quant_weights):
+    """make_quant_stage(start, end) -> StageModel on the quantized path (packed anew each call)."""
+    import torch
+
+    from skippy.model.args import LayerRange
+    from skippy.model.llama import StageModel
+
+    args, weights = quant_weights
+
+    def make(start: int = 0, end: int | None = None) -> StageModel:
+        layers = LayerRange(start, args.num_layers if end is None else end, args.num_layers)
+        return StageModel(args, layers, weights, torch.device("cpu"), kv_dtype=torch.float16)
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tokenizer(gguf_path):
     from skippy.model.tokenizer import Tokenizer
 
@@ -83,12 +113,18 @@ def pytest_terminal_summary(terminalreporter):
     next tolerance about to fail on some machine shows before it does."""
     from numerics import MARGINS
 
+    statistical = sorted((m for m in MARGINS if not m.worst_case), key=lambda m: m.ratio)
+    worst_case = [m for m in MARGINS if m.worst_case]
     if not MARGINS:
         return
     terminalreporter.section("numeric margins (bound / observed, tightest first; tests/numerics.py)")
-    for margin in sorted(MARGINS, key=lambda m: m.ratio)[:12]:
+    for margin in statistical[:12]:
         terminalreporter.write_line(
             f"{margin.ratio:9.1f}x  observed {margin.observed:.3g}  bound {margin.limit:.3g}  {margin.what}"
         )
-    if len(MARGINS) > 12:
-        terminalreporter.write_line(f"... and {len(MARGINS) - 12} comparisons with more room")
+    if len(statistical) > 12:
+        terminalreporter.write_line(f"... and {len(statistical) - 12} comparisons with more room")
+    if worst_case:
+        tightest = min(worst_case, key=lambda m: m.ratio)
+        terminalreporter.write_line(f"{len(worst_case)} provable worst-case bounds hold, the tightest at "
+                                    f"{tightest.ratio:.1f}x: {tightest.what}")

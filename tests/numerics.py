@@ -110,6 +110,7 @@ class Margin:
     what: str
     observed: float
     limit: float
+    worst_case: bool = False  # a provable bound the error may reach, not a statistical one
 
     @property
     def ratio(self) -> float:
@@ -120,9 +121,9 @@ class Margin:
 MARGINS: list[Margin] = []
 
 
-def record(what: str, observed: float, limit: float) -> None:
+def record(what: str, observed: float, limit: float, *, worst_case: bool = False) -> None:
     """Keep one comparison for the end-of-run report, then assert it."""
-    MARGINS.append(Margin(what, observed, limit))
+    MARGINS.append(Margin(what, observed, limit, worst_case))
     assert observed <= limit, f"{what}: observed {observed:.3g} > bound {limit:.3g}"
 
 

@@ -23,14 +23,16 @@ from skippy.stage.server import StageServer
 pytestmark = pytest.mark.slow
 
 
-def test_cli_generate_on_three_stage_processes_matches_one_process(make_stage, tokenizer):
+def test_cli_generate_on_three_stage_processes_matches_one_process(make_quant_stage, tokenizer):
+    """The CLI's default weights are the GGUF's quantized blocks: three processes on
+    that path give one process's greedy tokens on the same path."""
     command = [sys.executable, "-m", "skippy.cli", "generate", "--stages", "3", "--threads", "1",
                "--raw", "--json", "--max-tokens", "16", "The capital of France is"]
     out = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     limits = GenerationLimits(max_tokens=16, stop_ids=tokenizer.eog_ids)
-    expected = list(generate_tokens(make_stage(), got["prompt_ids"], limits))
+    expected = list(generate_tokens(make_quant_stage(), got["prompt_ids"], limits))
     assert got["completion_ids"] == expected and len(expected) > 0
 
 
@@ -54,7 +56,7 @@ def test_killing_a_middle_stage_fails_fast_and_a_restart_recovers(make_stage, gg
         await final.start()
         middle_endpoint = f"127.0.0.1:{free_ports(1)[0]}"
         config_path = tmp_path / "stage-1.json"
-        stage_config(1, (10, 20), str(gguf_path), bind_addr=middle_endpoint,
+        stage_config(1, (10, 20), str(gguf_path), bind_addr=middle_endpoint, weight_dtype="f32",
                      downstream=PeerEndpoint(stage_id="s2", stage_index=2,
                                              endpoint=final.endpoint)).save(config_path)
         middle = await _spawn_stage(config_path)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_serve_defaults():
     args = build_parser().parse_args(["serve"])
     assert (args.stages, args.host, args.port, args.model) == (2, "127.0.0.1", 9337, None)
-    assert (args.concurrency, args.queue, args.auth_token, args.dtype) == (None, None, None, "float32")
+    assert (args.concurrency, args.queue, args.auth_token, args.dtype) == (None, None, None, "auto")
 
 
 def test_sigterm_while_loading_leaves_no_stage_behind():

@@ -205,7 +205,7 @@ def test_sparse_first_half_reads_only_its_tensors(source, hf_dir, gguf_path, ful
         read, path, expected_reads = record_hf_reads(monkeypatch), hf_dir, [hf_name(n) for n in needed]
     else:
         read, path, expected_reads = record_gguf_reads(monkeypatch), gguf_path, needed
-    model = load_stage(path, (0, 15), device="cpu", progress=False)
+    model = load_stage(path, (0, 15), dtype="float32", device="cpu", progress=False)
     assert read == expected_reads
     assert model.parameter_bytes == sum(weights[n].nbytes for n in needed)
     assert model.parameter_bytes < 0.7 * sum(t.nbytes for t in weights.values())

@@ -100,7 +100,7 @@ def stage_kv_cache(kv_cache: KvCacheConfig, stage_index: int) -> KvCacheConfig:
 
 
 async def connect_topology(topology: Topology, model_path: str | Path, *,
-                           auth_token: str | None = None, dtype: str = "float32",
+                           auth_token: str | None = None, dtype: str = "auto",
                            device: str = "cpu", repack: bool = True, kv_cache: KvCacheConfig | None = None,
                            **client_options) -> ChainClient:
     """Stage 0 for a running chain: load layers [0, k), listen on the topology's stage-0
@@ -114,7 +114,7 @@ async def connect_topology(topology: Topology, model_path: str | Path, *,
     if kv_cache is not None:
         prefix_cache = StagePrefixCache.build(
             stage_kv_cache(kv_cache, 0), model_path=str(model_path), layer_start=first.layer_start,
-            layer_end=first.layer_end, kv_dtype=model.kv_dtype,
+            layer_end=first.layer_end, kv_dtype=model.kv_dtype, weights=model.weight_format,
             ctx_size=min(client_options.get("ctx_size") or model.args.context_length,
                          model.args.context_length))
     client = ChainClient(model, downstream=downstream, auth_token=auth_token,
@@ -132,7 +132,7 @@ class LocalChain:
 
     def __init__(self, model_path: str | Path, num_stages: int, *, threads: int | None = None,
                  activation_dtype: str = "f32", ctx_size: int = 2048, lane_count: int = 4,
-                 dtype: str = "float32", repack: bool = True, concurrency: int = 1,
+                 dtype: str = "auto", repack: bool = True, concurrency: int = 1,
                  log_level: str = "WARNING",
                  kv_cache: KvCacheConfig | None = None, **client_options):
         """`kv_cache`: every stage's prefix-cache settings (disk tier: one subdirectory per
@@ -255,7 +255,7 @@ class LocalChain:
         await self.close()
 
 
-_WEIGHT_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+_WEIGHT_NAMES = {"auto": "auto", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
 def generate_on_chain(prompt_ids: Sequence[int], model_path: str | Path, *,

@@ -42,7 +42,7 @@ class ServeConfig:
     queue_size: int | None = None
     auth_token: str | None = None  # API bearer token
     chain_auth_token: str | None = None  # the stages' transport token (with --topology)
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "auto"
     repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
     activation_dtype: str = "f32"
@@ -120,9 +120,10 @@ def load_local_backend(config: ServeConfig):
         import torch
 
         torch.set_num_threads(config.threads)
+    tokenizer = load_tokenizer(config.model)  # first: it shares the GGUF reader that loading releases
     model = load_stage(config.model, dtype=config.dtype, device=config.device, repack=config.repack)
     backend = LocalBackend(model, num_lanes=config.num_lanes, ctx_size=config.ctx_size)
-    return load_tokenizer(config.model), backend
+    return tokenizer, backend
 
 
 async def start_chain_backend(config: ServeConfig):
@@ -131,6 +132,7 @@ async def start_chain_backend(config: ServeConfig):
     from .chain_backend import ChainBackend
     from .local_chain import LocalChain, connect_topology
 
+    tokenizer = load_tokenizer(config.model)  # first: it shares the GGUF reader that loading releases
     ctx_size = config.ctx_size or _model_context(config.model)
     options = dict(concurrency=config.num_lanes, ctx_size=ctx_size, activation_dtype=config.activation_dtype,
                    speculative=config.speculative_settings(), draft_model=await _load_draft_model(config))
@@ -155,7 +157,7 @@ async def start_chain_backend(config: ServeConfig):
                                         kv_cache=config.kv_cache(1),
                                         **options)  # fmt: skip
         backend = ChainBackend(client, topology, num_lanes=config.num_lanes, auth_token=config.chain_auth_token)
-        return load_tokenizer(config.model), backend
+        return tokenizer, backend
     chain = LocalChain(config.model, config.num_stages, threads=config.threads, lane_count=config.num_lanes,
                        dtype=config.dtype, repack=config.repack, log_level=config.log_level,
                        kv_cache=config.kv_cache(config.num_stages), **options)  # fmt: skip
@@ -169,7 +171,7 @@ async def start_chain_backend(config: ServeConfig):
         advance()  # stage 0, here, loads last
     backend = ChainBackend(client, chain.topology, num_lanes=config.num_lanes, auth_token=chain.auth_token,
                            on_close=chain.close)  # fmt: skip
-    return load_tokenizer(config.model), backend
+    return tokenizer, backend
 
 
 async def _advance_as_stages_come_up(chain, advance) -> None:

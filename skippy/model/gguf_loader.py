@@ -1,9 +1,11 @@
 """Read a llama-architecture GGUF: hyperparameters, tokenizer fields and only the
-tensors one stage needs, dequantized with the `gguf` package."""
+tensors one stage needs: kept in their quantized blocks (dtype None, the default)
+or dequantized with the `gguf` package to a dtype asked for."""
 
 from __future__ import annotations
 
 import functools
+import mmap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from gguf.quants import dequantize
 
 from .args import LayerRange, ModelArgs
 from .errors import ModelLoadError
+from .quant import SUPPORTED, QuantizedTensor
 from .weights import needed_tensor_names
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -35,6 +38,18 @@ def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFReader:
         return GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError/struct errors on bad files
         raise ModelLoadError(f"Could not read {path} as GGUF: {exc}") from exc
+
+
+def release(reader: GGUFReader) -> None:
+    """After a load: forget the parsed metadata (the vocabulary alone is ~150 MB of
+    Python objects) and drop the file's pages from this process's resident set. The
+    mapping stays, so a quantized embedding still reads its rows; they fault back
+    in one page at a time."""
+    _open_gguf.cache_clear()
+    try:
+        reader.data._mmap.madvise(mmap.MADV_DONTNEED)
+    except (AttributeError, OSError, ValueError):  # no such mapping or madvise here: keep the pages
+        pass
 
 
 def metadata_value(reader: GGUFReader, key: str, default=None):
@@ -100,20 +115,49 @@ def load_gguf_tensors(
     reader: GGUFReader,
     args: ModelArgs,
     layers: LayerRange,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
     device: torch.device,
     on_tensor: Callable[[], None] = lambda: None,
-) -> dict[str, torch.Tensor]:
-    """Dequantize only the tensors `layers` needs; norms stay float32."""
+) -> dict[str, torch.Tensor | QuantizedTensor]:
+    """Only the tensors `layers` needs; norms are float32.
+
+    dtype None keeps what the file stores: a type quant.py packs stays a
+    QuantizedTensor (a view of the memory-mapped blocks, converted when the model
+    is built, block by block), float types stay as stored, and any other
+    quantized type is dequantized to bfloat16. A dtype dequantizes everything to it.
+    """
     by_name = {t.name: t for t in reader.tensors}
     weights = {}
     for name in needed_tensor_names(layers, args.tie_word_embeddings):
         tensor = by_name.get(name)
         if tensor is None:
             raise ModelLoadError(f"GGUF is missing tensor {name!r} needed for layers {layers}.")
-        weights[name] = _to_torch(_dequantize(tensor, args), name, dtype, device)
+        weights[name] = _read(tensor, args, dtype, device)
         on_tensor()
     return weights
+
+
+def _read(tensor, args: ModelArgs, dtype: torch.dtype | None, device: torch.device):
+    """One tensor as the model will hold it (see load_gguf_tensors)."""
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    is_norm = tensor.name.endswith("norm.weight")
+    if dtype is None and qtype in SUPPORTED and not is_norm:
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        return QuantizedTensor(tensor.data, qtype, shape, _row_order(tensor.name, shape[0], args))
+    if dtype is None:
+        stored = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
+                  GGMLQuantizationType.BF16: torch.bfloat16}
+        dtype = stored.get(qtype, torch.bfloat16)
+    return _to_torch(_dequantize(tensor, args), tensor.name, dtype, device)
+
+
+def _row_order(name: str, rows: int, args: ModelArgs) -> np.ndarray | None:
+    """Where each row of attn_q/attn_k comes from once unpermuted (see unpermute_rope_rows)."""
+    heads = {"attn_q.weight": args.num_heads, "attn_k.weight": args.num_kv_heads}
+    for suffix, num_heads in heads.items():
+        if name.endswith(suffix):
+            return unpermute_rope_rows(np.arange(rows)[:, None], num_heads)[:, 0]
+    return None
 
 
 def _dequantize(tensor, args: ModelArgs) -> np.ndarray:

@@ -77,7 +77,7 @@ def load_hf_tensors(
     directory: Path,
     args: ModelArgs,
     layers: LayerRange,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
     device: torch.device,
     on_tensor: Callable[[], None] = lambda: None,
 ) -> dict[str, torch.Tensor]:
@@ -96,6 +96,6 @@ def load_hf_tensors(
         with safe_open(where[source], framework="pt") as f:
             tensor = f.get_tensor(source)
         is_norm = name.endswith("norm.weight")
-        weights[name] = tensor.to(device=device, dtype=torch.float32 if is_norm else dtype)
+        weights[name] = tensor.to(device=device, dtype=torch.float32 if is_norm else dtype or tensor.dtype)
         on_tensor()
     return weights

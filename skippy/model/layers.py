@@ -76,6 +76,11 @@ class Linear:
     def of(cls, weight: torch.Tensor) -> "Linear":
         return cls(decode_layout(weight))
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The weight as loaded (not the repacked copy)."""
+        return [self.weight]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.batched is not None and x.shape[0] > 1:
             return self.through_repacked(x)
@@ -100,9 +105,7 @@ class Linear:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # sum times 1/D, not mean(): mean's divide costs ~3 sum()s on one row
-    mean_square = x.pow(2).sum(-1, keepdim=True) * (1.0 / x.shape[-1])
-    return x * torch.rsqrt(mean_square + eps) * weight
+    return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel: ~1.3x faster than 6 ops on one row
 
 
 def rope_tables(args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,13 +136,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + swapped * signed_sin
 
 
+# Up to this many rows of one session (speculative verify windows) attend one row at a
+# time; longer runs (prefill chunks) take the masked kernel in one call.
+ROWS_ONE_BY_ONE = 32
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """Causal grouped-query attention of one session's new rows over its cache.
 
-    q: [heads, n, head_dim] at positions [start, start+n); k, v: [kv_heads, start+n, head_dim].
+    q: [heads, n, head_dim] at positions [start, start+n); k, v: [kv_heads, start+n, head_dim],
+    float32 or the cache's 16-bit dtype.
     Returns [n, heads * head_dim].
     """
     heads, n, head_dim = q.shape
+    if k.dtype != q.dtype:  # a 16-bit cache: CPU SDPA runs far slower in 16 bits than float32
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    if 1 < n <= ROWS_ONE_BY_ONE:
+        # A verify window: each row alone over exactly the keys it sees, so it rounds
+        # as it would in a one-row decode step (the masked kernel tiles differently,
+        # and on the quantized path a last-bit difference grows through the bfloat16
+        # matmul inputs until speculation changes a greedy token).
+        return torch.cat([attention(q[:, i : i + 1], k[:, : start + i + 1], v[:, : start + i + 1], start + i)
+                          for i in range(n)])
     if n == 1:
         mask = None  # one new row sees every cached position
     else:

@@ -18,6 +18,9 @@ import torch
 from .args import LayerRange, ModelArgs
 from .kv_cache import KVCache
 from .layers import Linear, apply_rope, attention, rms_norm, rope_tables, swiglu
+from .quant import Int4Linear, QuantizedTensor, build_linear
+
+Weight = torch.Tensor | QuantizedTensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +35,11 @@ class Segment:
 @dataclass(frozen=True, slots=True)
 class Block:
     attn_norm: torch.Tensor
-    wqkv: Linear  # q, k, v projections stacked: one matmul instead of three
-    wo: Linear
+    wqkv: Linear | Int4Linear  # q, k, v projections stacked: one matmul instead of three
+    wo: Linear | Int4Linear
     ffn_norm: torch.Tensor
-    w_gate_up: Linear  # gate and up stacked
-    w_down: Linear
+    w_gate_up: Linear | Int4Linear  # gate and up stacked
+    w_down: Linear | Int4Linear
 
 
 class StageModel:
@@ -44,34 +47,33 @@ class StageModel:
         self,
         args: ModelArgs,
         layers: LayerRange,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, Weight],
         device: torch.device,
         kv_dtype: torch.dtype = torch.float32,
     ):
+        """`weights`: float tensors, or QuantizedTensors packed here one matmul at a
+        time (so building never holds more than one block's unpacked codes)."""
         self.args, self.layers, self.device, self.kv_dtype = args, layers, device, kv_dtype
-        self.weight_dtype = weights[f"blk.{layers.start}.attn_q.weight"].dtype
         self.blocks = [self._block(weights, i) for i in range(layers.start, layers.end)]
+        # a quantized embedding stays in the file's blocks: a step reads only its tokens' rows
         self.embedding = weights.get("token_embd.weight") if layers.is_first else None
         if layers.is_last:
             self.output_norm = weights["output_norm.weight"]
-            head = weights.get("output.weight", weights.get("token_embd.weight"))
-            self.head = Linear.of(head)
-            if self.embedding is head:  # tied: look tokens up in the head's copy, not a second one
-                self.embedding = self.head.weight
+            head = weights.get("output.weight")
+            self.head = build_linear([weights["token_embd.weight"] if head is None else head], device)
+            if self.embedding is not None and head is None and isinstance(self.head, Linear):
+                self.embedding = self.head.weight  # tied: look tokens up in the head's copy, not a second one
         self.cos, self.signed_sin = rope_tables(args, device)
 
-    @staticmethod
-    def _block(w: dict[str, torch.Tensor], i: int) -> Block:
+    def _block(self, w: dict[str, Weight], i: int) -> Block:
         p = f"blk.{i}."
-        qkv = torch.cat([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
-        gate_up = torch.cat([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]])
         return Block(
             attn_norm=w[p + "attn_norm.weight"],
-            wqkv=Linear.of(qkv),
-            wo=Linear.of(w[p + "attn_output.weight"]),
+            wqkv=build_linear([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]], self.device),
+            wo=build_linear([w[p + "attn_output.weight"]], self.device),
             ffn_norm=w[p + "ffn_norm.weight"],
-            w_gate_up=Linear.of(gate_up),
-            w_down=Linear.of(w[p + "ffn_down.weight"]),
+            w_gate_up=build_linear([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]], self.device),
+            w_down=build_linear([w[p + "ffn_down.weight"]], self.device),
         )
 
     @classmethod
@@ -88,18 +90,27 @@ class StageModel:
         )  # fmt: skip
 
     @property
-    def linears(self) -> list[Linear]:
+    def linears(self) -> list[Linear | Int4Linear]:
         heads = [self.head] if self.layers.is_last else []
         return [getattr(b, name) for b in self.blocks for name in ("wqkv", "wo", "w_gate_up", "w_down")] + heads
 
     @property
     def parameter_bytes(self) -> int:
-        """Bytes of the model's own tensors (not the repacked copies)."""
-        tensors = [t for b in self.blocks for t in vars_of(b)]
-        tensors += [t for t in (self.embedding, getattr(self, "output_norm", None)) if t is not None]
-        tensors += [linear.weight for linear in self.linears]
+        """Bytes of the model's own tensors in memory (not the repacked copies, nor a
+        quantized embedding, which stays in the memory-mapped file)."""
+        tensors = [t for b in self.blocks for t in (b.attn_norm, b.ffn_norm)]
+        tensors += [t for t in (self.embedding, getattr(self, "output_norm", None)) if isinstance(t, torch.Tensor)]
+        tensors += [t for linear in self.linears for t in linear.tensors]
         unique = {t.data_ptr(): t.nbytes for t in tensors}
         return sum(unique.values())
+
+    @property
+    def weight_format(self) -> str:
+        """What the matmul weights are ("int4", "float32", ...): caches of KV rows
+        computed with other weights must not be shared."""
+        kinds = {"int4" if isinstance(lin, Int4Linear) else str(lin.weight.dtype).removeprefix("torch.")
+                 for lin in self.linears}
+        return "+".join(sorted(kinds))
 
     @property
     def repack_bytes(self) -> int:
@@ -121,7 +132,7 @@ class StageModel:
         """
         args = self.args
         if self.layers.is_first and not torch.is_floating_point(x):
-            x = self.embedding[x.to(self.device)].float()
+            x = self._embed(x.to(self.device))
         x = x.to(self.device, torch.float32)
         T = x.shape[0]
         assert T == sum(s.num_tokens for s in segments), "rows must match the segments"
@@ -133,7 +144,7 @@ class StageModel:
         for layer, block in enumerate(self.blocks):
             # attention: x + Wo · attn(rope(Wq·h), rope(Wk·h), Wv·h)
             h = rms_norm(x, block.attn_norm, args.rms_norm_eps)
-            qkv = block.wqkv(h).view(T, H + 2 * KVH, args.head_dim)
+            qkv = block.wqkv(h).float().view(T, H + 2 * KVH, args.head_dim)
             qk = apply_rope(qkv[:, : H + KVH], cos, sin)  # q and k heads rotate in one go
             # [heads, T, head_dim] each
             q, k, v = qk[:, :H].transpose(0, 1), qk[:, H:].transpose(0, 1), qkv[:, H + KVH :].transpose(0, 1)
@@ -151,6 +162,11 @@ class StageModel:
             s.cache.commit(s.start + s.num_tokens)
         return x
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embedding, QuantizedTensor):
+            return self.embedding.embed(ids)
+        return self.embedding[ids].float()
+
     def _rope_rows(self, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin rows [T, 1, head_dim] at the segments' positions: slices of
         the tables, so a one-segment call builds no index tensor."""
@@ -166,10 +182,5 @@ class StageModel:
         """hidden [T, D] -> float32 logits [T, vocab] (last stage only)."""
         if not self.layers.is_last:
             raise RuntimeError(f"Stage {self.layers} has no output head; only the last stage computes logits")
-        return self.head(rms_norm(hidden, self.output_norm, self.args.rms_norm_eps)).float()
+        return self.head(rms_norm(hidden, self.output_norm, self.args.rms_norm_eps)).float()  # no copy if float32
 
-
-def vars_of(block: Block) -> list[torch.Tensor]:
-    """The block's tensors as loaded (a Linear's weight, not its repacked copy)."""
-    fields = [getattr(block, name) for name in Block.__slots__]
-    return [f.weight if isinstance(f, Linear) else f for f in fields]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from pathlib import Path
 
@@ -10,14 +11,15 @@ import torch
 from ..console import progress_bar
 from .args import LayerRange, ModelArgs
 from .errors import ModelLoadError
-from .gguf_loader import load_gguf_tensors, open_gguf, read_model_args
+from .gguf_loader import load_gguf_tensors, open_gguf, read_model_args, release
 from .hf_loader import load_hf_tensors, read_hf_args
 from .llama import StageModel
 from .weights import needed_tensor_names
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# "auto": as the file stores it, GGUF quantized types kept quantized (quant.py)
+DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -26,8 +28,8 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
+def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    if name is None or isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
         raise ValueError(f"Expected a dtype in {sorted(DTYPES)}, got {name!r}")
@@ -52,12 +54,16 @@ def model_args(path: str | Path) -> ModelArgs:
 def load_stage(
     path: str | Path,
     layers: tuple[int, int] | None = None,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype | None = "auto",
     device: str = "auto",
     progress: bool = True,
     repack: bool = False,
 ) -> StageModel:
     """Load layers [start, end) of the model at `path` (all layers when None).
+
+    `dtype` "auto" keeps the weights as stored (GGUF 4- to 8-bit types packed for
+    torch's int4 kernels); a float dtype dequantizes to it (float32 is the parity
+    reference).
 
     `repack`: also keep the matmul weights prepacked for multi-row batches (CPU float32;
     see Linear), unless that copy would take over half the memory still available.
@@ -72,10 +78,27 @@ def load_stage(
             weights = load_hf_tensors(path, args, layer_range, weight_dtype, torch_device, advance)
         else:
             weights = load_gguf_tensors(reader, args, layer_range, weight_dtype, torch_device, advance)
-    model = StageModel(args, layer_range, weights, torch_device)
+    # KV rows in float16, as llama.cpp keeps them (bfloat16's 8-bit mantissa turned the bundled model's
+    # "capital of France" answer into nonsense); float32 weights, the parity reference, keep float32
+    all_float32 = all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 for w in weights.values())
+    kv_dtype = torch.float32 if all_float32 else torch.float16
+    model = StageModel(args, layer_range, weights, torch_device, kv_dtype)
+    del weights
+    if reader is not None:
+        release(reader)
+    _return_freed_heap()
     if repack:
         repack_if_it_fits(model)
     return model
+
+
+def _return_freed_heap() -> None:
+    """Give the heap that loading freed back to the OS (glibc keeps it otherwise:
+    ~80 MB of RSS for the bundled model)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def repack_if_it_fits(model: StageModel) -> int:

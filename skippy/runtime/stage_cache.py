@@ -40,7 +40,7 @@ class StagePrefixCache:
 
     @classmethod
     def build(cls, config: KvCacheConfig, *, model_path: str, layer_start: int, layer_end: int,
-              kv_dtype: Any, ctx_size: int) -> StagePrefixCache | None:
+              kv_dtype: Any, ctx_size: int, weights: str = "") -> StagePrefixCache | None:
         """The cache a stage's config asks for, or None (mode "disabled", or it fails open)."""
         if config.mode == "disabled":
             return None
@@ -51,7 +51,7 @@ class StagePrefixCache:
                         error)
             return None
         base = CacheNamespace(digest, layer_start, layer_end,
-                              str(kv_dtype).removeprefix("torch."), ctx_size)
+                              str(kv_dtype).removeprefix("torch."), ctx_size, weights=weights)
         disk = None
         try:
             disk = DiskCache.from_config(config)

@@ -20,7 +20,7 @@ from .server import StageServer
 
 log = logging.getLogger("skippy.stage")
 
-WEIGHT_DTYPES = {"auto": "float32", "f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+WEIGHT_DTYPES = {"auto": "auto", "f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 READY_PREFIX = "skippy: stage ready:"   # launchers wait for this line on stdout
 EXIT_ADDRESS_IN_USE = 98                 # exit status when the bind address is taken
 
@@ -51,7 +51,8 @@ def load_stage_runtime(config: StageConfig, telemetry: Telemetry) -> StageRuntim
                            telemetry=telemetry, name=f"skippy-stage{config.stage_index}")
     runtime.prefix_cache = StagePrefixCache.build(
         config.kv_cache, model_path=config.model_path, layer_start=config.layer_start,
-        layer_end=config.layer_end, kv_dtype=model.kv_dtype, ctx_size=runtime.runner.ctx_size)
+        layer_end=config.layer_end, kv_dtype=model.kv_dtype, ctx_size=runtime.runner.ctx_size,
+        weights=model.weight_format)
     return runtime
 
 
