@@ -94,6 +94,7 @@ class Server:
             command += ["--threads", str(args.threads)]
         if not args.repack:
             command += ["--no-repack"]
+        command += ["--dtype", args.dtype]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         for line in self.process.stdout:
             if match := READY.search(line):
@@ -101,9 +102,23 @@ class Server:
                 return
         raise RuntimeError(f"skippy serve exited with {self.process.wait()} before it was ready")
 
+    def memory(self) -> list[tuple[str, int, int]]:
+        """(process, resident bytes now, peak resident bytes) for `skippy serve` and each stage it started."""
+        import psutil
+
+        serve = psutil.Process(self.process.pid)
+        processes = [("serve (stage 0)", serve)] + [(f"stage {i + 1}", p) for i, p in enumerate(serve.children())]
+        return [(name, *_resident_now_and_peak(p.pid)) for name, p in processes]
+
     def close(self) -> None:
         self.process.terminate()
         self.process.wait(timeout=60)
+
+
+def _resident_now_and_peak(pid: int) -> tuple[int, int]:
+    """VmRSS and VmHWM (the peak, loading included) from /proc/PID/status, in bytes."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return tuple(int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM"))
 
 
 # ---- direct (no HTTP) ---------------------------------------------------------------
@@ -121,11 +136,12 @@ class Direct:
         if args.stages == 1:
             from skippy.model.loader import load_stage
 
-            self.model = load_stage(path, progress=False, repack=args.repack)
+            self.model = load_stage(path, dtype=args.dtype, progress=False, repack=args.repack)
         else:
             from skippy.frontend.local_chain import LocalChain
 
-            self.chain = LocalChain(path, args.stages, ctx_size=2048, threads=args.threads, repack=args.repack)
+            self.chain = LocalChain(path, args.stages, ctx_size=2048, threads=args.threads, repack=args.repack,
+                                    dtype=args.dtype)
             self.client = loop.run_until_complete(self.chain.start())
 
     def generate(self, prompt_ids: list[int], stop_ids: frozenset[int]) -> Sample:
@@ -163,6 +179,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="torch threads in every process (default: torch's)")
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 4, 8])
+    parser.add_argument("--dtype", default="auto", help="skippy serve --dtype (auto: the GGUF's quantized blocks)")
     parser.add_argument("--no-repack", dest="repack", action="store_false",
                         help="both arms without the batch-friendly weight copy (skippy serve --no-repack)")
     args = parser.parse_args()
@@ -200,6 +217,7 @@ def main() -> None:
                 if round_index:
                     results[name].append(samples)
             print(f"round {round_index}{' (warm-up)' if not round_index else ''} done", flush=True)
+        memory = server.memory()  # steady state: after every round, the concurrency-8 one included
     finally:
         loop.run_until_complete(client.aclose())
         direct.close()
@@ -215,10 +233,14 @@ def main() -> None:
 
     print(f"\n{path.name}, {args.stages} stage(s), {args.max_tokens} tokens per stream, "
           f"{len(prompt_ids)} prompt tokens, {os.cpu_count()} CPUs, threads {args.threads or 'default'}, "
-          f"weights {'repacked' if args.repack else 'not repacked'}, medians of {args.rounds} rounds")  # fmt: skip
+          f"--dtype {args.dtype}{'' if args.repack else ' --no-repack'}, medians of {args.rounds} rounds")  # fmt: skip
     print(f"{'config':<12} {'TTFT ms':>9} {'decode tok/s/stream':>20} {'aggregate tok/s':>16}")
     for name, (ttft, decode, aggregate) in table.items():
         print(f"{name:<12} {ttft:>9.1f} {decode:>20.2f} {aggregate:>16.2f}")
+    print(f"\nresident memory of `skippy serve --stages {args.stages} --dtype {args.dtype}` after the rounds:")
+    for name, now, peak in memory:
+        print(f"  {name:<16} RSS {now / 2**20:7.1f} MiB   peak {peak / 2**20:7.1f} MiB")
+    print(f"  {'total':<16} RSS {sum(m[1] for m in memory) / 2**20:7.1f} MiB")
     direct_decode = table["direct c=1"][1]
     print()
     if "http c=1" in table:

@@ -244,7 +244,8 @@ class Int4Linear:
         return 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.bfloat16)
+        if x.dtype != torch.bfloat16:  # even a no-op .to() costs a dispatch on a one-row step
+            x = x.to(torch.bfloat16)
         first, *rest = (torch.ops.aten._weight_int4pack_mm_for_cpu(x, p.packed, GROUP, p.scales_zeros)
                         for p in self.planes)
         if not rest:
