@@ -5,7 +5,6 @@ or dequantized with the `gguf` package to a dtype asked for."""
 from __future__ import annotations
 
 import functools
-import mmap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from gguf.quants import dequantize
 
 from .args import LayerRange, ModelArgs
 from .errors import ModelLoadError
-from .quant import SUPPORTED, QuantizedTensor
+from .quant import SUPPORTED, QuantizedTensor, drop_resident_pages
 from .weights import needed_tensor_names
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -46,10 +45,7 @@ def release(reader: GGUFReader) -> None:
     mapping stays, so a quantized embedding still reads its rows; they fault back
     in one page at a time."""
     _open_gguf.cache_clear()
-    try:
-        reader.data._mmap.madvise(mmap.MADV_DONTNEED)
-    except (AttributeError, OSError, ValueError):  # no such mapping or madvise here: keep the pages
-        pass
+    drop_resident_pages(reader.data)
 
 
 def metadata_value(reader: GGUFReader, key: str, default=None):

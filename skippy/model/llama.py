@@ -10,6 +10,7 @@ and attend separately, each over its own KV cache (a `Segment`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,11 +51,16 @@ class StageModel:
         weights: dict[str, Weight],
         device: torch.device,
         kv_dtype: torch.dtype = torch.float32,
+        on_built: Callable[[], None] = lambda: None,
     ):
         """`weights`: float tensors, or QuantizedTensors packed here one matmul at a
-        time (so building never holds more than one block's unpacked codes)."""
+        time (so building never holds more than one block's unpacked codes).
+        `on_built` is called after each block and the head (a progress bar)."""
         self.args, self.layers, self.device, self.kv_dtype = args, layers, device, kv_dtype
-        self.blocks = [self._block(weights, i) for i in range(layers.start, layers.end)]
+        self.blocks = []
+        for i in range(layers.start, layers.end):
+            self.blocks.append(self._block(weights, i))
+            on_built()
         # a quantized embedding stays in the file's blocks: a step reads only its tokens' rows
         self.embedding = weights.get("token_embd.weight") if layers.is_first else None
         if layers.is_last:
@@ -63,6 +69,7 @@ class StageModel:
             self.head = build_linear([weights["token_embd.weight"] if head is None else head], device)
             if self.embedding is not None and head is None and isinstance(self.head, Linear):
                 self.embedding = self.head.weight  # tied: look tokens up in the head's copy, not a second one
+            on_built()
         self.cos, self.signed_sin = rope_tables(args, device)
 
     def _block(self, w: dict[str, Weight], i: int) -> Block:

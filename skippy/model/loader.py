@@ -72,20 +72,24 @@ def load_stage(
     torch_device, weight_dtype = resolve_device(device), resolve_dtype(dtype)
     args, reader = open_model(path)
     layer_range = LayerRange(*(layers or (0, args.num_layers)), args.num_layers)
-    total = len(needed_tensor_names(layer_range, args.tie_word_embeddings))
+    # one step per tensor read, then one per block (and head) built: packing quantized blocks is the slow part
+    total = len(needed_tensor_names(layer_range, args.tie_word_embeddings)) + layer_range.num_local_layers
+    total += layer_range.is_last
     with progress_bar(f"Loading layers {layer_range} of {path.name}", total, progress) as advance:
         if reader is None:
             weights = load_hf_tensors(path, args, layer_range, weight_dtype, torch_device, advance)
         else:
             weights = load_gguf_tensors(reader, args, layer_range, weight_dtype, torch_device, advance)
-    # KV rows in float16, as llama.cpp keeps them (bfloat16's 8-bit mantissa turned the bundled model's
-    # "capital of France" answer into nonsense); float32 weights, the parity reference, keep float32
-    all_float32 = all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 for w in weights.values())
-    kv_dtype = torch.float32 if all_float32 else torch.float16
-    model = StageModel(args, layer_range, weights, torch_device, kv_dtype)
+            # The weights are views of the file's mapping now: the parsed metadata can go before packing.
+            release(reader)
+            del reader
+            _return_freed_heap()
+        # KV rows in float16, as llama.cpp keeps them (bfloat16's 8-bit mantissa turned the bundled model's
+        # "capital of France" answer into nonsense); float32 weights, the parity reference, keep float32
+        all_float32 = all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 for w in weights.values())
+        kv_dtype = torch.float32 if all_float32 else torch.float16
+        model = StageModel(args, layer_range, weights, torch_device, kv_dtype, on_built=advance)
     del weights
-    if reader is not None:
-        release(reader)
     _return_freed_heap()
     if repack:
         repack_if_it_fits(model)

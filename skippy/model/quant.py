@@ -21,6 +21,8 @@ drops the codes, so loading never holds a float copy of the model.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -188,6 +190,24 @@ class QuantizedTensor:
         return torch.from_numpy(rows.dequantize()).to(ids.device)
 
 
+def drop_resident_pages(view: np.ndarray) -> None:
+    """Take the pages under `view`, a slice of a read-only file mapping, out of this
+    process's resident set: they fault back in from the page cache if read again.
+    Loading calls this after packing each tensor, so the file's pages never add up."""
+    page = mmap.PAGESIZE
+    start = -(-view.ctypes.data // page) * page  # whole pages inside the view only
+    end = (view.ctypes.data + view.nbytes) // page * page
+    if end > start:
+        _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
+
+
+def _madvise(address, length, advice) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).madvise(address, length, advice)
+    except (OSError, AttributeError):  # no madvise here: the pages stay resident
+        pass
+
+
 # --- the packed weight and its matmul -------------------------------------------
 
 _INNER_K_TILES = 8  # the CPU packing's inner tile; the kernel takes what it was packed with
@@ -227,6 +247,7 @@ class Int4Linear:
                 chunk = part.affine(slice(start, start + _CHUNK_ROWS))
                 for plane, pieces_of_plane in zip(chunk.planes(count), pieces):
                     pieces_of_plane.append(_pack(*plane))
+            drop_resident_pages(part.raw)
         planes = [Int4Plane(torch.cat([p.packed for p in ps]), torch.cat([p.scales_zeros for p in ps], dim=1))
                   for ps in pieces]
         return cls(planes, sum(p.shape[0] for p in parts), parts[0].shape[1])
