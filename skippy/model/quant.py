@@ -12,8 +12,8 @@ decodes the same numbers as the file up to one rounding: the kernel takes its
 scales and zeros in bfloat16 (relative error 2^-9 each).
 
 The kernel reaches its AVX-512/AVX2 code only with bfloat16 activations (float16
-and float32 inputs run a scalar loop ~100x slower), so Int4Linear takes float32
-rows, rounds them to bfloat16, and returns float32.
+and float32 inputs run a scalar loop ~100x slower), so Int4Linear rounds its
+input rows to bfloat16 and returns bfloat16 (one plane) or float32 (two).
 
 Conversion reads one tensor's blocks from the memory-mapped file, packs them and
 drops the codes, so loading never holds a float copy of the model.
@@ -86,8 +86,8 @@ def _nibbles(raw: np.ndarray) -> np.ndarray:
     return np.concatenate([raw & 15, raw >> 4], axis=-1)
 
 
-def _high_bits(raw: np.ndarray, count: int) -> np.ndarray:
-    """[..., count // 8] bytes -> [..., count] single bits, least significant first."""
+def _high_bits(raw: np.ndarray) -> np.ndarray:
+    """[..., n] bytes -> [..., 8 * n] single bits, least significant first."""
     return np.unpackbits(raw, axis=-1, bitorder="little")
 
 
@@ -103,7 +103,7 @@ def _legacy(blocks: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.nd
     if qtype in (Q.Q4_0, Q.Q4_1):
         codes, bits = _nibbles(blocks[..., at : at + 16]), 4
     else:
-        high = _high_bits(blocks[..., at : at + 4], 32)
+        high = _high_bits(blocks[..., at : at + 4])
         codes, bits = _nibbles(blocks[..., at + 4 : at + 20]) | (high << 4), 5
     offset = m if has_min else -(2 ** (bits - 1)) * d
     return codes, d, offset, bits
@@ -193,12 +193,24 @@ class QuantizedTensor:
 def drop_resident_pages(view: np.ndarray) -> None:
     """Take the pages under `view`, a slice of a read-only file mapping, out of this
     process's resident set: they fault back in from the page cache if read again.
-    Loading calls this after packing each tensor, so the file's pages never add up."""
+    Loading calls this after packing each tensor, so the file's pages never add up.
+    Anything but a read-only file mapping is left alone: there the pages would come
+    back as zeros."""
+    if not _read_only_file_mapping(view):
+        return
     page = mmap.PAGESIZE
     start = -(-view.ctypes.data // page) * page  # whole pages inside the view only
     end = (view.ctypes.data + view.nbytes) // page * page
     if end > start:
         _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
+
+
+def _read_only_file_mapping(view: np.ndarray) -> bool:
+    while view is not None:
+        if isinstance(view, np.memmap):
+            return view.mode == "r"
+        view = view.base
+    return False
 
 
 def _madvise(address, length, advice) -> None:
