@@ -1,4 +1,5 @@
-"""What several benches share: the speculative prompts and the CPU clock over processes.
+"""What several benches share: the speculative prompts, the CPU clock and resident memory
+of processes, and `skippy serve`'s ready line.
 
 Benches run as scripts (`python bench/x.py`), so this directory is on sys.path and
 they import it as `common`.
@@ -7,7 +8,11 @@ they import it as `common`.
 from __future__ import annotations
 
 import os
+import re
 import time
+from pathlib import Path
+
+READY = re.compile(r"skippy: ready: (http://\S+)/v1 ")  # the line `skippy serve` prints when it answers
 
 CODE = """def total_price(items, tax_rate):
     subtotal = 0
@@ -49,3 +54,9 @@ def cpu_seconds(pids: list[int]) -> float:
             fields = stat.read().rsplit(")", 1)[1].split()
         total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
     return total
+
+
+def resident(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of a process in bytes: its resident memory now and at its peak, loading included."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(status["VmRSS"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024

@@ -14,15 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import psutil
+from common import READY, resident
 
-READY = re.compile(r"skippy: ready: (http://\S+)/v1 ")
 MIB = 2**20
 LLAMA_CPP = """
 import json, sys
@@ -33,12 +32,6 @@ llm.create_chat_completion([{"role": "user", "content": "Write a long story abou
 status = dict(l.split(":", 1) for l in Path("/proc/self/status").read_text().splitlines() if ":" in l)
 print(json.dumps({k: int(status[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}))
 """
-
-
-def resident(pid: int) -> tuple[int, int]:
-    """(VmRSS, VmHWM) in bytes."""
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return int(status["VmRSS"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024
 
 
 async def eight_requests(url: str, model: str) -> None:

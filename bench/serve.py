@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -32,12 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from common import READY, resident
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PROMPT = "Write a long story about a dragon who learns to paint."
 NO_EOS = {0: -100.0, 2: -100.0}  # SmolLM2's end tokens (<|endoftext|>, <|im_end|>): run to max_tokens
-READY = re.compile(r"skippy: ready: (http://\S+)/v1 ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,17 +107,11 @@ class Server:
 
         serve = psutil.Process(self.process.pid)
         processes = [("serve (stage 0)", serve)] + [(f"stage {i + 1}", p) for i, p in enumerate(serve.children())]
-        return [(name, *_resident_now_and_peak(p.pid)) for name, p in processes]
+        return [(name, *resident(p.pid)) for name, p in processes]
 
     def close(self) -> None:
         self.process.terminate()
         self.process.wait(timeout=60)
-
-
-def _resident_now_and_peak(pid: int) -> tuple[int, int]:
-    """VmRSS and VmHWM (the peak, loading included) from /proc/PID/status, in bytes."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return tuple(int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM"))
 
 
 # ---- direct (no HTTP) ---------------------------------------------------------------

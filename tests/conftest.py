@@ -91,12 +91,13 @@ def make_quant_stage(quant_weights):
 
     from skippy.model.args import LayerRange
     from skippy.model.llama import StageModel
+    from skippy.model.loader import kv_dtype_for
 
     args, weights = quant_weights
 
     def make(start: int = 0, end: int | None = None) -> StageModel:
         layers = LayerRange(start, args.num_layers if end is None else end, args.num_layers)
-        return StageModel(args, layers, weights, torch.device("cpu"), kv_dtype=torch.float16)
+        return StageModel(args, layers, weights, torch.device("cpu"), kv_dtype=kv_dtype_for(weights))
 
     return make
 

@@ -84,16 +84,20 @@ def load_stage(
             release(reader)
             del reader
             _return_freed_heap()
-        # KV rows in float16, as llama.cpp keeps them (bfloat16's 8-bit mantissa turned the bundled model's
-        # "capital of France" answer into nonsense); float32 weights, the parity reference, keep float32
-        all_float32 = all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 for w in weights.values())
-        kv_dtype = torch.float32 if all_float32 else torch.float16
-        model = StageModel(args, layer_range, weights, torch_device, kv_dtype, on_built=advance)
+        model = StageModel(args, layer_range, weights, torch_device, kv_dtype_for(weights), on_built=advance)
     del weights
     _return_freed_heap()
     if repack:
         repack_if_it_fits(model)
     return model
+
+
+def kv_dtype_for(weights: dict) -> torch.dtype:
+    """KV rows in float16, as llama.cpp keeps them (bfloat16's 8-bit mantissa turned the bundled
+    model's "capital of France" answer into nonsense); float32 weights, the parity reference,
+    keep float32."""
+    all_float32 = all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 for w in weights.values())
+    return torch.float32 if all_float32 else torch.float16
 
 
 def _return_freed_heap() -> None:
