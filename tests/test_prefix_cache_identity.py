@@ -38,7 +38,7 @@ TOKENS = list(range(100, 300))
         {"kv_layout": "other-layout"},
         {"ctx_size": 4096},                     # other context size
         {"platform": "aarch64/little/64bit"},
-        {"weights": "int4"},                    # the same file loaded quantized vs dequantized
+        {"weights": "q4"},                      # the same file loaded quantized vs dequantized
     ],
     ids=lambda changes: ",".join(changes),
 )

@@ -19,7 +19,7 @@ import torch
 from .args import LayerRange, ModelArgs
 from .kv_cache import KVCache
 from .layers import Linear, apply_rope, attention, rms_norm, rope_tables, swiglu
-from .quant import Int4Linear, QuantizedTensor, build_linear
+from .quant import QuantLinear, QuantizedTensor, build_linear
 
 Weight = torch.Tensor | QuantizedTensor
 
@@ -36,11 +36,11 @@ class Segment:
 @dataclass(frozen=True, slots=True)
 class Block:
     attn_norm: torch.Tensor
-    wqkv: Linear | Int4Linear  # q, k, v projections stacked: one matmul instead of three
-    wo: Linear | Int4Linear
+    wqkv: Linear | QuantLinear  # q, k, v projections stacked: one matmul instead of three
+    wo: Linear | QuantLinear
     ffn_norm: torch.Tensor
-    w_gate_up: Linear | Int4Linear  # gate and up stacked
-    w_down: Linear | Int4Linear
+    w_gate_up: Linear | QuantLinear  # gate and up stacked
+    w_down: Linear | QuantLinear
 
 
 class StageModel:
@@ -97,7 +97,7 @@ class StageModel:
         )  # fmt: skip
 
     @property
-    def linears(self) -> list[Linear | Int4Linear]:
+    def linears(self) -> list[Linear | QuantLinear]:
         heads = [self.head] if self.layers.is_last else []
         return [getattr(b, name) for b in self.blocks for name in ("wqkv", "wo", "w_gate_up", "w_down")] + heads
 
@@ -113,9 +113,9 @@ class StageModel:
 
     @property
     def weight_format(self) -> str:
-        """What the matmul weights are ("int4", "float32", ...): caches of KV rows
+        """What the matmul weights are ("q4", "q4+q8", "float32", ...): caches of KV rows
         computed with other weights must not be shared."""
-        kinds = {"int4" if isinstance(lin, Int4Linear) else str(lin.weight.dtype).removeprefix("torch.")
+        kinds = {lin.format if isinstance(lin, QuantLinear) else str(lin.weight.dtype).removeprefix("torch.")
                  for lin in self.linears}
         return "+".join(sorted(kinds))
 

@@ -62,7 +62,7 @@ def load_stage(
     """Load layers [start, end) of the model at `path` (all layers when None).
 
     `dtype` "auto" keeps the weights as stored (GGUF 4- to 8-bit types packed for
-    torch's int4 kernels); a float dtype dequantizes to it (float32 is the parity
+    the kernels/qmatmul.c codes); a float dtype dequantizes to it (float32 is the parity
     reference).
 
     `repack`: also keep the matmul weights prepacked for multi-row batches (CPU float32;

@@ -1,22 +1,17 @@
-"""GGUF quantized blocks kept quantized: 4-bit groupwise weights for torch's int4 kernels.
+"""GGUF quantized blocks kept quantized: the file's integer codes, multiplied by kernels/qmatmul.c.
 
 Every GGUF type handled here stores, per group of 32 weights along a row, an
-affine map from small integer codes: w = scale * code + offset. torch's CPU
-kernel `_weight_int4pack_mm_for_cpu` computes w = (q - 8) * scale + zero per
-group of 32 along K, so a 4-bit type is one such "plane" (zero = offset + 8 *
-scale), and a 5- to 8-bit type is two: code = 16 * hi + lo, so
-w = 16 * scale * hi + (scale * lo + offset), each part a 4-bit plane. That keeps
-Q4_0/Q4_1/Q4_K at their file size (0.625 bytes a weight for Q4_1, the same as the
-file) and Q5_0/Q5_1/Q5_K/Q8_0 at 1.25 bytes a weight (1.18x Q8_0's 1.06), and
-decodes the same numbers as the file up to one rounding: the kernel takes its
-scales and zeros in bfloat16 (relative error 2^-9 each).
+affine map from small integer codes: w = scale * code + offset. QuantLinear
+keeps those codes, 4 bits (Q4_0, Q4_1, Q4_K: 0.625 bytes a weight, Q4_1's own
+size) or 8 (Q5_0, Q5_1, Q5_K, Q8_0: 1.125 bytes a weight, 1.06x Q8_0's), with
+scale and offset in float16 (the file's own for the legacy types; for K-quants
+the product of the super-block's float16 scale and a 6-bit sub-scale, rounded
+once). The kernel quantizes each input row to int8 per group of 32, as
+llama.cpp does, and multiplies integer codes with integer codes.
 
-The kernel reaches its AVX-512/AVX2 code only with bfloat16 activations (float16
-and float32 inputs run a scalar loop ~100x slower), so Int4Linear rounds its
-input rows to bfloat16 and returns bfloat16 (one plane) or float32 (two).
-
-Conversion reads one tensor's blocks from the memory-mapped file, packs them and
-drops the codes, so loading never holds a float copy of the model.
+Conversion reads one tensor's blocks from the memory-mapped file, rearranges
+them for the kernel a few thousand rows at a time and drops the file's pages,
+so loading never holds a float copy of the model.
 """
 
 from __future__ import annotations
@@ -29,9 +24,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from . import qkernel
 from .layers import Linear
 
-GROUP = 32  # weights per scale in every plane
+GROUP = 32  # weights per scale and offset
 _SUPER = 256  # weights per K-quant super-block
 
 
@@ -55,22 +51,6 @@ class GroupAffine:
         codes = self.codes.reshape(n, k // GROUP, GROUP).astype(np.float32)
         return (self.scale[..., None] * codes + self.offset[..., None]).reshape(n, k)
 
-    def planes(self, count: int | None = None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """(4-bit codes, scale, zero) per plane, such that the planes' (q - 8) * scale
-        + zero sum to this weight. `count` 2 splits even a 4-bit weight (its high
-        plane all zeros), so rows of both kinds can stack into one matmul."""
-        count = count or planes_for(self.bits)
-        if count == 1:
-            return [(self.codes, self.scale, self.offset + 8 * self.scale)]
-        high, low = self.codes >> 4, self.codes & 15
-        return [
-            (high, 16 * self.scale, 128 * self.scale),  # 16 * scale * high
-            (low, self.scale, self.offset + 8 * self.scale),  # scale * low + offset
-        ]
-
-
-def planes_for(bits: int) -> int:
-    return 1 if bits <= 4 else 2
 
 
 # --- GGUF block layouts: raw bytes [rows, bytes per row] -> GroupAffine ----------
@@ -220,98 +200,127 @@ def _madvise(address, length, advice) -> None:
         pass
 
 
-# --- the packed weight and its matmul -------------------------------------------
+# --- the kernel's weight and its matmul ---------------------------------------------
 
-_INNER_K_TILES = 8  # the CPU packing's inner tile; the kernel takes what it was packed with
-_PACK_ROWS = 16  # the CPU packing takes rows in blocks of 16, each block independent of the others
+LANES = 16  # rows per block in the kernel's layout (one vector lane each)
 _CHUNK_ROWS = 4096  # rows converted at a time: bounds the unpacked codes held while loading
 
 
-@dataclass(slots=True)
-class Int4Plane:
-    packed: torch.Tensor
-    scales_zeros: torch.Tensor  # bfloat16 [in // 32, out, 2]
+def kernel_bits(bits: int) -> int:
+    """The code width the kernel stores a `bits`-bit type in."""
+    return 4 if bits <= 4 else 8
 
 
-class Int4Linear:
-    """x [T, in] float32 or bfloat16 -> [T, out] through 4-bit planes (see the module doc):
-    bfloat16 from one plane (the consumer adds it to float32 rows or feeds the next
-    matmul, so no cast of its own), float32 from two."""
+def interleave(codes: np.ndarray, bits: int) -> np.ndarray:
+    """codes uint8 [N, K] (N % 16 == 0) -> the kernel's bytes (see kernels/qmatmul.c):
+    per 16 rows and group of 32, chunks of 4 codes per row side by side; 4-bit codes
+    k and k + 16 of a group share a byte (low and high nibble)."""
+    n, k = codes.shape
+    groups = codes.reshape(n // LANES, LANES, k // GROUP, GROUP).transpose(0, 2, 1, 3)  # [blocks, G, lane, 32]
+    if bits == 4:
+        groups = groups[..., :16] | (groups[..., 16:] << 4)
+    chunks = groups.reshape(*groups.shape[:3], -1, 4).transpose(0, 1, 3, 2, 4)  # [blocks, G, chunk, lane, 4]
+    return np.ascontiguousarray(chunks).reshape(-1)
 
-    __slots__ = ("planes", "out_features", "in_features")
-    batched = None  # batches of rows run through the same planes: no second copy
+
+def deinterleave(raw: np.ndarray, bits: int, shape: tuple[int, int]) -> np.ndarray:
+    """The inverse of interleave: uint8 codes [N, K]."""
+    n, k = shape
+    chunks = raw.reshape(n // LANES, k // GROUP, -1, LANES, 4).transpose(0, 1, 3, 2, 4)  # [blocks, G, lane, chunk, 4]
+    groups = chunks.reshape(n // LANES, k // GROUP, LANES, -1)
+    if bits == 4:
+        groups = np.concatenate([groups & 15, groups >> 4], axis=-1)
+    return np.ascontiguousarray(groups.transpose(0, 2, 1, 3)).reshape(n, k)
+
+
+def _by_block(values: np.ndarray) -> np.ndarray:
+    """[N, G] per-row-and-group values -> float16 [N/16, G, 16], the kernel's order."""
+    n, g = values.shape
+    return np.ascontiguousarray(values.astype(np.float16).reshape(n // LANES, LANES, g).transpose(0, 2, 1))
+
+
+class QuantLinear:
+    """x [T, in] float32 -> [T, out] float32 through the file's integer codes
+    (kernels/qmatmul.c); `out=` adds the product into an existing [T, out] tensor."""
+
+    __slots__ = ("codes", "scale", "offset", "bits", "out_features", "in_features")
+    batched = None  # batches of rows run through the same codes: no second copy
     can_repack = False
 
-    def __init__(self, planes: list[Int4Plane], out_features: int, in_features: int):
-        self.planes, self.out_features, self.in_features = planes, out_features, in_features
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                 out_features: int, in_features: int):
+        self.codes, self.scale, self.offset, self.bits = codes, scale, offset, bits
+        self.out_features, self.in_features = out_features, in_features
 
     @classmethod
-    def of(cls, weight: GroupAffine) -> "Int4Linear":
-        return cls([_pack(*plane) for plane in weight.planes()], *weight.shape)
+    def of(cls, weight: GroupAffine) -> "QuantLinear":
+        n, k = weight.shape
+        bits = kernel_bits(weight.bits)
+        return cls(torch.from_numpy(interleave(weight.codes, bits)), torch.from_numpy(_by_block(weight.scale)),
+                   torch.from_numpy(_by_block(weight.offset)), bits, n, k)
 
     @classmethod
-    def of_blocks(cls, parts: list[QuantizedTensor]) -> "Int4Linear":
-        """One matmul over `parts` stacked along out, converted _CHUNK_ROWS rows at a time."""
-        count = max(planes_for(BITS[p.qtype]) for p in parts)
-        pieces: list[list[Int4Plane]] = [[] for _ in range(count)]
+    def of_blocks(cls, parts: list[QuantizedTensor]) -> "QuantLinear":
+        """One matmul over `parts` stacked along out, converted _CHUNK_ROWS rows at a
+        time straight into the final tensors."""
+        bits = max(kernel_bits(BITS[p.qtype]) for p in parts)
+        n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        row_bytes = k * bits // 8
+        codes = torch.empty(n * row_bytes, dtype=torch.uint8)
+        scale = torch.empty(n // LANES, k // GROUP, LANES, dtype=torch.float16)
+        offset = torch.empty_like(scale)
+        row = 0
         for part in parts:
             for start in range(0, part.shape[0], _CHUNK_ROWS):
                 chunk = part.affine(slice(start, start + _CHUNK_ROWS))
-                for plane, pieces_of_plane in zip(chunk.planes(count), pieces):
-                    pieces_of_plane.append(_pack(*plane))
+                rows = chunk.shape[0]
+                codes[row * row_bytes : (row + rows) * row_bytes] = torch.from_numpy(interleave(chunk.codes, bits))
+                scale[row // LANES : (row + rows) // LANES] = torch.from_numpy(_by_block(chunk.scale))
+                offset[row // LANES : (row + rows) // LANES] = torch.from_numpy(_by_block(chunk.offset))
+                row += rows
             drop_resident_pages(part.raw)
-        planes = [Int4Plane(torch.cat([p.packed for p in ps]), torch.cat([p.scales_zeros for p in ps], dim=1))
-                  for ps in pieces]
-        return cls(planes, sum(p.shape[0] for p in parts), parts[0].shape[1])
+        return cls(codes, scale, offset, bits, n, k)
 
     @staticmethod
     def can_pack(parts: list) -> bool:
-        return all(isinstance(p, QuantizedTensor) and p.shape[0] % _PACK_ROWS == 0 and p.shape[1] % GROUP == 0
-                   for p in parts)
+        return all(isinstance(p, QuantizedTensor) and p.shape[0] % LANES == 0 and p.shape[1] % GROUP == 0
+                   for p in parts) and qkernel.available()
+
+    @property
+    def format(self) -> str:
+        return f"q{self.bits}"
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        return [t for p in self.planes for t in (p.packed, p.scales_zeros)]
+        return [self.codes, self.scale, self.offset]
 
     def repack(self) -> int:
         return 0
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16:  # even a no-op .to() costs a dispatch on a one-row step
-            x = x.to(torch.bfloat16)
-        first, *rest = (torch.ops.aten._weight_int4pack_mm_for_cpu(x, p.packed, GROUP, p.scales_zeros)
-                        for p in self.planes)
-        if not rest:
-            return first
-        out = first.float()
-        for y in rest:
-            out.add_(y)
-        return out
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        return qkernel.qmatmul(x, self.codes, self.scale, self.offset, self.bits, self.out_features, out)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [out, in] as the kernel sees it (identity rows through the matmul)."""
-        eye = torch.eye(self.in_features, dtype=torch.float32)
-        return self(eye).float().t().contiguous()
+        """float32 [out, in]: the weights the kernel multiplies by."""
+        n, k = self.out_features, self.in_features
+        codes = deinterleave(self.codes.numpy(), self.bits, (n, k)).reshape(n, k // GROUP, GROUP)
+        unblock = lambda t: t.numpy().transpose(0, 2, 1).reshape(n, k // GROUP, 1).astype(np.float32)  # noqa: E731
+        return torch.from_numpy((unblock(self.scale) * codes + unblock(self.offset)).reshape(n, k))
 
 
-def build_linear(parts: list[torch.Tensor | QuantizedTensor], device: torch.device) -> Linear | Int4Linear:
+def build_linear(parts: list[torch.Tensor | QuantizedTensor], device: torch.device) -> Linear | QuantLinear:
     """One matmul over `parts` stacked along out (q, k, v; gate, up).
 
-    All parts quantized, on CPU: 4-bit planes. Otherwise (CUDA has no packing
-    here yet, a block mixes in a type quant.py does not pack, or rows come in
-    other than blocks of 16) a quantized part is dequantized to bfloat16.
+    All parts quantized, on CPU, with the kernel built: QuantLinear. Otherwise (CUDA
+    has no kernel here yet, a part's type is one quant.py does not read, or rows come
+    in other than blocks of 16) a quantized part is dequantized to bfloat16.
     """
-    if device.type == "cpu" and Int4Linear.can_pack(parts):
-        return Int4Linear.of_blocks(parts)
+    if device.type == "cpu" and QuantLinear.can_pack(parts):
+        return QuantLinear.of_blocks(parts)
     tensors = [p if isinstance(p, torch.Tensor) else
                torch.from_numpy(p.affine().dequantize()).to(device, torch.bfloat16) for p in parts]
     if len({t.dtype for t in tensors}) > 1:
         tensors = [t.to(torch.bfloat16) for t in tensors]
     return Linear.of(torch.cat(tensors) if len(tensors) > 1 else tensors[0])
-
-
-def _pack(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Int4Plane:
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes.astype(np.int32)),
-                                                                _INNER_K_TILES)
-    scales_zeros = torch.from_numpy(np.stack([scale, zero], axis=-1)).transpose(0, 1).contiguous()
-    return Int4Plane(packed, scales_zeros.to(torch.bfloat16))

@@ -50,7 +50,7 @@ class CacheNamespace:
     namespace: str | None = None
     kv_layout: str = KV_LAYOUT
     platform: str = PLATFORM    # the disk tier stores raw bytes in native byte order
-    weights: str = ""           # StageModel.weight_format: int4 and float32 weights fill different KVs
+    weights: str = ""           # StageModel.weight_format: q4 and float32 weights fill different KVs
 
     def __post_init__(self) -> None:
         if not self.model_digest:

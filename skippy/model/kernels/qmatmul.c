@@ -1,0 +1,203 @@
+/* y [M, N] (+)= x [M, K] . W^T, with W [N, K] kept as the GGUF file's integer codes.
+
+   W holds, per row and group of 32 along K, codes c (4 or 8 bits) with
+   w = d * c + m (d, m float16). x is quantized per row and group of 32 to int8 q
+   with scale dx (x ~ dx * q), as llama.cpp quantizes activations, so a group's
+   product is one integer dot product:
+       sum_i w_i x_i ~ d * dx * sum_i c_i q_i + m * sum_i x_i
+   (sum_i x_i exact in float).
+
+   Layout (quant.py's Int8Weights writes it): rows in blocks of 16, one vector
+   lane per row, so a block's 16 outputs come out of one register with no
+   horizontal sums. For block b and group g, the codes are 16 * group_bytes bytes
+   in chunks of 64: chunk c holds, for lane (row) i, 4 bytes at c*64 + 4*i:
+     8 bits: codes k = 32g + 4c .. +3                                (8 chunks)
+     4 bits: low nibbles k = 32g + 4c .. +3, high nibbles k + 16     (4 chunks)
+   d and m are float16 [N/16, G, 16]. With AVX512-VNNI, one vpdpbusd (unsigned
+   codes times 4 signed q broadcast to every lane) does 16 rows x 4 k.
+
+   16-row blocks are split across OpenMP threads. The library links libgomp.so.1,
+   the name torch's own copy is loaded under, so both share one thread pool
+   (torch.set_num_threads sizes it). kernels.py builds this file at first use
+   with -march=native. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define SKIPPY_VNNI 1
+#endif
+
+#define GROUP 32
+#define LANES 16 /* rows per block */
+#define M_TILE 4 /* rows of x sharing one pass over a block of W */
+
+static inline float f16_to_f32(uint16_t h) {
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+/* x [M, K] -> q int8 [M, K]; dx, sx [M, K/32]: scale and exact sum per group */
+static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx) {
+    const int groups = M * (K / GROUP);
+    #pragma omp parallel for schedule(static) if (M > 8)
+    for (int r = 0; r < groups; r++) {
+        const float *v = x + (size_t)r * GROUP;
+#ifdef SKIPPY_VNNI
+        const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        const __m512 s = _mm512_set1_ps(inv); /* cvtps rounds to nearest, ties to even */
+        _mm_storeu_si128((__m128i *)(q + (size_t)r * GROUP), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, s))));
+        _mm_storeu_si128((__m128i *)(q + (size_t)r * GROUP + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, s))));
+#else
+        float amax = 0.f, sum = 0.f;
+        for (int i = 0; i < GROUP; i++) {
+            const float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
+            sum += v[i];
+        }
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        for (int i = 0; i < GROUP; i++) q[(size_t)r * GROUP + i] = (int8_t)(int)rintf(v[i] * inv); /* ties to even */
+#endif
+        dx[r] = d;
+        sx[r] = sum;
+    }
+}
+
+#ifdef SKIPPY_VNNI
+static inline __m512i bcast4(const int8_t *q) { /* 4 signed bytes to every lane */
+    int32_t v;
+    memcpy(&v, q, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* block b of W (its 16 rows) against MT rows of x from m0 on; rows past M repeat m0 and are not stored */
+static inline __attribute__((always_inline)) void block_tile(
+    const int MT, int b, int m0, int M, int G, int bits, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
+    const int8_t *q, const float *dx, const float *sx, float *y, int N, int accumulate) {
+    const int block_group_bytes = LANES * (bits == 4 ? 16 : 32);
+    const __m512i low4 = _mm512_set1_epi8(15);
+    const int8_t *qr[MT];
+    const float *dr[MT], *sr[MT];
+    __m512 acc[MT], off[MT];
+    for (int j = 0; j < MT; j++) {
+        const int m = m0 + j < M ? m0 + j : m0;
+        qr[j] = q + (size_t)m * G * GROUP;
+        dr[j] = dx + (size_t)m * G;
+        sr[j] = sx + (size_t)m * G;
+        acc[j] = off[j] = _mm512_setzero_ps();
+    }
+    const uint8_t *codes = w + (size_t)b * G * block_group_bytes;
+    const uint16_t *bd = wd + (size_t)b * G * LANES, *bm = wm + (size_t)b * G * LANES;
+    for (int g = 0; g < G; g++, codes += block_group_bytes) {
+        __m512i lo[MT], hi[MT]; /* two integer chains per row of x */
+        for (int j = 0; j < MT; j++) lo[j] = hi[j] = _mm512_setzero_si512();
+        if (bits == 4) {
+            for (int c = 0; c < 4; c++) {
+                const __m512i raw = _mm512_loadu_si512(codes + c * 64);
+                const __m512i cl = _mm512_and_si512(raw, low4), ch = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                for (int j = 0; j < MT; j++) {
+                    lo[j] = _mm512_dpbusd_epi32(lo[j], cl, bcast4(qr[j] + g * GROUP + 4 * c));
+                    hi[j] = _mm512_dpbusd_epi32(hi[j], ch, bcast4(qr[j] + g * GROUP + 16 + 4 * c));
+                }
+            }
+        } else {
+            for (int c = 0; c < 8; c += 2) {
+                const __m512i c0 = _mm512_loadu_si512(codes + c * 64), c1 = _mm512_loadu_si512(codes + c * 64 + 64);
+                for (int j = 0; j < MT; j++) {
+                    lo[j] = _mm512_dpbusd_epi32(lo[j], c0, bcast4(qr[j] + g * GROUP + 4 * c));
+                    hi[j] = _mm512_dpbusd_epi32(hi[j], c1, bcast4(qr[j] + g * GROUP + 4 * c + 4));
+                }
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bd + g * LANES)));
+        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bm + g * LANES)));
+        for (int j = 0; j < MT; j++) {
+            const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[j], hi[j]));
+            acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(dots, d), _mm512_set1_ps(dr[j][g]), acc[j]);
+            off[j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sr[j][g]), off[j]);
+        }
+    }
+    for (int j = 0; j < MT && m0 + j < M; j++) {
+        float *out = y + (size_t)(m0 + j) * N + (size_t)b * LANES;
+        __m512 r = _mm512_add_ps(acc[j], off[j]);
+        if (accumulate) r = _mm512_add_ps(r, _mm512_loadu_ps(out));
+        _mm512_storeu_ps(out, r);
+    }
+}
+
+static void block_vnni(int b, int M, int G, int bits, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
+                       const int8_t *q, const float *dx, const float *sx, float *y, int N, int accumulate) {
+    int m0 = 0;
+    for (; m0 + M_TILE <= M; m0 += M_TILE) block_tile(M_TILE, b, m0, M, G, bits, w, wd, wm, q, dx, sx, y, N, accumulate);
+    for (; m0 < M; m0++) block_tile(1, b, m0, M, G, bits, w, wd, wm, q, dx, sx, y, N, accumulate);
+}
+#endif
+
+/* the same arithmetic in plain C, for CPUs without AVX512-VNNI */
+__attribute__((unused)) static void block_plain(int b, int M, int G, int bits, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
+                        const int8_t *q, const float *dx, const float *sx, float *y, int N, int accumulate) {
+    const int block_group_bytes = LANES * (bits == 4 ? 16 : 32);
+    for (int m = 0; m < M; m++) {
+        float total[LANES] = {0};
+        for (int g = 0; g < G; g++) {
+            const uint8_t *codes = w + ((size_t)b * G + g) * block_group_bytes;
+            const int8_t *qg = q + ((size_t)m * G + g) * GROUP;
+            int32_t dots[LANES] = {0};
+            for (int c = 0; c < (bits == 4 ? 4 : 8); c++)
+                for (int i = 0; i < LANES; i++)
+                    for (int t = 0; t < 4; t++) {
+                        const uint8_t byte = codes[c * 64 + 4 * i + t];
+                        if (bits == 4)
+                            dots[i] += (byte & 15) * qg[4 * c + t] + (byte >> 4) * qg[16 + 4 * c + t];
+                        else
+                            dots[i] += byte * qg[4 * c + t];
+                    }
+            const size_t s = ((size_t)b * G + g) * LANES;
+            for (int i = 0; i < LANES; i++)
+                total[i] += f16_to_f32(wd[s + i]) * (float)dots[i] * dx[(size_t)m * G + g]
+                            + f16_to_f32(wm[s + i]) * sx[(size_t)m * G + g];
+        }
+        float *out = y + (size_t)m * N + (size_t)b * LANES;
+        for (int i = 0; i < LANES; i++) out[i] = accumulate ? out[i] + total[i] : total[i];
+    }
+}
+
+/* bits 4 or 8; N % 16 == 0; K % 32 == 0; accumulate: y += instead of y =.
+   Returns 0, or -1 for bad arguments, -2 when out of memory. */
+int skippy_qmatmul(const float *x, int M, int K, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
+                   int bits, int N, float *y, int accumulate) {
+    if (K % GROUP || N % LANES || (bits != 4 && bits != 8) || M < 1) return -1;
+    const int G = K / GROUP;
+    int8_t *q = malloc((size_t)M * K);
+    float *dx = malloc(sizeof(float) * M * G), *sx = malloc(sizeof(float) * M * G);
+    if (!q || !dx || !sx) {
+        free(q), free(dx), free(sx);
+        return -2;
+    }
+    quantize_rows(x, M, K, q, dx, sx);
+    #pragma omp parallel for schedule(static)
+    for (int b = 0; b < N / LANES; b++) {
+#ifdef SKIPPY_VNNI
+        block_vnni(b, M, G, bits, w, wd, wm, q, dx, sx, y, N, accumulate);
+#else
+        block_plain(b, M, G, bits, w, wd, wm, q, dx, sx, y, N, accumulate);
+#endif
+    }
+    free(q), free(dx), free(sx);
+    return 0;
+}
+
+/* 1 where the AVX512-VNNI path was compiled in */
+int skippy_qmatmul_vector_path(void) {
+#ifdef SKIPPY_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
