@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import qkernel
 from .args import ModelArgs
 
 # From this many rows on, a float16/bfloat16 matmul on CPU upcasts the weight and
@@ -81,10 +82,13 @@ class Linear:
         """The weight as loaded (not the repacked copy)."""
         return [self.weight]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x · W^T, plus `residual` when given."""
         if self.batched is not None and x.shape[0] > 1:
-            return self.through_repacked(x)
-        return linear(x, self.weight)
+            out = self.through_repacked(x)
+        else:
+            out = linear(x, self.weight)
+        return out if residual is None else residual + out
 
     def through_repacked(self, x: torch.Tensor) -> torch.Tensor:
         """x through the oneDNN copy, whatever its row count (after `repack`)."""
@@ -105,7 +109,13 @@ class Linear:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, weight.shape, weight, eps)  # one call: 20.7 us on one row here vs 26.6 for six
+    if _on_our_kernels(x) and weight.dtype == torch.float32:
+        return qkernel.rms_norm(x.contiguous(), weight, eps)  # 28 us a row through F.rms_norm, ~2 here
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def _on_our_kernels(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and qkernel.available()
 
 
 def rope_tables(args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,16 +134,22 @@ def rope_tables(args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, to
     return cos.float().to(device), signed_sin.float().to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, signed_sin: [T, 1, head_dim] for these rows' positions.
+def apply_rope(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `heads` heads of x [T, row_heads, head_dim] in place (the q and k
+    heads of a fused qkv row); cos, signed_sin: [T, head_dim] for these rows' positions.
+    Returns x.
 
     x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) (the Hugging
-    Face layout), in four torch calls instead of six. Not addcmul: whether its
-    kernel fuses the multiply-add depends on the tensor's shape, so a session's
-    rows would round differently alone and in a batch.
+    Face layout). Not addcmul: whether its kernel fuses the multiply-add depends on
+    the tensor's shape, so a session's rows would round differently alone and in a
+    batch.
     """
-    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # cat(x2, x1)
-    return x * cos + swapped * signed_sin
+    if _on_our_kernels(x) and x.is_contiguous():
+        return qkernel.rope_(x, heads, cos, signed_sin)
+    rotated = x[:, :heads]
+    swapped = rotated.roll(x.shape[-1] // 2, dims=-1)  # cat(x2, x1)
+    x[:, :heads] = rotated * cos[:, None] + swapped * signed_sin[:, None]
+    return x
 
 
 # Up to this many rows of one session (speculative verify windows) attend one row at a
@@ -149,15 +165,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> 
     Returns [n, heads * head_dim].
     """
     heads, n, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim)
+    if n <= ROWS_ONE_BY_ONE:
+        # A decode row, or a verify window: each row alone over exactly the keys it
+        # sees, so a window's rows round as one-row decode steps do (the masked kernel
+        # tiles differently, and on the quantized path a last-bit difference grows
+        # until speculation changes a greedy token).
+        if _on_our_kernels(q):
+            rows = [qkernel.attend_row(q[:, i], k[:, : start + i + 1], v[:, : start + i + 1], scale) for i in range(n)]
+            return torch.stack(rows) if n > 1 else rows[0].view(1, -1)
+        if n > 1:
+            return torch.cat([attention(q[:, i : i + 1], k[:, : start + i + 1], v[:, : start + i + 1], start + i)
+                              for i in range(n)])
     if k.dtype != q.dtype:  # a 16-bit cache: CPU SDPA runs far slower in 16 bits than float32
         k, v = k.to(q.dtype), v.to(q.dtype)
-    if 1 < n <= ROWS_ONE_BY_ONE:
-        # A verify window: each row alone over exactly the keys it sees, so it rounds
-        # as it would in a one-row decode step (the masked kernel tiles differently,
-        # and on the quantized path a last-bit difference grows through the bfloat16
-        # matmul inputs until speculation changes a greedy token).
-        return torch.cat([attention(q[:, i : i + 1], k[:, : start + i + 1], v[:, : start + i + 1], start + i)
-                          for i in range(n)])
     if n == 1:
         mask = None  # one new row sees every cached position
     else:
@@ -167,11 +188,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> 
         mask = key_pos[None, :] <= query_pos[:, None]
     # a leading batch dim of 1: torch's CPU kernels take a much slower path on 3-D inputs
     out = F.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=mask, scale=1.0 / math.sqrt(head_dim), enable_gqa=heads != k.shape[0]
+        q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=heads != k.shape[0]
     )
     return out[0].transpose(0, 1).reshape(n, heads * head_dim)
 
 
-def swiglu(x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:
-    gate, up = gate_up(x).chunk(2, dim=-1)
-    return down(F.silu(gate) * up)
+def swiglu(x: torch.Tensor, gate_up: Linear, down: Linear, residual: torch.Tensor) -> torch.Tensor:
+    """residual + down(silu(gate(x)) * up(x))."""
+    both = gate_up(x)
+    if _on_our_kernels(both):
+        return down(qkernel.swiglu(both), residual=residual)
+    gate, up = both.chunk(2, dim=-1)
+    return down(F.silu(gate) * up, residual=residual)

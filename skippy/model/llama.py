@@ -139,31 +139,33 @@ class StageModel:
         """
         args = self.args
         if self.layers.is_first and not torch.is_floating_point(x):
-            x = self._embed(x.to(self.device))
-        x = x.to(self.device, torch.float32)
+            x = self._embed(x.to(self.device)).to(torch.float32)
+        else:  # a copy: the residual sums below write into x
+            x = x.to(self.device, torch.float32, copy=True)
         T = x.shape[0]
         assert T == sum(s.num_tokens for s in segments), "rows must match the segments"
         for s in segments:
             s.cache.reserve(s.start, s.num_tokens)
-        cos, sin = self._rope_rows(segments)  # [T, 1, head_dim]
+        cos, sin = self._rope_rows(segments)  # [T, head_dim]
         H, KVH = args.num_heads, args.num_kv_heads
 
         for layer, block in enumerate(self.blocks):
             # attention: x + Wo · attn(rope(Wq·h), rope(Wk·h), Wv·h)
             h = rms_norm(x, block.attn_norm, args.rms_norm_eps)
-            qkv = block.wqkv(h).float().view(T, H + 2 * KVH, args.head_dim)
-            qk = apply_rope(qkv[:, : H + KVH], cos, sin)  # q and k heads rotate in one go
+            qkv = block.wqkv(h).view(T, H + 2 * KVH, args.head_dim)
+            qkv = apply_rope(qkv, H + KVH, cos, sin)  # q and k heads rotate in one go
             # [heads, T, head_dim] each
-            q, k, v = qk[:, :H].transpose(0, 1), qk[:, H:].transpose(0, 1), qkv[:, H + KVH :].transpose(0, 1)
+            q, k, v = (qkv[:, :H].transpose(0, 1), qkv[:, H : H + KVH].transpose(0, 1),
+                       qkv[:, H + KVH :].transpose(0, 1))
             outputs, row = [], 0
             for s in segments:
                 rows = slice(row, row + s.num_tokens)
                 keys, values = s.cache.write(layer, s.start, k[:, rows], v[:, rows])
                 outputs.append(attention(q[:, rows], keys, values, s.start))
                 row += s.num_tokens
-            x = x + block.wo(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
+            x = block.wo(torch.cat(outputs) if len(outputs) > 1 else outputs[0], residual=x)
             # feed-forward: x + W_down · (silu(W_gate·h) * W_up·h)
-            x = x + swiglu(rms_norm(x, block.ffn_norm, args.rms_norm_eps), block.w_gate_up, block.w_down)
+            x = swiglu(rms_norm(x, block.ffn_norm, args.rms_norm_eps), block.w_gate_up, block.w_down, residual=x)
 
         for s in segments:
             s.cache.commit(s.start + s.num_tokens)
@@ -175,14 +177,14 @@ class StageModel:
         return self.embedding[ids].float()
 
     def _rope_rows(self, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin rows [T, 1, head_dim] at the segments' positions: slices of
+        """cos, signed sin rows [T, head_dim] at the segments' positions: slices of
         the tables, so a one-segment call builds no index tensor."""
         if len(segments) == 1:
             rows = slice(segments[0].start, segments[0].start + segments[0].num_tokens)
-            return self.cos[rows, None], self.signed_sin[rows, None]
+            return self.cos[rows], self.signed_sin[rows]
         cos = torch.cat([self.cos[s.start : s.start + s.num_tokens] for s in segments])
         sin = torch.cat([self.signed_sin[s.start : s.start + s.num_tokens] for s in segments])
-        return cos[:, None], sin[:, None]
+        return cos, sin
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

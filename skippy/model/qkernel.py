@@ -1,6 +1,7 @@
-"""The quantized matmul kernel (kernels/qmatmul.c): built for this CPU, loaded, called.
+"""Our CPU kernels (kernels/*.c): built for this CPU, loaded, called.
 
-The C file is compiled once per machine with the system C compiler
+qmatmul.c multiplies by quantized weights; rows.c holds the per-row pieces of a
+decode step (RMS norm, RoPE, one row's attention, SwiGLU). The C files are compiled once per machine with the system C compiler
 (-march=native: its vector code depends on the CPU, as llama.cpp's native
 builds do) into ~/.cache/skippy/kernels (or $SKIPPY_CACHE_DIR), keyed by the
 source, the flags, the compiler and the CPU, so a copied cache never runs code
@@ -24,8 +25,10 @@ import torch  # first: the kernel links libgomp.so.1 and so shares the pool torc
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
+SOURCES = [Path(__file__).with_name("kernels") / name for name in ("qmatmul.c", "rows.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# glibc's vector expf (rows.c calls it where glibc and AVX-512 are), then libm
+LIBS = (["-lmvec"] if platform.libc_ver()[0] == "glibc" else []) + ["-lm"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -59,16 +62,28 @@ def library() -> ctypes.CDLL:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"no C compiler ({compiler}: {e})") from None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_identity(),
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), " ".join(FLAGS + LIBS), version, _cpu_identity(),
                                     platform.machine()]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"qmatmul-{key}.so"
+    path = cache_dir() / f"skippy-kernels-{key}.so"
     if not path.exists():
         _build(compiler, path)
     lib = ctypes.CDLL(str(path))
     lib.skippy_qmatmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.skippy_qmatmul.restype = ctypes.c_int
-    log.debug("quantized matmul kernel %s (AVX512-VNNI path: %s)", path, bool(lib.skippy_qmatmul_vector_path()))
+    lib.skippy_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
+                                    ctypes.c_void_p]
+    lib.skippy_rms_norm.restype = None
+    lib.skippy_attend_row.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                                      ctypes.c_void_p, ctypes.c_void_p]
+    lib.skippy_attend_row.restype = ctypes.c_int
+    lib.skippy_rope.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                ctypes.c_void_p, ctypes.c_void_p]
+    lib.skippy_rope.restype = None
+    lib.skippy_swiglu.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.skippy_swiglu.restype = None
+    log.debug("kernels %s (AVX512-VNNI path: %s)", path, bool(lib.skippy_qmatmul_vector_path()))
     return lib
 
 
@@ -78,13 +93,13 @@ def _build(compiler: str, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), *LIBS], capture_output=True,
+                              text=True, timeout=300)
         if done.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            raise KernelUnavailable(f"{compiler} failed to build our kernels: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, path)
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name}: {e}") from None
+        raise KernelUnavailable(f"{compiler} failed to build our kernels: {e}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -97,7 +112,8 @@ def available() -> bool:
         library()
         return True
     except KernelUnavailable as e:
-        log.warning("quantized weights fall back to bfloat16 (about 2-3x their file size in memory, and slower): %s. "
+        log.warning("our CPU kernels are unavailable, so quantized weights fall back to bfloat16 (2-3x their file "
+                    "size in memory) and decode runs slower: %s. "
                     "Fix: install a C compiler (e.g. apt install gcc), or set CC to one", e)
         return False
 
@@ -114,4 +130,46 @@ def qmatmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: t
     if status:
         raise RuntimeError(f"qmatmul failed ({status}): x {tuple(x.shape)}, {out_features} x {in_features} weights, "
                            f"{bits} bits")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, D] float32 contiguous, weight [D] float32 -> [T, D] float32."""
+    out = torch.empty_like(x)
+    library().skippy_rms_norm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row per head over every position of k, v.
+
+    q [H, head_dim] float32 contiguous; k, v [kv_heads, length, head_dim] float16 or
+    float32 with rows contiguous (a session's cache, sliced to its length); returns
+    [H * head_dim] float32."""
+    heads, head_dim = q.shape
+    kv_heads, length, _ = k.shape
+    assert k.stride()[1:] == (head_dim, 1) and v.stride() == k.stride() and k.dtype == v.dtype, "cache rows"
+    scores = torch.empty(heads, length, dtype=torch.float32)
+    out = torch.empty(heads * head_dim, dtype=torch.float32)
+    status = library().skippy_attend_row(q.data_ptr(), heads, kv_heads, head_dim, k.data_ptr(), v.data_ptr(),
+                                         int(k.dtype == torch.float16), k.stride(0) // head_dim, length, scale,
+                                         scores.data_ptr(), out.data_ptr())
+    if status:
+        raise RuntimeError(f"attend_row failed ({status}): q {tuple(q.shape)}, cache {tuple(k.shape)}")
+    return out
+
+
+def rope_(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in place on the first `heads` heads of x [T, row_heads, head_dim] float32
+    contiguous; cos, signed_sin [T, head_dim] contiguous. Returns x."""
+    rows, row_heads, head_dim = x.shape
+    library().skippy_rope(x.data_ptr(), rows, row_heads, heads, head_dim, cos.data_ptr(), signed_sin.data_ptr())
+    return x
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [T, 2F] float32 contiguous (gate first) -> [T, F]."""
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    library().skippy_swiglu(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
     return out

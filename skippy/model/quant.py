@@ -241,7 +241,7 @@ def _by_block(values: np.ndarray) -> np.ndarray:
 
 class QuantLinear:
     """x [T, in] float32 -> [T, out] float32 through the file's integer codes
-    (kernels/qmatmul.c); `out=` adds the product into an existing [T, out] tensor."""
+    (kernels/qmatmul.c)."""
 
     __slots__ = ("codes", "scale", "offset", "bits", "out_features", "in_features")
     batched = None  # batches of rows run through the same codes: no second copy
@@ -297,10 +297,13 @@ class QuantLinear:
     def repack(self) -> int:
         return 0
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x · W^T, plus `residual` when given: summed into `residual` itself (no new tensor)."""
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
-        return qkernel.qmatmul(x, self.codes, self.scale, self.offset, self.bits, self.out_features, out)
+        if residual is not None and not (residual.dtype == torch.float32 and residual.is_contiguous()):
+            return residual + self(x)
+        return qkernel.qmatmul(x, self.codes, self.scale, self.offset, self.bits, self.out_features, residual)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in]: the weights the kernel multiplies by."""

@@ -1,0 +1,145 @@
+/* Per-row pieces of a decode step: RMS norm and one query row's attention over a
+   session's KV cache. A decode step runs them on a single row, where torch's
+   dispatch and thread wake-ups cost several times their arithmetic (F.rms_norm
+   took 28 us on 576 numbers; SDPA plus the 16-bit cache's upcast ~90 us a layer).
+   float32 rows, float16 or float32 caches; AVX-512 where the CPU has it, plain C
+   that the compiler vectorizes elsewhere (`omp simd` lets it reorder a sum, as
+   any vector kernel does). exp is glibc's vector expf where AVX-512 is. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows r < rows of D */
+void skippy_rms_norm(const float *x, int rows, int D, const float *w, float eps, float *out) {
+    for (int r = 0; r < rows; r++) {
+        const float *v = x + (size_t)r * D;
+        float ss = 0.f;
+        #pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < D; i++) ss += v[i] * v[i];
+        const float inv = 1.f / sqrtf(ss / (float)D + eps);
+        float *o = out + (size_t)r * D;
+        for (int i = 0; i < D; i++) o[i] = v[i] * inv * w[i];
+    }
+}
+
+#define MAX_HEAD_DIM 512
+
+#if defined(__AVX512F__) && defined(__GLIBC__)
+#include <immintrin.h>
+#define SKIPPY_AVX512 1
+__m512 _ZGVeN16v_expf(__m512); /* glibc's vector expf (libmvec), the one -ffast-math would pick */
+
+/* dst[i] = exp(src[i]) for n floats, 16 at a time */
+static void exp_n(const float *src, int n, float *dst) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _ZGVeN16v_expf(_mm512_loadu_ps(src + i)));
+    if (i < n) {
+        const __mmask16 live = (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(dst + i, live, _ZGVeN16v_expf(_mm512_maskz_loadu_ps(live, src + i)));
+    }
+}
+
+/* 16 values of a cache row as float32 */
+static inline __m512 load16(const void *base, int f16, size_t at) {
+    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at)));
+    return _mm512_loadu_ps((const float *)base + at);
+}
+#else
+static void exp_n(const float *src, int n, float *dst) {
+    for (int i = 0; i < n; i++) dst[i] = expf(src[i]);
+}
+#endif
+
+static inline float cache_value(const void *base, int f16, size_t at) {
+    return f16 ? (float)((const _Float16 *)base)[at] : ((const float *)base)[at];
+}
+
+/* One query row per head over keys/values [0, T) of its KV head:
+   q [H, hd] float32; k, v [KVH, stride, hd] (float16 when f16, else float32), head
+   h reading KV head h / (H / KVH); scores scratch [H, T]; out [H * hd] float32.
+   Softmax in float32 after subtracting the row's maximum, as every attention
+   kernel does. */
+int skippy_attend_row(const float *q, int H, int KVH, int hd, const void *k, const void *v, int f16, int stride,
+                      int T, float scale, float *scores, float *out) {
+    if (hd > MAX_HEAD_DIM || H % KVH || T < 1) return -1;
+    const int group = H / KVH;
+    #pragma omp parallel for schedule(static) if (T >= 512)
+    for (int h = 0; h < H; h++) {
+        const float *qh = q + (size_t)h * hd;
+        const size_t head = (size_t)(h / group) * stride * hd;
+        float *s = scores + (size_t)h * T, *oh = out + (size_t)h * hd;
+        float best = -INFINITY;
+#ifdef SKIPPY_AVX512
+        if (hd % 16 == 0) {
+            for (int t = 0; t < T; t++) {
+                __m512 dot = _mm512_setzero_ps();
+                for (int i = 0; i < hd; i += 16)
+                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i), load16(k, f16, head + (size_t)t * hd + i), dot);
+                s[t] = _mm512_reduce_add_ps(dot) * scale;
+                best = s[t] > best ? s[t] : best;
+            }
+            for (int t = 0; t < T; t++) s[t] -= best;
+            exp_n(s, T, s);
+            float total = 0.f;
+            __m512 acc[MAX_HEAD_DIM / 16];
+            for (int i = 0; i < hd / 16; i++) acc[i] = _mm512_setzero_ps();
+            for (int t = 0; t < T; t++) {
+                total += s[t];
+                const __m512 p = _mm512_set1_ps(s[t]);
+                for (int i = 0; i < hd / 16; i++)
+                    acc[i] = _mm512_fmadd_ps(p, load16(v, f16, head + (size_t)t * hd + 16 * i), acc[i]);
+            }
+            const __m512 inv = _mm512_set1_ps(1.f / total);
+            for (int i = 0; i < hd / 16; i++) _mm512_storeu_ps(oh + 16 * i, _mm512_mul_ps(acc[i], inv));
+            continue;
+        }
+#endif
+        for (int t = 0; t < T; t++) {
+            float dot = 0.f;
+            for (int i = 0; i < hd; i++) dot += qh[i] * cache_value(k, f16, head + (size_t)t * hd + i);
+            s[t] = dot * scale;
+            best = s[t] > best ? s[t] : best;
+        }
+        for (int t = 0; t < T; t++) s[t] -= best;
+        exp_n(s, T, s);
+        float total = 0.f;
+        for (int i = 0; i < hd; i++) oh[i] = 0.f;
+        for (int t = 0; t < T; t++) {
+            total += s[t];
+            for (int i = 0; i < hd; i++) oh[i] += s[t] * cache_value(v, f16, head + (size_t)t * hd + i);
+        }
+        for (int i = 0; i < hd; i++) oh[i] /= total;
+    }
+    return 0;
+}
+
+/* Half-rotation RoPE in place on the first `heads` heads of each row:
+   x [T, row_heads, hd] float32 (q and k heads lead each row of the fused qkv
+   projection), cos and signed sin [T, hd] (sin's first half negated):
+   x = x * cos + swap_halves(x) * sin. */
+void skippy_rope(float *x, int T, int row_heads, int heads, int hd, const float *cos, const float *sin) {
+    const int half = hd / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (size_t)t * hd, *s = sin + (size_t)t * hd;
+        for (int h = 0; h < heads; h++) {
+            float *v = x + ((size_t)t * row_heads + h) * hd;
+            for (int i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] + b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* out [T, F] = silu(gate) * up, from gate_up [T, 2F] (gate first) */
+void skippy_swiglu(const float *gate_up, int T, int F, float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gate_up + (size_t)t * 2 * F, *u = g + F;
+        float *o = out + (size_t)t * F;
+        for (int i = 0; i < F; i++) o[i] = -g[i];
+        exp_n(o, F, o);
+        for (int i = 0; i < F; i++) o[i] = g[i] / (1.f + o[i]) * u[i];
+    }
+}
