@@ -3,16 +3,21 @@ own dequantization, and the quantized model path end to end."""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from numerics import record, unit_roundoff
-from skippy.model import gguf_loader
+from skippy.model import gguf_loader, qkernel
 from skippy.model.llama import Segment
-from skippy.model.quant import SUPPORTED, GroupAffine, Int4Linear, QuantizedTensor, from_gguf_blocks
+from skippy.model.quant import (SUPPORTED, GroupAffine, QuantizedTensor, QuantLinear, deinterleave, from_gguf_blocks,
+                                interleave)
 
 BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34, Q.Q4_K: 144, Q.Q5_K: 176}
 BLOCK_WEIGHTS = {Q.Q4_K: 256, Q.Q5_K: 256}  # the rest: 32
@@ -43,36 +48,111 @@ def test_codes_decode_exactly_as_gguf_does(qtype):
     np.testing.assert_array_equal(weight.dequantize(), dequantize(raw, qtype).reshape(48, 512))
 
 
-def packed_bound(weight: GroupAffine) -> np.ndarray:
-    """Per weight: each plane's scale and zero round to bfloat16 (u each), and so does
-    each plane's output of the identity matmul (Int4Linear.dequantize). For an 8-bit
-    code that is up to 0.5 of its quantization step (128 * 2^-9 on each of two
-    planes): bfloat16 scales cost 8-bit types a relative 2^-9 per weight."""
-    u = unit_roundoff(torch.bfloat16)
-    bound = np.zeros(weight.shape, dtype=np.float64)
-    n, k = weight.shape
-    for codes, scale, zero in weight.planes():
-        s, z = (np.repeat(a.astype(np.float64), 32, axis=1) for a in (scale, zero))
-        bound += 2.01 * u * (np.abs(codes.astype(np.float64) - 8) * np.abs(s) + np.abs(z))
-    return bound
+def kernel_weight_bound(weight: GroupAffine) -> np.ndarray:
+    """Per weight, what storing scale and offset in float16 may cost: nothing for the
+    legacy types (their file fields are float16, and -2^(bits-1) * d is exact), one
+    rounding of each for K-quants (d * sub-scale, dmin * sub-min), with float16's
+    subnormal spacing (2^-24) as the floor."""
+    u = unit_roundoff(torch.float16)
+    codes = weight.codes.astype(np.float64)
+    s, o = (np.repeat(a.astype(np.float64), 32, axis=1) for a in (weight.scale, weight.offset))
+    return np.maximum(u * np.abs(s), 2.0**-25) * codes + np.maximum(u * np.abs(o), 2.0**-25)
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)
-def test_packed_weights_equal_gguf_up_to_bfloat16_scales(qtype):
+def test_kernel_weights_equal_gguf_up_to_float16_scales(qtype):
     raw = random_blocks(qtype, 64, 512, seed=1)
     weight = from_gguf_blocks(raw, qtype, (64, 512))
     expected = dequantize(raw, qtype).reshape(64, 512).astype(np.float64)
-    got = Int4Linear.of(weight).dequantize().numpy().astype(np.float64)
-    bound = packed_bound(weight) + unit_roundoff() * np.abs(expected)  # + the kernel's float32 arithmetic
-    diff = np.abs(got - expected)
-    excess = np.divide(diff, bound, out=np.where(diff > 0, np.inf, 0.0), where=bound > 0)
-    record(f"{qtype.name} packed weights vs gguf (fraction of the bfloat16 bound)", float(excess.max()), 1.0,
-           worst_case=True)
-    assert len(weight.planes()) == (1 if weight.bits <= 4 else 2)
-    # and the bound still sees a code's top bit flipped (8 steps of a 4-bit code, 128 of an 8-bit one)
-    weight.codes[0, 0] ^= 1 << (weight.bits - 1)
-    wrong = Int4Linear.of(weight).dequantize().numpy().astype(np.float64)
-    assert abs(wrong[0, 0] - expected[0, 0]) > 4 * bound[0, 0]
+    got = QuantLinear.of(weight).dequantize().numpy().astype(np.float64)
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        bound = kernel_weight_bound(weight) + unit_roundoff() * np.abs(expected)  # + float32 dequantization
+        diff = np.abs(got - expected)
+        excess = np.divide(diff, bound, out=np.where(diff > 0, np.inf, 0.0), where=bound > 0)
+        record(f"{qtype.name} kernel weights vs gguf (fraction of the float16-scale bound)", float(excess.max()), 1.0,
+               worst_case=True)
+    else:  # the file's own float16 fields: exact
+        np.testing.assert_array_equal(got, expected)
+    assert QuantLinear.of(weight).bits == (4 if weight.bits <= 4 else 8)
+
+
+@given(st.integers(1, 4), st.integers(1, 5), st.sampled_from([4, 8]), st.integers(0, 2**31))
+@settings(max_examples=30, deadline=None)
+def test_interleave_round_trips(blocks, groups, bits, seed):
+    codes = np.random.default_rng(seed).integers(0, 2**bits, size=(16 * blocks, 32 * groups), dtype=np.uint8)
+    packed = interleave(codes, bits)
+    assert packed.nbytes == codes.size * bits // 8
+    np.testing.assert_array_equal(deinterleave(packed, bits, codes.shape), codes)
+
+
+def matmul_bound(x: np.ndarray, weight: GroupAffine) -> np.ndarray:
+    """|kernel - exact| per output [M, N], for x [M, K] and the kernel's weights.
+
+    The kernel rounds x to int8 per group of 32 (step dx = max|x| / 127; error at most
+    dx * (1/2 + 256u) per value, the 256u from rounding 1/dx), which only the
+    scale * code part of a weight sees (the offset multiplies the exact float sum of
+    x). Its float32 arithmetic, worst case: per group a product of three factors and
+    an exact integer dot, G groups summed twice over, and x's 32-value group sums:
+    (G + 36) u of the terms."""
+    u = unit_roundoff()
+    m, k = x.shape
+    n = weight.shape[0]
+    step = np.abs(x.reshape(m, k // 32, 32)).max(-1, keepdims=True) / 127 * (0.5 + 256 * u)  # [M, G, 1]
+    step = (step * (x.reshape(m, k // 32, 32) != 0)).reshape(m, k)  # a zero stays exactly zero
+    scaled = np.abs(np.repeat(weight.scale.astype(np.float64), 32, axis=1) * weight.codes)  # |s c| [N, K]
+    quantization = step @ scaled.T
+    magnitude = np.abs(x) @ (scaled + np.abs(np.repeat(weight.offset.astype(np.float64), 32, axis=1))).T
+    return quantization + (k // 32 + 36) * u * (magnitude + quantization)
+
+
+def kernel_product(weight: GroupAffine, x: np.ndarray) -> np.ndarray:
+    return QuantLinear.of(weight)(torch.from_numpy(x.astype(np.float32))).numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_kernel_matmul_within_its_bound(qtype, rows):
+    raw = random_blocks(qtype, 48, 512, seed=2)
+    weight = QuantLinear.of(from_gguf_blocks(raw, qtype, (48, 512))).affine()  # as the kernel holds it
+    x = np.random.default_rng(rows).standard_normal((rows, 512)) * np.linspace(0.1, 3, 512)
+    expected = x @ weight.dequantize().astype(np.float64).T
+    bound = matmul_bound(x, weight)
+    got = kernel_product(weight, x)
+    record(f"{qtype.name} kernel matmul, {rows} rows (fraction of its bound)", float((np.abs(got - expected) / bound).max()),
+           1.0, worst_case=True)
+    # a code's top bit flipped in one weight shows far above the bound of that output
+    wrong = GroupAffine(weight.codes.copy(), weight.scale, weight.offset, weight.bits)
+    wrong.codes[5, 100] ^= 1 << (weight.bits - 1)
+    one_hot = np.zeros_like(x)
+    one_hot[:, 100] = 1.0  # that weight alone
+    flipped = kernel_product(wrong, one_hot)[:, 5] - kernel_product(weight, one_hot)[:, 5]
+    assert np.all(np.abs(flipped) > 100 * matmul_bound(one_hot, weight)[:, 5])
+
+
+def test_kernel_rows_are_independent_of_the_row_count(quant_model):
+    """Bit for bit: each input row is quantized alone and runs the same arithmetic in
+    a tile of 4 rows as alone, so a session's rows compute alike in any batch."""
+    linear = quant_model.blocks[0].w_gate_up
+    x = torch.randn(9, linear.in_features)
+    together = linear(x)
+    for i in range(9):
+        assert torch.equal(linear(x[i : i + 1]), together[i : i + 1])
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the plain C path is the only one here")
+def test_plain_c_path_agrees_with_the_vector_path(monkeypatch):
+    """CPUs without AVX512-VNNI run the plain C loops over the same layout: built here
+    with AVX-512 off, they must land within the same bound."""
+    raw = random_blocks(Q.Q4_1, 48, 512, seed=3)
+    weight = QuantLinear.of(from_gguf_blocks(raw, Q.Q4_1, (48, 512))).affine()
+    x = np.random.default_rng(0).standard_normal((5, 512))
+    vector = kernel_product(weight, x)
+    plain_library = qkernel.build([*qkernel.FLAGS, "-mno-avx512f"])
+    assert plain_library.skippy_qmatmul_vector_path() == 0
+    monkeypatch.setattr(qkernel, "library", lambda: plain_library)
+    plain = kernel_product(weight, x)
+    assert np.all(np.abs(plain - vector) <= 2 * matmul_bound(x, weight))
+    assert not np.array_equal(plain, np.zeros_like(plain))
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +192,9 @@ def logits_of(model, ids, cache, start=None):
 
 def test_quantized_stage_holds_about_the_file_size(quant_model, reader):
     file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
-    assert all(isinstance(linear, Int4Linear) for linear in quant_model.linears)
-    # the Q8_0 head takes two 4-bit planes (1.25 bytes a weight vs the file's 1.06)
-    assert quant_model.parameter_bytes <= 1.2 * file_bytes
+    assert all(isinstance(linear, QuantLinear) for linear in quant_model.linears)
+    # Q4_1 at its own 0.625 bytes a weight; the Q8_0 head at 1.125 (the file's 1.0625)
+    assert quant_model.parameter_bytes <= 1.1 * file_bytes
 
 
 @pytest.mark.parametrize("split", [1, 15, 29])
@@ -128,9 +208,9 @@ def test_quantized_split_stages_equal_one_stage(split, quant_model, make_quant_s
 
 
 def test_quantized_batched_decode_equals_solo(quant_model):
-    """Bit for bit: torch's int4 kernel computes each row alike whatever the row count
-    (checked on its default, AVX2 and AVX-512 paths), and every other op is per row or
-    per session, so batched decode rows are exactly the solo ones."""
+    """Bit for bit: the kernel computes each row alike whatever the row count (see
+    test_kernel_rows_are_independent_of_the_row_count), and every other op is per row
+    or per session, so batched decode rows are exactly the solo ones."""
     prompts = [PROMPT, PROMPT[:13], [5, 6, 7, 8, 9, 10, 11]]
     solo_caches = [quant_model.new_cache() for _ in prompts]
     for p, c in zip(prompts, solo_caches):

@@ -56,17 +56,23 @@ def _compiler() -> str:
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The kernel library, built on first use; KernelUnavailable says why it cannot be."""
+    """The kernel library for this CPU, built on first use; KernelUnavailable says why it cannot be."""
+    return build(FLAGS)
+
+
+def build(flags: list[str]) -> ctypes.CDLL:
+    """The kernels compiled with `flags` (cached on disk), loaded. Tests build variants
+    (-mno-avx512f: the plain C paths) through this too."""
     compiler = _compiler()
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"no C compiler ({compiler}: {e})") from None
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), " ".join(FLAGS + LIBS), version, _cpu_identity(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), " ".join(flags + LIBS), version,
+                                    _cpu_identity(), platform.machine()]).encode()).hexdigest()[:16]
     path = cache_dir() / f"skippy-kernels-{key}.so"
     if not path.exists():
-        _build(compiler, path)
+        _build(compiler, flags, path)
     lib = ctypes.CDLL(str(path))
     lib.skippy_qmatmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
@@ -87,13 +93,13 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-def _build(compiler: str, path: Path) -> None:
+def _build(compiler: str, flags: list[str], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # several stage processes may build at once: each writes its own file and renames it into place
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), *LIBS], capture_output=True,
+        done = subprocess.run([compiler, *flags, "-o", tmp, *map(str, SOURCES), *LIBS], capture_output=True,
                               text=True, timeout=300)
         if done.returncode != 0:
             raise KernelUnavailable(f"{compiler} failed to build our kernels: {done.stderr.strip()[-2000:]}")

@@ -305,12 +305,16 @@ class QuantLinear:
             return residual + self(x)
         return qkernel.qmatmul(x, self.codes, self.scale, self.offset, self.bits, self.out_features, residual)
 
+    def affine(self) -> GroupAffine:
+        """The codes, scales and offsets the kernel multiplies by."""
+        n, k = self.out_features, self.in_features
+        unblock = lambda t: t.numpy().transpose(0, 2, 1).reshape(n, k // GROUP).astype(np.float32)  # noqa: E731
+        return GroupAffine(deinterleave(self.codes.numpy(), self.bits, (n, k)), unblock(self.scale),
+                           unblock(self.offset), self.bits)
+
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in]: the weights the kernel multiplies by."""
-        n, k = self.out_features, self.in_features
-        codes = deinterleave(self.codes.numpy(), self.bits, (n, k)).reshape(n, k // GROUP, GROUP)
-        unblock = lambda t: t.numpy().transpose(0, 2, 1).reshape(n, k // GROUP, 1).astype(np.float32)  # noqa: E731
-        return torch.from_numpy((unblock(self.scale) * codes + unblock(self.offset)).reshape(n, k))
+        return torch.from_numpy(self.affine().dequantize())
 
 
 def build_linear(parts: list[torch.Tensor | QuantizedTensor], device: torch.device) -> Linear | QuantLinear:
