@@ -172,8 +172,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> 
         # tiles differently, and on the quantized path a last-bit difference grows
         # until speculation changes a greedy token).
         if _on_our_kernels(q):
-            rows = [qkernel.attend_row(q[:, i], k[:, : start + i + 1], v[:, : start + i + 1], scale) for i in range(n)]
-            return torch.stack(rows) if n > 1 else rows[0].view(1, -1)
+            if n == 1:
+                return qkernel.attend_row(q[:, 0], k, v, scale).view(1, -1)
+            return torch.stack([qkernel.attend_row(q[:, i], k[:, : start + i + 1], v[:, : start + i + 1], scale)
+                                for i in range(n)])
         if n > 1:
             return torch.cat([attention(q[:, i : i + 1], k[:, : start + i + 1], v[:, : start + i + 1], start + i)
                               for i in range(n)])

@@ -82,7 +82,7 @@ def build(flags: list[str]) -> ctypes.CDLL:
     lib.skippy_rms_norm.restype = None
     lib.skippy_attend_row.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                                      ctypes.c_void_p, ctypes.c_void_p]
+                                      ctypes.c_void_p]
     lib.skippy_attend_row.restype = ctypes.c_int
     lib.skippy_rope.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                 ctypes.c_void_p, ctypes.c_void_p]
@@ -150,16 +150,14 @@ def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     """One query row per head over every position of k, v.
 
     q [H, head_dim] float32 contiguous; k, v [kv_heads, length, head_dim] float16 or
-    float32 with rows contiguous (a session's cache, sliced to its length); returns
-    [H * head_dim] float32."""
+    float32, alike, with rows contiguous (a session's cache, sliced to its length);
+    returns [H * head_dim] float32."""
     heads, head_dim = q.shape
     kv_heads, length, _ = k.shape
-    assert k.stride()[1:] == (head_dim, 1) and v.stride() == k.stride() and k.dtype == v.dtype, "cache rows"
-    scores = torch.empty(heads, length, dtype=torch.float32)
     out = torch.empty(heads * head_dim, dtype=torch.float32)
     status = library().skippy_attend_row(q.data_ptr(), heads, kv_heads, head_dim, k.data_ptr(), v.data_ptr(),
-                                         int(k.dtype == torch.float16), k.stride(0) // head_dim, length, scale,
-                                         scores.data_ptr(), out.data_ptr())
+                                         k.dtype == torch.float16, k.stride(0) // head_dim, length, scale,
+                                         out.data_ptr())
     if status:
         raise RuntimeError(f"attend_row failed ({status}): q {tuple(q.shape)}, cache {tuple(k.shape)}")
     return out

@@ -8,6 +8,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows r < rows of D */
@@ -57,60 +58,81 @@ static inline float cache_value(const void *base, int f16, size_t at) {
 
 /* One query row per head over keys/values [0, T) of its KV head:
    q [H, hd] float32; k, v [KVH, stride, hd] (float16 when f16, else float32), head
-   h reading KV head h / (H / KVH); scores scratch [H, T]; out [H * hd] float32.
+   h reading KV head h / (H / KVH); out [H * hd] float32.
    Softmax in float32 after subtracting the row's maximum, as every attention
-   kernel does. */
+   kernel does. The query heads sharing a KV head go together, so each cached row
+   is read (and widened from float16) once for all of them. */
 int skippy_attend_row(const float *q, int H, int KVH, int hd, const void *k, const void *v, int f16, int stride,
-                      int T, float scale, float *scores, float *out) {
+                      int T, float scale, float *out) {
     if (hd > MAX_HEAD_DIM || H % KVH || T < 1) return -1;
     const int group = H / KVH;
-    #pragma omp parallel for schedule(static) if (T >= 512)
-    for (int h = 0; h < H; h++) {
-        const float *qh = q + (size_t)h * hd;
-        const size_t head = (size_t)(h / group) * stride * hd;
-        float *s = scores + (size_t)h * T, *oh = out + (size_t)h * hd;
-        float best = -INFINITY;
+    float *scores = malloc(sizeof(float) * H * T);
+    if (!scores) return -2;
+    #pragma omp parallel for schedule(static) if (T >= 512 && KVH > 1)
+    for (int j = 0; j < KVH; j++) {
+        const size_t head = (size_t)j * stride * hd;
+        const float *qj = q + (size_t)j * group * hd;
+        float *sj = scores + (size_t)j * group * T, *oj = out + (size_t)j * group * hd;
+        float best[group], total[group];
+        for (int g = 0; g < group; g++) best[g] = -INFINITY, total[g] = 0.f;
 #ifdef SKIPPY_AVX512
         if (hd % 16 == 0) {
+            __m512 row[MAX_HEAD_DIM / 16];
             for (int t = 0; t < T; t++) {
-                __m512 dot = _mm512_setzero_ps();
-                for (int i = 0; i < hd; i += 16)
-                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i), load16(k, f16, head + (size_t)t * hd + i), dot);
-                s[t] = _mm512_reduce_add_ps(dot) * scale;
-                best = s[t] > best ? s[t] : best;
+                for (int i = 0; i < hd / 16; i++) row[i] = load16(k, f16, head + (size_t)t * hd + 16 * i);
+                for (int g = 0; g < group; g++) {
+                    __m512 dot = _mm512_setzero_ps();
+                    for (int i = 0; i < hd / 16; i++) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qj + g * hd + 16 * i), row[i], dot);
+                    const float score = _mm512_reduce_add_ps(dot) * scale;
+                    sj[(size_t)g * T + t] = score;
+                    best[g] = score > best[g] ? score : best[g];
+                }
             }
-            for (int t = 0; t < T; t++) s[t] -= best;
-            exp_n(s, T, s);
-            float total = 0.f;
-            __m512 acc[MAX_HEAD_DIM / 16];
-            for (int i = 0; i < hd / 16; i++) acc[i] = _mm512_setzero_ps();
+            for (int g = 0; g < group; g++) {
+                float *s = sj + (size_t)g * T;
+                for (int t = 0; t < T; t++) s[t] -= best[g];
+                exp_n(s, T, s);
+                for (int i = 0; i < hd; i++) oj[g * hd + i] = 0.f;
+            }
             for (int t = 0; t < T; t++) {
-                total += s[t];
-                const __m512 p = _mm512_set1_ps(s[t]);
+                for (int i = 0; i < hd / 16; i++) row[i] = load16(v, f16, head + (size_t)t * hd + 16 * i);
+                for (int g = 0; g < group; g++) {
+                    const float p = sj[(size_t)g * T + t];
+                    total[g] += p;
+                    const __m512 pv = _mm512_set1_ps(p);
+                    float *o = oj + g * hd;
+                    for (int i = 0; i < hd / 16; i++)
+                        _mm512_storeu_ps(o + 16 * i, _mm512_fmadd_ps(pv, row[i], _mm512_loadu_ps(o + 16 * i)));
+                }
+            }
+            for (int g = 0; g < group; g++) {
+                const __m512 inv = _mm512_set1_ps(1.f / total[g]);
                 for (int i = 0; i < hd / 16; i++)
-                    acc[i] = _mm512_fmadd_ps(p, load16(v, f16, head + (size_t)t * hd + 16 * i), acc[i]);
+                    _mm512_storeu_ps(oj + g * hd + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(oj + g * hd + 16 * i), inv));
             }
-            const __m512 inv = _mm512_set1_ps(1.f / total);
-            for (int i = 0; i < hd / 16; i++) _mm512_storeu_ps(oh + 16 * i, _mm512_mul_ps(acc[i], inv));
             continue;
         }
 #endif
-        for (int t = 0; t < T; t++) {
-            float dot = 0.f;
-            for (int i = 0; i < hd; i++) dot += qh[i] * cache_value(k, f16, head + (size_t)t * hd + i);
-            s[t] = dot * scale;
-            best = s[t] > best ? s[t] : best;
+        for (int g = 0; g < group; g++) {
+            const float *qh = qj + (size_t)g * hd;
+            float *s = sj + (size_t)g * T, *oh = oj + (size_t)g * hd;
+            for (int t = 0; t < T; t++) {
+                float dot = 0.f;
+                for (int i = 0; i < hd; i++) dot += qh[i] * cache_value(k, f16, head + (size_t)t * hd + i);
+                s[t] = dot * scale;
+                best[g] = s[t] > best[g] ? s[t] : best[g];
+            }
+            for (int t = 0; t < T; t++) s[t] -= best[g];
+            exp_n(s, T, s);
+            for (int i = 0; i < hd; i++) oh[i] = 0.f;
+            for (int t = 0; t < T; t++) {
+                total[g] += s[t];
+                for (int i = 0; i < hd; i++) oh[i] += s[t] * cache_value(v, f16, head + (size_t)t * hd + i);
+            }
+            for (int i = 0; i < hd; i++) oh[i] /= total[g];
         }
-        for (int t = 0; t < T; t++) s[t] -= best;
-        exp_n(s, T, s);
-        float total = 0.f;
-        for (int i = 0; i < hd; i++) oh[i] = 0.f;
-        for (int t = 0; t < T; t++) {
-            total += s[t];
-            for (int i = 0; i < hd; i++) oh[i] += s[t] * cache_value(v, f16, head + (size_t)t * hd + i);
-        }
-        for (int i = 0; i < hd; i++) oh[i] /= total;
     }
+    free(scores);
     return 0;
 }
 
