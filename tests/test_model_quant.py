@@ -89,20 +89,19 @@ def matmul_bound(x: np.ndarray, weight: GroupAffine) -> np.ndarray:
     """|kernel - exact| per output [M, N], for x [M, K] and the kernel's weights.
 
     The kernel rounds x to int8 per group of 32 (step dx = max|x| / 127; error at most
-    dx * (1/2 + 256u) per value, the 256u from rounding 1/dx), which only the
-    scale * code part of a weight sees (the offset multiplies the exact float sum of
-    x). Its float32 arithmetic, worst case: per group a product of three factors and
-    an exact integer dot, G groups summed twice over, and x's 32-value group sums:
-    (G + 36) u of the terms."""
+    dx * (1/2 + 256u) per value, the 256u from rounding 1/dx; a zero stays zero), and
+    every part of a weight multiplies the rounded x, so the error is sum_i w_i e_i.
+    Its float32 arithmetic, worst case: per group a product of three factors and an
+    exact integer dot, G groups summed twice over: (G + 4) u of the terms."""
     u = unit_roundoff()
     m, k = x.shape
-    n = weight.shape[0]
     step = np.abs(x.reshape(m, k // 32, 32)).max(-1, keepdims=True) / 127 * (0.5 + 256 * u)  # [M, G, 1]
-    step = (step * (x.reshape(m, k // 32, 32) != 0)).reshape(m, k)  # a zero stays exactly zero
-    scaled = np.abs(np.repeat(weight.scale.astype(np.float64), 32, axis=1) * weight.codes)  # |s c| [N, K]
-    quantization = step @ scaled.T
-    magnitude = np.abs(x) @ (scaled + np.abs(np.repeat(weight.offset.astype(np.float64), 32, axis=1))).T
-    return quantization + (k // 32 + 36) * u * (magnitude + quantization)
+    step = (step * (x.reshape(m, k // 32, 32) != 0)).reshape(m, k)
+    codes_part = np.abs(np.repeat(weight.scale.astype(np.float64), 32, axis=1) * weight.codes)  # |s c| [N, K]
+    offset_part = np.abs(np.repeat(weight.offset.astype(np.float64), 32, axis=1))
+    quantization = step @ np.abs(weight.dequantize().astype(np.float64)).T
+    magnitude = (np.abs(x) + step) @ (codes_part + offset_part).T
+    return quantization + (k // 32 + 4) * u * magnitude
 
 
 def kernel_product(weight: GroupAffine, x: np.ndarray) -> np.ndarray:
@@ -124,9 +123,12 @@ def test_kernel_matmul_within_its_bound(qtype, rows):
     wrong = GroupAffine(weight.codes.copy(), weight.scale, weight.offset, weight.bits)
     wrong.codes[5, 100] ^= 1 << (weight.bits - 1)
     one_hot = np.zeros_like(x)
-    one_hot[:, 100] = 1.0  # that weight alone
+    one_hot[:, 100] = 127.0  # that weight alone, and exactly an int8 times a scale of 1: no rounding of x
+    w = weight.dequantize().astype(np.float64)[5, 100]
+    arithmetic = (512 // 32 + 4) * unit_roundoff() * 127 * (abs(w) + 2 * abs(weight.offset[5, 3]))
+    assert np.all(np.abs(kernel_product(weight, one_hot)[:, 5] - 127 * w) <= arithmetic)
     flipped = kernel_product(wrong, one_hot)[:, 5] - kernel_product(weight, one_hot)[:, 5]
-    assert np.all(np.abs(flipped) > 100 * matmul_bound(one_hot, weight)[:, 5])
+    assert np.all(np.abs(flipped) > 100 * arithmetic)
 
 
 def test_kernel_rows_are_independent_of_the_row_count(quant_model):
