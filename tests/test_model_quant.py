@@ -268,3 +268,27 @@ def test_quantized_argmax_agrees_with_float32_teacher_forced(quant_model, make_s
         total += len(tokens)
     disagreement = 1 - matches / total
     record("quantized argmax disagreement with float32, teacher-forced", disagreement, 0.10)
+
+
+def test_torch_fallback_equals_our_kernels(make_stage, monkeypatch):
+    """Where our kernels cannot run (CUDA, no C compiler), layers.py takes torch's ops
+    for norms, RoPE, attention and SwiGLU: the float32 forward must agree within two
+    evaluations' bound, prefill and decode rows alike."""
+    from numerics import assert_close, forward_tolerance
+    from skippy.model import layers
+
+    model = make_stage()
+    prompt, decode = PROMPT, [7, 8, 9]
+
+    def run() -> torch.Tensor:
+        cache = model.new_cache()
+        rows = [logits_of(model, prompt, cache)[-1:]]
+        rows += [logits_of(model, [t], cache) for t in decode]
+        return torch.cat(rows)
+
+    ours = run()
+    monkeypatch.setattr(layers, "_on_our_kernels", lambda x: False)
+    fallback = run()
+    tolerance = forward_tolerance(model.args, layers=model.args.num_layers, positions=len(prompt) + len(decode),
+                                  head=True)
+    assert_close("our row kernels == torch's ops, float32 logits", ours, fallback, tolerance)
