@@ -40,6 +40,20 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def _writable(directory: Path) -> Path:
+    """`directory`, or a per-user one under the temp dir where it cannot be made
+    (a read-only home in a container): a build must not fail for want of a cache."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if os.access(directory, os.W_OK):
+            return directory
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"skippy-kernels-{os.getuid()}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
 def _cpu_identity() -> str:
     """The CPU's model and feature flags (what -march=native compiles for)."""
     try:
@@ -70,7 +84,7 @@ def build(flags: list[str]) -> ctypes.CDLL:
         raise KernelUnavailable(f"no C compiler ({compiler}: {e})") from None
     key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), " ".join(flags + LIBS), version,
                                     _cpu_identity(), platform.machine()]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"skippy-kernels-{key}.so"
+    path = _writable(cache_dir()) / f"skippy-kernels-{key}.so"
     if not path.exists():
         _build(compiler, flags, path)
     lib = ctypes.CDLL(str(path))
