@@ -1,12 +1,13 @@
 """Our CPU kernels (kernels/*.c): built for this CPU, loaded, called.
 
 qmatmul.c multiplies by quantized weights; rows.c holds the per-row pieces of a
-decode step (RMS norm, RoPE, one row's attention, SwiGLU). The C files are compiled once per machine with the system C compiler
-(-march=native: its vector code depends on the CPU, as llama.cpp's native
-builds do) into ~/.cache/skippy/kernels (or $SKIPPY_CACHE_DIR), keyed by the
-source, the flags, the compiler and the CPU, so a copied cache never runs code
-built for another machine. Building takes about a second and happens while a
-model loads, never on a request.
+decode step (RMS norm, RoPE, one row's attention, SwiGLU). The C files are
+compiled once per machine with the system C compiler (-march=native: its vector
+code depends on the CPU, as llama.cpp's native builds do) into
+~/.cache/skippy/kernels (or $SKIPPY_CACHE_DIR), keyed by the source, the flags,
+the compiler and the CPU, so a copied cache never runs code built for another
+machine. Building takes about a second and happens while a model loads, never on
+a request.
 """
 
 from __future__ import annotations
@@ -29,6 +30,17 @@ SOURCES = [Path(__file__).with_name("kernels") / name for name in ("qmatmul.c", 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 # glibc's vector expf (rows.c calls it where glibc and AVX-512 are), then libm
 LIBS = (["-lmvec"] if platform.libc_ver()[0] == "glibc" else []) + ["-lm"]
+
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+SIGNATURES = {  # the C functions' (argument types, return type), in their argument order
+    "skippy_qmatmul": ([_P, _I, _I, _P, _P, _P, _I, _I, _P, _I], _I),
+    "skippy_rms_norm": ([_P, _I, _I, _P, _F, _P], None),
+    "skippy_attend_row": ([_P, _I, _I, _I, _P, _P, _I, _I, _I, _F, _P], _I),
+    "skippy_rope": ([_P, _I, _I, _I, _I, _P, _P], None),
+    "skippy_swiglu": ([_P, _I, _I, _P], None),
+    "skippy_qmatmul_vector_path": ([], _I),
+}
 
 
 class KernelUnavailable(RuntimeError):
@@ -88,27 +100,14 @@ def build(flags: list[str]) -> ctypes.CDLL:
     if not path.exists():
         _build(compiler, flags, path)
     lib = ctypes.CDLL(str(path))
-    lib.skippy_qmatmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    lib.skippy_qmatmul.restype = ctypes.c_int
-    lib.skippy_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
-                                    ctypes.c_void_p]
-    lib.skippy_rms_norm.restype = None
-    lib.skippy_attend_row.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                                      ctypes.c_void_p]
-    lib.skippy_attend_row.restype = ctypes.c_int
-    lib.skippy_rope.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                ctypes.c_void_p, ctypes.c_void_p]
-    lib.skippy_rope.restype = None
-    lib.skippy_swiglu.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    lib.skippy_swiglu.restype = None
+    for name, (argtypes, restype) in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
     log.debug("kernels %s (AVX512-VNNI path: %s)", path, bool(lib.skippy_qmatmul_vector_path()))
     return lib
 
 
 def _build(compiler: str, flags: list[str], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     # several stage processes may build at once: each writes its own file and renames it into place
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)

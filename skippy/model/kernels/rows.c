@@ -1,10 +1,10 @@
-/* Per-row pieces of a decode step: RMS norm and one query row's attention over a
-   session's KV cache. A decode step runs them on a single row, where torch's
-   dispatch and thread wake-ups cost several times their arithmetic (F.rms_norm
-   took 28 us on 576 numbers; SDPA plus the 16-bit cache's upcast ~90 us a layer).
-   float32 rows, float16 or float32 caches; AVX-512 where the CPU has it, plain C
-   that the compiler vectorizes elsewhere (`omp simd` lets it reorder a sum, as
-   any vector kernel does). exp is glibc's vector expf where AVX-512 is. */
+/* Per-row pieces of a decode step: RMS norm, RoPE, SwiGLU and one query row's
+   attention over a session's KV cache. A decode step runs them on a single row,
+   where torch's dispatch and thread wake-ups cost several times their arithmetic
+   (F.rms_norm took 28 us on 576 numbers; SDPA plus the 16-bit cache's upcast ~90 us
+   a layer). float32 rows, float16 or float32 caches; AVX-512 where the CPU has it,
+   plain C that the compiler vectorizes elsewhere (`omp simd` lets it reorder a sum,
+   as any vector kernel does). exp is glibc's vector expf where AVX-512 is. */
 
 #include <math.h>
 #include <stdint.h>
@@ -118,6 +118,7 @@ int skippy_attend_row(const float *q, int H, int KVH, int hd, const void *k, con
             float *s = sj + (size_t)g * T, *oh = oj + (size_t)g * hd;
             for (int t = 0; t < T; t++) {
                 float dot = 0.f;
+                #pragma omp simd reduction(+ : dot)
                 for (int i = 0; i < hd; i++) dot += qh[i] * cache_value(k, f16, head + (size_t)t * hd + i);
                 s[t] = dot * scale;
                 best[g] = s[t] > best[g] ? s[t] : best[g];
