@@ -22,7 +22,6 @@ the next window rewinds every stage with its `pos_start`.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Sequence
@@ -174,8 +173,8 @@ class ChainDecoder:
     async def _propose(self, num_tokens: int) -> list[int]:
         if num_tokens <= 0:
             return []
-        if self._is_heavy:  # a draft model: off the event loop
-            return await asyncio.to_thread(self.spec.propose, num_tokens)
+        if self._is_heavy:  # a draft model: off the event loop, on the thread that runs stage 0's layers
+            return await self.session.client.runtime.call(lambda: self.spec.propose(num_tokens))
         return self.spec.propose(num_tokens)
 
     def _window(self, base: int, tokens: list[int]) -> _Window:

@@ -114,12 +114,13 @@ def load_tokenizer(path: Path):
 
 def set_one_process_threads(config: ServeConfig) -> None:
     """torch threads when the whole model shares this process with the HTTP server:
-    --threads, else every core but one. The event loop and libgomp's spinning workers
-    fight over the cores otherwise: `bench/serve.py --stages 1` on 2 cores streamed
-    18.0 tok/s with 2 threads and 25.2 with 1 (one-process direct generation: 33.3)."""
+    --threads, else every core. Sharing cores with the event loop costs little once the
+    model loads on a thread of its own (model/threads.py): `bench/serve.py --stages 1`
+    on 2 cores streamed 148.6 tok/s with 2 threads against 149.3 direct; before that
+    fix 2 threads lost to 1 (the loading thread's OpenMP team throttled the runtime's)."""
     import torch
 
-    torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) - 1))
+    torch.set_num_threads(config.threads or os.cpu_count() or 1)
 
 
 def load_local_backend(config: ServeConfig):

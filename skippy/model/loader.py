@@ -14,6 +14,7 @@ from .errors import ModelLoadError
 from .gguf_loader import load_gguf_tensors, open_gguf, read_model_args, release
 from .hf_loader import load_hf_tensors, read_hf_args
 from .llama import StageModel
+from .threads import on_passing_thread
 from .weights import needed_tensor_names
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,14 @@ def load_stage(
 
     `repack`: also keep the matmul weights prepacked for multi-row batches (CPU float32;
     see Linear), unless that copy would take over half the memory still available.
+
+    Runs on a thread of its own, so the caller's thread gains no OpenMP team (threads.py).
     """
-    path = Path(path)
+    return on_passing_thread(_load_stage, Path(path), layers, dtype, device, progress, repack)
+
+
+def _load_stage(path: Path, layers: tuple[int, int] | None, dtype: str | torch.dtype | None, device: str,
+                progress: bool, repack: bool) -> StageModel:
     torch_device, weight_dtype = resolve_device(device), resolve_dtype(dtype)
     args, reader = open_model(path)
     layer_range = LayerRange(*(layers or (0, args.num_layers)), args.num_layers)

@@ -9,7 +9,7 @@ sessions it was handed, in submission order.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from ..model.llama import StageModel
 from ..protocol.sampling_config import SamplingConfig
@@ -21,6 +21,8 @@ from .step import Step, StepResult
 
 if TYPE_CHECKING:
     from .stage_cache import StagePrefixCache
+
+T = TypeVar("T")
 
 BATCHED_STEPS_COUNTER = "skippy.runtime.batched_decode_iterations"
 BATCH_ROWS_COUNTER = "skippy.runtime.batched_decode_steps"
@@ -75,6 +77,11 @@ class StageRuntime:
     async def iterate(self, step: Step) -> Timed[StepResult]:
         """A decode or verify step: batched with other sessions' steps."""
         return await self.scheduler.submit_iteration(step, step.session.key)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """fn() on the runtime's worker, after the work queued before it: other model work
+        of this process (a draft model's forward) belongs on this thread (model/threads.py)."""
+        return (await self.scheduler.submit_op(fn)).value
 
     async def run_alone(self, step: Step) -> Timed[StepResult]:
         """A prefill chunk: one forward of its own (spec §6.1 runtime operation)."""

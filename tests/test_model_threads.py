@@ -1,0 +1,76 @@
+"""Loading leaves the caller's thread without an OpenMP team (skippy/model/threads.py).
+
+libgomp keeps a team of workers for every thread that ever opened a parallel
+region; with more of them than cores it stops letting idle workers spin, and a
+decode step on the runtime's thread measured 53 instead of 138 tok/s here when
+the model had been loaded on another thread. So the team that loading opens must
+leave with the thread that loading ran on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from skippy.model.loader import load_stage
+from skippy.model.threads import on_passing_thread
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def settle(expected: int, timeout_s: float = 5.0) -> int:
+    """The process's thread count once exiting pool workers are gone (or at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while (count := os_threads()) != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return count
+
+
+def opens_team() -> None:
+    torch.ones(1 << 22).sum()  # big enough for torch's parallel_for to open a region
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a team needs at least 2 threads")
+def test_a_parallel_region_leaves_a_team_on_its_thread():
+    """The premise: without a passing thread, the caller keeps a team (so the test below can fail)."""
+    seen = {}
+
+    def body() -> None:
+        seen["before"] = os_threads()
+        opens_team()
+        seen["after"] = settle(seen["before"], timeout_s=0.5)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen["after"] > seen["before"]
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a team needs at least 2 threads")
+def test_load_and_passing_work_leave_no_team_behind(gguf_path):
+    seen = {}
+
+    def body() -> None:
+        seen["before"] = os_threads()
+        model = load_stage(gguf_path, (0, 2), progress=False)
+        on_passing_thread(opens_team)
+        seen["after"] = settle(seen["before"])
+        seen["blocks"] = len(model.blocks)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen["blocks"] == 2
+    assert seen["after"] == seen["before"]
+
+
+def test_passing_thread_returns_the_result_and_raises_the_error():
+    assert on_passing_thread(lambda a, b=0: a + b, 2, b=3) == 5
+    with pytest.raises(KeyError, match="gone"):
+        on_passing_thread(lambda: {}["gone"])
