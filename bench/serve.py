@@ -176,6 +176,10 @@ def main() -> None:
     parser.add_argument("--no-repack", dest="repack", action="store_false",
                         help="both arms without the batch-friendly weight copy (skippy serve --no-repack)")
     args = parser.parse_args()
+    if args.stages > 1:  # as `skippy serve` does for the stages it starts, before torch loads
+        from skippy.model.threads import spin_for_co_located_stages
+
+        spin_for_co_located_stages()
 
     from skippy.frontend.serve import load_tokenizer, model_id_for
     from skippy.model.locate import bundled_model_path

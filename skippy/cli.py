@@ -209,6 +209,10 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from .model.threads import spin_for_co_located_stages
+
+    if args.stages > 1 and not args.topology:
+        spin_for_co_located_stages()  # before torch loads
     from .frontend.serve import ServeConfig, serve
 
     config = ServeConfig(
@@ -243,6 +247,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def chain_tokens(args: argparse.Namespace, path, ids: list[int], tokenizer, speculative):
+    from .model.threads import spin_for_co_located_stages
+
+    if not args.topology:
+        spin_for_co_located_stages()
     from .frontend.local_chain import generate_on_chain
     from .protocol import Topology
 

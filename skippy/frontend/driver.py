@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from ..model.llama import StageModel
 from ..protocol import SamplingConfig, StageReplyStats
 from ..runtime.engine import StageRuntime
+from ..runtime.scheduler import PEER_WAIT_FORWARDS
 from ..runtime.proposers import Proposer, create_proposer
 from ..runtime.speculation import SpeculativeSettings
 from ..runtime.stage_cache import StagePrefixCache
@@ -63,7 +64,8 @@ class ChainClient:
                  reply_timeout_s: float = REPLY_TIMEOUT_S,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  telemetry: Telemetry | None = None, record_logits: bool = False,
-                 batch_wait_s: float = 0.002, prefix_cache: StagePrefixCache | None = None,
+                 batch_wait_s: float = 0.002, peer_wait_forwards: float = PEER_WAIT_FORWARDS,
+                 prefix_cache: StagePrefixCache | None = None,
                  speculative: SpeculativeSettings = SpeculativeSettings(),
                  draft_model: StageModel | None = None):
         """`prefix_cache`: stage 0's prefix KV cache; with it a prompt first tries a chain
@@ -84,6 +86,7 @@ class ChainClient:
         self.telemetry = telemetry or Telemetry("skippy-stage0")
         self.runtime = StageRuntime(model, lane_count=concurrency, ctx_size=ctx_size,
                                     telemetry=self.telemetry, batch_wait_s=batch_wait_s,
+                                    peer_wait_forwards=peer_wait_forwards,
                                     record_logits=record_logits, name="skippy-stage0",
                                     prefix_cache=prefix_cache)
         self.ctx_size = self.runtime.runner.ctx_size

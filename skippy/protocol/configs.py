@@ -105,6 +105,9 @@ class StageConfig(_Frozen):
     max_inflight: int = Field(4, ge=1)
     reply_credit_limit: int | None = Field(None, ge=0)   # None = max_inflight - 1 (§2.6)
     kv_cache: KvCacheConfig = KvCacheConfig()
+    # batch a decoding peer due back within this many forwards (runtime/scheduler.py);
+    # stages that share one machine's cores run one wave of sessions (2.0), others two
+    peer_wait_forwards: float = Field(0.25, ge=0.0)
 
     @field_validator("bind_addr")
     @classmethod

@@ -15,7 +15,7 @@ from ..model.llama import StageModel
 from ..protocol.sampling_config import SamplingConfig
 from ..telemetry import Telemetry
 from .runner import Runner
-from .scheduler import IterationScheduler, Timed
+from .scheduler import PEER_WAIT_FORWARDS, IterationScheduler, Timed
 from .session import Session, SessionKey, SessionTable
 from .step import Step, StepResult
 
@@ -31,6 +31,7 @@ BATCH_ROWS_COUNTER = "skippy.runtime.batched_decode_steps"
 class StageRuntime:
     def __init__(self, model: StageModel, *, lane_count: int = 4, ctx_size: int | None = None,
                  telemetry: Telemetry | None = None, batch_wait_s: float = 0.002,
+                 peer_wait_forwards: float = PEER_WAIT_FORWARDS,
                  record_logits: bool = False, name: str = "skippy-runtime",
                  prefix_cache: StagePrefixCache | None = None):
         """`prefix_cache`: this stage's prefix KV cache (None: every restore is a miss)."""
@@ -41,7 +42,8 @@ class StageRuntime:
         self.runner = Runner(model, ctx_size or model.args.context_length,
                              record_logits=record_logits)
         self.scheduler = IterationScheduler(self.runner.run_batch, capacity=64 + lane_count,
-                                            batch_wait_s=batch_wait_s, on_batch=self._count_batch,
+                                            batch_wait_s=batch_wait_s, peer_wait_forwards=peer_wait_forwards,
+                                            on_batch=self._count_batch,
                                             name=name)
 
     @property

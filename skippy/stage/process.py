@@ -48,7 +48,8 @@ def load_stage_runtime(config: StageConfig, telemetry: Telemetry) -> StageRuntim
                        dtype=WEIGHT_DTYPES[config.weight_dtype], device=config.device,
                        progress=False, repack=config.repack_weights)
     runtime = StageRuntime(model, lane_count=config.lane_count, ctx_size=config.ctx_size,
-                           telemetry=telemetry, name=f"skippy-stage{config.stage_index}")
+                           telemetry=telemetry, peer_wait_forwards=config.peer_wait_forwards,
+                           name=f"skippy-stage{config.stage_index}")
     runtime.prefix_cache = StagePrefixCache.build(
         config.kv_cache, model_path=config.model_path, layer_start=config.layer_start,
         layer_end=config.layer_end, kv_dtype=model.kv_dtype, ctx_size=runtime.runner.ctx_size,
