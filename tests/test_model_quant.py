@@ -228,6 +228,39 @@ def test_quantized_batched_decode_equals_solo(quant_model):
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_decode_attention_equals_a_cache_write_and_attend_row(dtype):
+    """A decode step's one-call attention (every session's KV write and attention at a
+    layer) against the per-session path it replaces, which verify windows still take:
+    bit for bit, caches of different capacities and lengths, a layer past the first."""
+    from skippy.model.kv_cache import KVCache
+
+    heads, kv_heads, head_dim, layers = 9, 3, 64, 2
+    lengths, capacities = [0, 5, 300], [256, 256, 512]
+    rng = torch.Generator().manual_seed(0)
+    caches = [KVCache(layers, kv_heads, head_dim, 1024, dtype) for _ in lengths]
+    for cache, length, capacity in zip(caches, lengths, capacities):
+        cache.reserve(0, capacity)
+        cache.k.copy_(torch.randn(cache.k.shape, generator=rng))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=rng))
+        cache.commit(length)
+    twins = [KVCache(layers, kv_heads, head_dim, 1024, dtype) for _ in lengths]
+    for twin, cache in zip(twins, caches):
+        twin.reserve(0, cache.capacity)
+        twin.k.copy_(cache.k), twin.v.copy_(cache.v)
+    qkv = torch.randn(len(lengths), heads + 2 * kv_heads, head_dim, generator=rng)
+    scale = head_dim**-0.5
+
+    rows = qkernel.DecodeRows.of([c.k for c in caches], [c.v for c in caches], lengths)
+    got = qkernel.decode_attention(qkv, rows, 1, heads, kv_heads, scale)
+    for i, (twin, start) in enumerate(zip(twins, lengths)):
+        k, v = qkv[i, heads : heads + kv_heads, None], qkv[i, heads + kv_heads :, None]
+        keys, values = twin.write(1, start, k, v)
+        expected = qkernel.attend_row(qkv[i, :heads].contiguous(), keys, values, scale)
+        assert torch.equal(got[i], expected)
+        assert torch.equal(caches[i].k, twin.k) and torch.equal(caches[i].v, twin.v)
+
+
 COPY_PROMPT = ("Repeat the following code exactly, changing only the function name to order_total:\n\n"
                "def total_price(items, tax_rate):\n    subtotal = sum(item.price * item.quantity for item in items)\n"
                "    return round(subtotal * (1 + tax_rate), 2)")

@@ -195,6 +195,42 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> 
     return out[0].transpose(0, 1).reshape(n, heads * head_dim)
 
 
+def decode_rows(segments, x: torch.Tensor) -> "qkernel.DecodeRows | None":
+    """The forward's sessions for attend_sessions' one-call path: when every session adds
+    one row and our kernels run (a decode step, batched or not), else None. Call after
+    the caches are reserved."""
+    caches = [s.cache for s in segments]
+    if not (_on_our_kernels(x) and all(s.num_tokens == 1 for s in segments)
+            and all(c.k.dtype in (torch.float16, torch.float32) for c in caches)):
+        return None
+    return qkernel.DecodeRows.of([c.k for c in caches], [c.v for c in caches], [s.start for s in segments])
+
+
+def attend_sessions(qkv: torch.Tensor, layer: int, segments, rows: "qkernel.DecodeRows | None") -> torch.Tensor:
+    """Store every session's new keys and values of qkv [T, H + 2 KVH, head_dim] (q, k, v
+    heads; RoPE applied) in its cache at `layer`, and attend each session's queries over
+    its own cache: [T, H * head_dim]. `segments` give each session's rows, in order.
+
+    A decode step's rows go through one kernel call (`rows`, from decode_rows): through
+    torch, each session's cache write and attention cost ~50 us of calls a layer, which
+    at 8 sessions was more than all the step's matmuls."""
+    T, width, head_dim = qkv.shape
+    kv_heads = segments[0].cache.k.shape[1]
+    heads = width - 2 * kv_heads
+    if rows is not None:
+        return qkernel.decode_attention(qkv, rows, layer, heads, kv_heads, 1.0 / math.sqrt(head_dim))
+    # [heads, T, head_dim] each
+    q, k, v = (qkv[:, :heads].transpose(0, 1), qkv[:, heads : heads + kv_heads].transpose(0, 1),
+               qkv[:, heads + kv_heads :].transpose(0, 1))
+    outputs, row = [], 0
+    for s in segments:
+        mine = slice(row, row + s.num_tokens)
+        keys, values = s.cache.write(layer, s.start, k[:, mine], v[:, mine])
+        outputs.append(attention(q[:, mine], keys, values, s.start))
+        row += s.num_tokens
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
 def swiglu(x: torch.Tensor, gate_up: Linear, down: Linear, residual: torch.Tensor) -> torch.Tensor:
     """residual + down(silu(gate(x)) * up(x))."""
     both = gate_up(x)

@@ -18,7 +18,7 @@ import torch
 
 from .args import LayerRange, ModelArgs
 from .kv_cache import KVCache
-from .layers import Linear, apply_rope, attention, rms_norm, rope_tables, swiglu
+from .layers import Linear, apply_rope, attend_sessions, decode_rows, rms_norm, rope_tables, swiglu
 from .quant import QuantLinear, QuantizedTensor, build_linear
 
 Weight = torch.Tensor | QuantizedTensor
@@ -147,23 +147,15 @@ class StageModel:
         for s in segments:
             s.cache.reserve(s.start, s.num_tokens)
         cos, sin = self._rope_rows(segments)  # [T, head_dim]
+        rows = decode_rows(segments, x)  # a decode step: each layer's attention in one call
         H, KVH = args.num_heads, args.num_kv_heads
 
         for layer, block in enumerate(self.blocks):
-            # attention: x + Wo · attn(rope(Wq·h), rope(Wk·h), Wv·h)
+            # attention: x + Wo · attn(rope(Wq·h), rope(Wk·h), Wv·h), each session over its own cache
             h = rms_norm(x, block.attn_norm, args.rms_norm_eps)
             qkv = block.wqkv(h).view(T, H + 2 * KVH, args.head_dim)
             qkv = apply_rope(qkv, H + KVH, cos, sin)  # q and k heads rotate in one go
-            # [heads, T, head_dim] each
-            q, k, v = (qkv[:, :H].transpose(0, 1), qkv[:, H : H + KVH].transpose(0, 1),
-                       qkv[:, H + KVH :].transpose(0, 1))
-            outputs, row = [], 0
-            for s in segments:
-                rows = slice(row, row + s.num_tokens)
-                keys, values = s.cache.write(layer, s.start, k[:, rows], v[:, rows])
-                outputs.append(attention(q[:, rows], keys, values, s.start))
-                row += s.num_tokens
-            x = block.wo(torch.cat(outputs) if len(outputs) > 1 else outputs[0], residual=x)
+            x = block.wo(attend_sessions(qkv, layer, segments, rows), residual=x)
             # feed-forward: x + W_down · (silu(W_gate·h) * W_up·h)
             x = swiglu(rms_norm(x, block.ffn_norm, args.rms_norm_eps), block.w_gate_up, block.w_down, residual=x)
 

@@ -20,6 +20,7 @@ import os
 import platform
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch  # first: the kernel links libgomp.so.1 and so shares the pool torch loaded
@@ -37,6 +38,7 @@ SIGNATURES = {  # the C functions' (argument types, return type), in their argum
     "skippy_qmatmul": ([_P, _I, _I, _P, _P, _P, _I, _I, _P, _I], _I),
     "skippy_rms_norm": ([_P, _I, _I, _P, _F, _P], None),
     "skippy_attend_row": ([_P, _I, _I, _I, _P, _P, _I, _I, _I, _F, _P], _I),
+    "skippy_decode_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _F, _P], _I),
     "skippy_rope": ([_P, _I, _I, _I, _I, _P, _P], None),
     "skippy_swiglu": ([_P, _I, _I, _P], None),
     "skippy_qmatmul_vector_path": ([], _I),
@@ -173,6 +175,42 @@ def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
                                          out.data_ptr())
     if status:
         raise RuntimeError(f"attend_row failed ({status}): q {tuple(q.shape)}, cache {tuple(k.shape)}")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """A forward's sessions that each add one row, as skippy_decode_attention reads them:
+    their caches' addresses and capacities and the position each row goes to. Built once
+    per forward (the caches were reserved), used by every layer."""
+
+    k: ctypes.Array
+    v: ctypes.Array
+    capacity: ctypes.Array
+    position: ctypes.Array
+    f16: bool
+
+    @classmethod
+    def of(cls, keys: list[torch.Tensor], values: list[torch.Tensor], positions: list[int]) -> "DecodeRows":
+        """keys, values: each session's contiguous [layers, kv_heads, capacity, head_dim] cache."""
+        n = len(keys)
+        return cls((ctypes.c_void_p * n)(*(k.data_ptr() for k in keys)),
+                   (ctypes.c_void_p * n)(*(v.data_ptr() for v in values)),
+                   (ctypes.c_int * n)(*(k.shape[2] for k in keys)), (ctypes.c_int * n)(*positions),
+                   keys[0].dtype == torch.float16)  # fmt: skip
+
+
+def decode_attention(qkv: torch.Tensor, rows: DecodeRows, layer: int, heads: int, kv_heads: int,
+                     scale: float) -> torch.Tensor:
+    """Store each session's new k, v row of qkv [S, heads + 2 kv_heads, head_dim] float32
+    contiguous (RoPE applied) in its cache at `layer`, and attend its query row over its
+    cache: [S, heads * head_dim], each row as attend_row computes it alone."""
+    sessions, _, head_dim = qkv.shape
+    out = torch.empty(sessions, heads * head_dim, dtype=torch.float32)
+    status = library().skippy_decode_attention(qkv.data_ptr(), sessions, heads, kv_heads, head_dim, rows.k, rows.v,
+                                               rows.capacity, rows.position, layer, rows.f16, scale, out.data_ptr())
+    if status:
+        raise RuntimeError(f"decode_attention failed ({status}): qkv {tuple(qkv.shape)}, layer {layer}")
     return out
 
 

@@ -56,12 +56,80 @@ static inline float cache_value(const void *base, int f16, size_t at) {
     return f16 ? (float)((const _Float16 *)base)[at] : ((const float *)base)[at];
 }
 
+/* The `group` query rows qj [group, hd] sharing one KV head over its keys/values
+   k, v [T, hd] (float16 when f16, else float32); scratch sj [group, T]; out oj [group, hd].
+   Softmax in float32 after subtracting the row's maximum, as every attention kernel
+   does. Each cached row is read (and widened from float16) once for all of the group. */
+static void attend_group(const float *qj, int group, int hd, const void *k, const void *v, int f16, int T,
+                         float scale, float *sj, float *oj) {
+    float best[group], total[group];
+    for (int g = 0; g < group; g++) best[g] = -INFINITY, total[g] = 0.f;
+#ifdef SKIPPY_AVX512
+    if (hd % 16 == 0) {
+        __m512 row[MAX_HEAD_DIM / 16];
+        for (int t = 0; t < T; t++) {
+            for (int i = 0; i < hd / 16; i++) row[i] = load16(k, f16, (size_t)t * hd + 16 * i);
+            for (int g = 0; g < group; g++) {
+                __m512 dot = _mm512_setzero_ps();
+                for (int i = 0; i < hd / 16; i++) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qj + g * hd + 16 * i), row[i], dot);
+                const float score = _mm512_reduce_add_ps(dot) * scale;
+                sj[(size_t)g * T + t] = score;
+                best[g] = score > best[g] ? score : best[g];
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            float *s = sj + (size_t)g * T;
+            for (int t = 0; t < T; t++) s[t] -= best[g];
+            exp_n(s, T, s);
+            for (int i = 0; i < hd; i++) oj[g * hd + i] = 0.f;
+        }
+        for (int t = 0; t < T; t++) {
+            for (int i = 0; i < hd / 16; i++) row[i] = load16(v, f16, (size_t)t * hd + 16 * i);
+            for (int g = 0; g < group; g++) {
+                const float p = sj[(size_t)g * T + t];
+                total[g] += p;
+                const __m512 pv = _mm512_set1_ps(p);
+                float *o = oj + g * hd;
+                for (int i = 0; i < hd / 16; i++)
+                    _mm512_storeu_ps(o + 16 * i, _mm512_fmadd_ps(pv, row[i], _mm512_loadu_ps(o + 16 * i)));
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            const __m512 inv = _mm512_set1_ps(1.f / total[g]);
+            for (int i = 0; i < hd / 16; i++)
+                _mm512_storeu_ps(oj + g * hd + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(oj + g * hd + 16 * i), inv));
+        }
+        return;
+    }
+#endif
+    for (int g = 0; g < group; g++) {
+        const float *qh = qj + (size_t)g * hd;
+        float *s = sj + (size_t)g * T, *oh = oj + (size_t)g * hd;
+        for (int t = 0; t < T; t++) {
+            float dot = 0.f;
+            #pragma omp simd reduction(+ : dot)
+            for (int i = 0; i < hd; i++) dot += qh[i] * cache_value(k, f16, (size_t)t * hd + i);
+            s[t] = dot * scale;
+            best[g] = s[t] > best[g] ? s[t] : best[g];
+        }
+        for (int t = 0; t < T; t++) s[t] -= best[g];
+        exp_n(s, T, s);
+        for (int i = 0; i < hd; i++) oh[i] = 0.f;
+        for (int t = 0; t < T; t++) {
+            total[g] += s[t];
+            for (int i = 0; i < hd; i++) oh[i] += s[t] * cache_value(v, f16, (size_t)t * hd + i);
+        }
+        for (int i = 0; i < hd; i++) oh[i] /= total[g];
+    }
+}
+
+static inline const void *cache_at(const void *base, int f16, size_t at) {
+    return f16 ? (const void *)((const uint16_t *)base + at) : (const void *)((const float *)base + at);
+}
+
 /* One query row per head over keys/values [0, T) of its KV head:
    q [H, hd] float32; k, v [KVH, stride, hd] (float16 when f16, else float32), head
-   h reading KV head h / (H / KVH); out [H * hd] float32.
-   Softmax in float32 after subtracting the row's maximum, as every attention
-   kernel does. The query heads sharing a KV head go together, so each cached row
-   is read (and widened from float16) once for all of them. */
+   h reading KV head h / (H / KVH); out [H * hd] float32. */
 int skippy_attend_row(const float *q, int H, int KVH, int hd, const void *k, const void *v, int f16, int stride,
                       int T, float scale, float *out) {
     if (hd > MAX_HEAD_DIM || H % KVH || T < 1) return -1;
@@ -71,70 +139,56 @@ int skippy_attend_row(const float *q, int H, int KVH, int hd, const void *k, con
     #pragma omp parallel for schedule(static) if (T >= 512 && KVH > 1)
     for (int j = 0; j < KVH; j++) {
         const size_t head = (size_t)j * stride * hd;
-        const float *qj = q + (size_t)j * group * hd;
-        float *sj = scores + (size_t)j * group * T, *oj = out + (size_t)j * group * hd;
-        float best[group], total[group];
-        for (int g = 0; g < group; g++) best[g] = -INFINITY, total[g] = 0.f;
-#ifdef SKIPPY_AVX512
-        if (hd % 16 == 0) {
-            __m512 row[MAX_HEAD_DIM / 16];
-            for (int t = 0; t < T; t++) {
-                for (int i = 0; i < hd / 16; i++) row[i] = load16(k, f16, head + (size_t)t * hd + 16 * i);
-                for (int g = 0; g < group; g++) {
-                    __m512 dot = _mm512_setzero_ps();
-                    for (int i = 0; i < hd / 16; i++) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qj + g * hd + 16 * i), row[i], dot);
-                    const float score = _mm512_reduce_add_ps(dot) * scale;
-                    sj[(size_t)g * T + t] = score;
-                    best[g] = score > best[g] ? score : best[g];
-                }
-            }
-            for (int g = 0; g < group; g++) {
-                float *s = sj + (size_t)g * T;
-                for (int t = 0; t < T; t++) s[t] -= best[g];
-                exp_n(s, T, s);
-                for (int i = 0; i < hd; i++) oj[g * hd + i] = 0.f;
-            }
-            for (int t = 0; t < T; t++) {
-                for (int i = 0; i < hd / 16; i++) row[i] = load16(v, f16, head + (size_t)t * hd + 16 * i);
-                for (int g = 0; g < group; g++) {
-                    const float p = sj[(size_t)g * T + t];
-                    total[g] += p;
-                    const __m512 pv = _mm512_set1_ps(p);
-                    float *o = oj + g * hd;
-                    for (int i = 0; i < hd / 16; i++)
-                        _mm512_storeu_ps(o + 16 * i, _mm512_fmadd_ps(pv, row[i], _mm512_loadu_ps(o + 16 * i)));
-                }
-            }
-            for (int g = 0; g < group; g++) {
-                const __m512 inv = _mm512_set1_ps(1.f / total[g]);
-                for (int i = 0; i < hd / 16; i++)
-                    _mm512_storeu_ps(oj + g * hd + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(oj + g * hd + 16 * i), inv));
-            }
-            continue;
-        }
-#endif
-        for (int g = 0; g < group; g++) {
-            const float *qh = qj + (size_t)g * hd;
-            float *s = sj + (size_t)g * T, *oh = oj + (size_t)g * hd;
-            for (int t = 0; t < T; t++) {
-                float dot = 0.f;
-                #pragma omp simd reduction(+ : dot)
-                for (int i = 0; i < hd; i++) dot += qh[i] * cache_value(k, f16, head + (size_t)t * hd + i);
-                s[t] = dot * scale;
-                best[g] = s[t] > best[g] ? s[t] : best[g];
-            }
-            for (int t = 0; t < T; t++) s[t] -= best[g];
-            exp_n(s, T, s);
-            for (int i = 0; i < hd; i++) oh[i] = 0.f;
-            for (int t = 0; t < T; t++) {
-                total[g] += s[t];
-                for (int i = 0; i < hd; i++) oh[i] += s[t] * cache_value(v, f16, head + (size_t)t * hd + i);
-            }
-            for (int i = 0; i < hd; i++) oh[i] /= total[g];
-        }
+        attend_group(q + (size_t)j * group * hd, group, hd, cache_at(k, f16, head), cache_at(v, f16, head), f16, T,
+                     scale, scores + (size_t)j * group * T, out + (size_t)j * group * hd);
     }
     free(scores);
     return 0;
+}
+
+/* A batch of decode rows, one per session, in one call: for session s, store row s's
+   k and v heads of qkv [S, H + 2 KVH, hd] (q, k, v heads in that order, RoPE applied)
+   at position pos[s] of layer `layer` in its cache k[s], v[s] ([layers, KVH,
+   capacity[s], hd], float16 when f16, else float32), then attend its q heads over
+   positions [0, pos[s]] exactly as skippy_attend_row does (so a session's row is the
+   same alone or batched). out [S, H * hd]. The float16 store rounds to nearest even,
+   as torch's copy does. */
+int skippy_decode_attention(const float *qkv, int S, int H, int KVH, int hd, void *const *k, void *const *v,
+                            const int *capacity, const int *pos, int layer, int f16, float scale, float *out) {
+    if (hd > MAX_HEAD_DIM || H % KVH || S < 1) return -1;
+    const int group = H / KVH, row = (H + 2 * KVH) * hd;
+    int max_t = 0;
+    for (int s = 0; s < S; s++) {
+        if (pos[s] < 0 || pos[s] >= capacity[s]) return -1;
+        max_t = pos[s] + 1 > max_t ? pos[s] + 1 : max_t;
+    }
+    int status = 0;
+    #pragma omp parallel for schedule(static) if (S > 1) reduction(| : status)
+    for (int s = 0; s < S; s++) {
+        float *scores = malloc(sizeof(float) * group * max_t);
+        if (!scores) {
+            status |= 1;
+            continue;
+        }
+        const float *q = qkv + (size_t)s * row;
+        for (int j = 0; j < KVH; j++) {
+            const size_t head = ((size_t)layer * KVH + j) * capacity[s] * hd, at = head + (size_t)pos[s] * hd;
+            const float *kr = q + (size_t)(H + j) * hd, *vr = q + (size_t)(H + KVH + j) * hd;
+            for (int i = 0; i < hd; i++) {
+                if (f16) {
+                    ((_Float16 *)k[s])[at + i] = (_Float16)kr[i];
+                    ((_Float16 *)v[s])[at + i] = (_Float16)vr[i];
+                } else {
+                    ((float *)k[s])[at + i] = kr[i];
+                    ((float *)v[s])[at + i] = vr[i];
+                }
+            }
+            attend_group(q + (size_t)j * group * hd, group, hd, cache_at(k[s], f16, head), cache_at(v[s], f16, head), f16,
+                         pos[s] + 1, scale, scores, out + (size_t)s * H * hd + (size_t)j * group * hd);
+        }
+        free(scores);
+    }
+    return status ? -2 : 0;
 }
 
 /* Half-rotation RoPE in place on the first `heads` heads of each row:
