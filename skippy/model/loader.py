@@ -14,6 +14,7 @@ from .errors import ModelLoadError
 from .gguf_loader import load_gguf_tensors, open_gguf, read_model_args, release
 from .hf_loader import load_hf_tensors, read_hf_args
 from .llama import StageModel
+from .resident import release_library_pages
 from .threads import on_passing_thread
 from .weights import needed_tensor_names
 
@@ -94,6 +95,7 @@ def _load_stage(path: Path, layers: tuple[int, int] | None, dtype: str | torch.d
         model = StageModel(args, layer_range, weights, torch_device, kv_dtype_for(weights), on_built=advance)
     del weights
     _return_freed_heap()
+    release_library_pages()  # torch's start-up code: ~65 MiB of RSS
     if repack:
         repack_if_it_fits(model)
     return model

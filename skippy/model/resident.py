@@ -1,0 +1,54 @@
+"""Give back the resident pages of library code that ran once.
+
+Importing torch executes and reads ~60 MiB of its shared libraries (static
+initializers registering every operator, Python bindings); those pages stay
+resident although a decode step runs a small part of them. They are clean file
+pages, so dropping them costs nothing but a minor fault for a page that is needed
+again: on the bundled model, one process went from 360 to 282 MiB (295 MiB after
+64 more decode steps, at the same speed). Only mappings that hold no private
+(written) page are touched: dropping one of those would lose what was written,
+relocations for instance.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import re
+
+log = logging.getLogger(__name__)
+
+_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
+
+
+def clean_library_mappings(smaps_text: str) -> list[tuple[int, int]]:
+    """(start, end) of every read-only, file-backed shared-library mapping with no
+    private page, from /proc/<pid>/smaps text."""
+    found, current = [], None
+    for line in smaps_text.splitlines():
+        if match := _MAPPING.match(line):
+            start, end, perms, path = match.groups()
+            is_library = ".so" in path.rsplit("/", 1)[-1] and path.startswith("/")
+            current = (int(start, 16), int(end, 16)) if is_library and "w" not in perms else None
+        elif current is not None and line.startswith("Anonymous:"):
+            if int(line.split()[1]) == 0:
+                found.append(current)
+            current = None
+    return found
+
+
+def release_library_pages() -> int:
+    """Drop this process's resident pages of clean shared-library mappings (Linux);
+    returns the bytes of address space advised. Anywhere else, nothing happens."""
+    try:
+        with open("/proc/self/smaps") as smaps:
+            mappings = clean_library_mappings(smaps.read())
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    released = sum(end - start for start, end in mappings
+                   if madvise(ctypes.c_void_p(start), end - start, mmap.MADV_DONTNEED) == 0)
+    log.debug("released the resident pages of %d MiB of library mappings", released >> 20)
+    return released
