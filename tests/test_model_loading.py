@@ -23,6 +23,7 @@ from numerics import assert_close, forward_tolerance
 from skippy.model import gguf_loader, hf_loader
 from skippy.model.args import LayerRange, ModelArgs
 from skippy.model.errors import ModelLoadError
+from skippy.model.gguf_file import GGUFFile
 from skippy.model.hf_loader import hf_name
 from skippy.model.llama import Segment, StageModel
 from skippy.model.loader import load_stage
@@ -284,6 +285,11 @@ TINY_HF_CONFIG = {
     "num_attention_heads": 2, "vocab_size": 32, "tie_word_embeddings": True,
 }  # fmt: skip
 
+def truncated_copy(source: Path, path: Path, size: int) -> Path:
+    path.write_bytes(source.read_bytes()[:size])
+    return path
+
+
 def write_junk(path: Path) -> Path:
     path.write_bytes(b"not a gguf file" * 4)
     return path
@@ -303,6 +309,16 @@ LOAD_ERRORS = [
     pytest.param(
         lambda tmp, real: write_junk(tmp / "junk.gguf"),
         None, ModelLoadError, r"Could not read .*junk\.gguf as GGUF", id="not-gguf",
+    ),
+    # a GGUF cut short inside its header (the vocabulary)
+    pytest.param(
+        lambda tmp, real: truncated_copy(real, tmp / "cut.gguf", 200_000),
+        None, ModelLoadError, r"Could not read .*cut\.gguf as GGUF: .*ends inside its header", id="truncated-header",
+    ),
+    # a GGUF cut short inside its tensor data
+    pytest.param(
+        lambda tmp, real: truncated_copy(real, tmp / "short.gguf", real.stat().st_size - 4096),
+        None, ModelLoadError, r"short\.gguf is truncated: tensor \S+ ends past the end", id="truncated-data",
     ),
     # a GGUF of another architecture
     pytest.param(
@@ -352,3 +368,16 @@ def test_load_errors_name_the_cause(make_path, layers, error, message, tmp_path,
     with pytest.raises(error, match=message) as caught:
         load_stage(path, layers, device="cpu", progress=False)
     assert type(caught.value) is error
+
+
+def test_gguf_file_reads_what_the_gguf_package_reads(gguf_path):
+    """Our header reader (model/gguf_file.py) against the gguf package's GGUFReader:
+    every metadata value, and every tensor's name, type, shape, size and bytes."""
+    ours, reference = GGUFFile(gguf_path), gguf.GGUFReader(str(gguf_path))
+    expected = {key: field.contents() for key, field in reference.fields.items() if not key.startswith("GGUF.")}
+    assert ours.fields == expected
+    assert len(ours.tensors) == len(reference.tensors)
+    for mine, theirs in zip(ours.tensors, reference.tensors):
+        assert (mine.name, mine.tensor_type, mine.shape, mine.n_bytes) == (
+            theirs.name, theirs.tensor_type, tuple(int(d) for d in theirs.shape), int(theirs.n_bytes))
+        assert mine.data.dtype == theirs.data.dtype and np.array_equal(mine.data, theirs.data)

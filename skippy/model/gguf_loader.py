@@ -10,20 +10,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from .args import LayerRange, ModelArgs
 from .errors import ModelLoadError
+from .gguf_file import GGUFFile
 from .quant import SUPPORTED, QuantizedTensor, drop_resident_pages
 from .weights import needed_tensor_names
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
-    """Open (once per process and file version) a GGUF; parsing a 49k-token
-    vocabulary takes the gguf reader seconds, and the tokenizer needs it too."""
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Open (once per process and file version) a GGUF: the tokenizer and the
+    weights' load share one parse."""
     path = Path(path).resolve()
     if not path.is_file():
         raise ModelLoadError(f"Model file not found: {path}. Fix: pass --model with an existing .gguf file.")
@@ -32,28 +33,27 @@ def open_gguf(path: str | Path) -> GGUFReader:
 
 
 @functools.lru_cache(maxsize=4)
-def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFReader:
+def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
     try:
-        return GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError/struct errors on bad files
+        return GGUFFile(path)
+    except (ValueError, OSError) as exc:  # GGUFFormatError, a bad UTF-8 key, an unreadable file
         raise ModelLoadError(f"Could not read {path} as GGUF: {exc}") from exc
 
 
-def release(reader: GGUFReader) -> None:
-    """After a load: forget the parsed metadata (the vocabulary alone is ~150 MB of
-    Python objects) and drop the file's pages from this process's resident set. The
+def release(reader: GGUFFile) -> None:
+    """After a load: forget the parsed metadata (the vocabulary's Python strings) and
+    drop the file's pages from this process's resident set. The
     mapping stays, so a quantized embedding still reads its rows; they fault back
     in one page at a time."""
     _open_gguf.cache_clear()
     drop_resident_pages(reader.data)
 
 
-def metadata_value(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def metadata_value(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
-def read_model_args(reader: GGUFReader) -> ModelArgs:
+def read_model_args(reader: GGUFFile) -> ModelArgs:
     arch = metadata_value(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
@@ -72,7 +72,7 @@ def read_model_args(reader: GGUFReader) -> ModelArgs:
     tensor_names = {t.name for t in reader.tensors}
     vocab = metadata_value(reader, f"{arch}.vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = len(reader.fields["tokenizer.ggml.tokens"])
     rope_scaling = None
     scaling_type = metadata_value(reader, f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
@@ -108,7 +108,7 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def load_gguf_tensors(
-    reader: GGUFReader,
+    reader: GGUFFile,
     args: ModelArgs,
     layers: LayerRange,
     dtype: torch.dtype | None,

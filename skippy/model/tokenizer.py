@@ -15,11 +15,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import gguf
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from skippy.model.chat_template import ChatTemplate, ChatTemplateError
+from skippy.model.gguf_file import GGUFFile
 
 TOKEN_TYPE_CONTROL = 3  # gguf TokenType.CONTROL, e.g. <|im_start|>
 TOKEN_TYPE_USER_DEFINED = 4  # gguf TokenType.USER_DEFINED, e.g. <think>
@@ -52,11 +52,6 @@ def _byte_alphabet() -> dict[int, str]:
             chars.append(256 + extra)
             extra += 1
     return {byte: chr(char) for byte, char in zip(printable, chars)}
-
-
-def _read_field(fields: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    field = fields.get(key)
-    return default if field is None else field.contents()
 
 
 def _byte_level_bpe(tokens: list[str], token_types: Sequence[int], merges: list[str]) -> Backend:
@@ -140,33 +135,32 @@ class Tokenizer:
         self._eog_ids = frozenset(eog)
 
     @classmethod
-    def from_gguf(cls, source: str | os.PathLike | gguf.GGUFReader) -> Tokenizer:
-        """Build from a GGUF's `tokenizer.ggml.*` metadata; pass an open reader to avoid re-parsing."""
-        reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(source)
-        fields = reader.fields
-        model = _read_field(fields, "tokenizer.ggml.model")
+    def from_gguf(cls, source: str | os.PathLike | GGUFFile) -> Tokenizer:
+        """Build from a GGUF's `tokenizer.ggml.*` metadata; pass an open file to avoid re-parsing."""
+        fields = (source if isinstance(source, GGUFFile) else GGUFFile(source)).fields
+        model = fields.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise TokenizerError(
                 f"Expected tokenizer.ggml.model 'gpt2' (byte-level BPE), got {model!r}. "
                 f"Fix: use a model with a byte-level BPE vocabulary, or load its Hugging Face tokenizer directory."
             )
-        pre = _read_field(fields, "tokenizer.ggml.pre", "default")
+        pre = fields.get("tokenizer.ggml.pre", "default")
         if pre not in GPT2_REGEX_PRE_TOKENIZERS:
             warnings.warn(f"GGUF pre-tokenizer {pre!r} is unknown here; splitting with the GPT-2 regex.", stacklevel=2)
-        tokens: list[str] = _read_field(fields, "tokenizer.ggml.tokens")
-        token_types: list[int] = _read_field(fields, "tokenizer.ggml.token_type", [])
-        merges: list[str] = _read_field(fields, "tokenizer.ggml.merges", [])
-        eos_id = _read_field(fields, "tokenizer.ggml.eos_token_id")
+        tokens: list[str] = fields.get("tokenizer.ggml.tokens")
+        token_types: list[int] = fields.get("tokenizer.ggml.token_type", [])
+        merges: list[str] = fields.get("tokenizer.ggml.merges", [])
+        eos_id = fields.get("tokenizer.ggml.eos_token_id")
         if eos_id is None:
             raise TokenizerError(
                 "Expected tokenizer.ggml.eos_token_id in the GGUF, got none. Fix: re-convert the model with llama.cpp."
             )
         return cls(
             _byte_level_bpe(tokens, token_types, merges),
-            bos_id=_read_field(fields, "tokenizer.ggml.bos_token_id"),
+            bos_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_id=eos_id,
-            add_bos=bool(_read_field(fields, "tokenizer.ggml.add_bos_token", False)),
-            chat_template=_read_field(fields, "tokenizer.chat_template"),
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=fields.get("tokenizer.chat_template"),
         )
 
     @classmethod
