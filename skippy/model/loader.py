@@ -78,6 +78,7 @@ def load_stage(
 def _load_stage(path: Path, layers: tuple[int, int] | None, dtype: str | torch.dtype | None, device: str,
                 progress: bool, repack: bool) -> StageModel:
     torch_device, weight_dtype = resolve_device(device), resolve_dtype(dtype)
+    release_library_pages()  # torch's start-up code (~65 MiB of RSS), before the weights add theirs
     args, reader = open_model(path)
     layer_range = LayerRange(*(layers or (0, args.num_layers)), args.num_layers)
     # one step per tensor read, then one per block (and head) built: packing quantized blocks is the slow part
@@ -95,7 +96,7 @@ def _load_stage(path: Path, layers: tuple[int, int] | None, dtype: str | torch.d
         model = StageModel(args, layer_range, weights, torch_device, kv_dtype_for(weights), on_built=advance)
     del weights
     _return_freed_heap()
-    release_library_pages()  # torch's start-up code: ~65 MiB of RSS
+    release_library_pages()  # and the code that loading ran
     if repack:
         repack_if_it_fits(model)
     return model
