@@ -6,7 +6,10 @@ keeps those codes, 4 bits (Q4_0, Q4_1, Q4_K: 0.625 bytes a weight, Q4_1's own
 size) or 8 (Q5_0, Q5_1, Q5_K, Q8_0: 1.125 bytes a weight, 1.06x Q8_0's), with
 scale and offset in float16 (the file's own for the legacy types; for K-quants
 the product of the super-block's float16 scale and a 6-bit sub-scale, rounded
-once). The kernel quantizes each input row to int8 per group of 32, as
+once). Q6_K (the 6-bit tensors of Q4_K_M files) scales every 16 weights, which one
+affine map per 32 cannot hold exactly: its values are requantized to 8-bit codes
+over each group's range (error at most half a step of range/255, ~1/8 of Q6_K's
+own step; 1.125 bytes a weight against the file's 0.82). The kernel quantizes each input row to int8 per group of 32, as
 llama.cpp does, and multiplies integer codes with integer codes.
 
 Conversion reads one tensor's blocks from the memory-mapped file, rearranges
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
 
 from . import qkernel
 from .layers import Linear
@@ -120,10 +124,23 @@ def _k_quant(blocks: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.n
     return codes, scale, offset, bits
 
 
+def requantize_8bit(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """float32 values [..., 32] -> 8-bit codes over each group's [min, max], with the
+    scale and offset rounded to float16 first (as the kernel keeps them), so the codes
+    land nearest to the values through the stored scale."""
+    low, high = values.min(-1), values.max(-1)
+    scale = ((high - low) / 255).astype(np.float16).astype(np.float32)
+    offset = low.astype(np.float16).astype(np.float32)
+    step = np.where(scale > 0, scale, 1.0)[..., None]
+    codes = np.clip(np.rint((values - offset[..., None]) / step), 0, 255).astype(np.uint8)
+    return codes, scale, offset, 8
+
+
 _LEGACY = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34}
 _K_QUANTS = {Q.Q4_K: 144, Q.Q5_K: 176}
-SUPPORTED = tuple(_LEGACY) + tuple(_K_QUANTS)
-BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8}
+REQUANTIZED = (Q.Q6_K,)  # no affine map per 32 holds these exactly: 8-bit codes from their values
+SUPPORTED = tuple(_LEGACY) + tuple(_K_QUANTS) + REQUANTIZED
+BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 8}
 
 
 def from_gguf_blocks(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> GroupAffine:
@@ -137,6 +154,9 @@ def from_gguf_blocks(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Group
     elif qtype in _K_QUANTS:
         blocks = raw.reshape(out_features, in_features // _SUPER, _K_QUANTS[qtype])
         codes, scale, offset, bits = _k_quant(blocks, qtype)
+    elif qtype in REQUANTIZED:
+        values = gguf_dequantize(raw, qtype).reshape(out_features, in_features // GROUP, GROUP)
+        codes, scale, offset, bits = requantize_8bit(values)
     else:
         raise ValueError(f"Expected one of {[t.name for t in SUPPORTED]}, got {qtype.name}")
     return GroupAffine(
@@ -166,6 +186,9 @@ class QuantizedTensor:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows [n, in] of the tokens `ids`: only their blocks are read."""
         index = ids.cpu().numpy()
+        if self.qtype in REQUANTIZED:  # the file's own values, not the kernel's 8-bit copy
+            values = gguf_dequantize(self.raw[index], self.qtype).reshape(len(index), self.shape[1])
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(ids.device)
         rows = from_gguf_blocks(self.raw[index], self.qtype, (len(index), self.shape[1]))
         return torch.from_numpy(rows.dequantize()).to(ids.device)
 
