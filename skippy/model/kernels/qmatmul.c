@@ -1,14 +1,20 @@
 /* y [M, N] (+)= x [M, K] . W^T, with W [N, K] kept as the GGUF file's integer codes.
 
    W holds, per row and group of 32 along K, codes c (4 or 8 bits) with
-   w = d * c + m (d, m float16). x is quantized per row and group of 32 to int8 q
-   with scale dx (x ~ dx * q), as llama.cpp quantizes activations, so a group's
-   product is one integer dot product:
-       sum_i w_i x_i ~ d * dx * sum_i c_i q_i + m * dx * sum_i q_i
+   w = d * c + m (d, m float16). x is quantized per row and group of 32 in two
+   int8 levels: q with scale dx = max|x| / 127, as llama.cpp quantizes activations,
+   and the remainder x - dx q (at most dx / 2) as r with scale dr = dx / 127, so
+   x ~ dx q + dr r within dr / 2, 127x closer than one level. A group's product is
+   then two integer dot products over the same codes:
+       sum_i w_i x_i ~ d (dx sum_i c_i q_i + dr sum_i c_i r_i) + m (dx sum_i q_i + dr sum_i r_i)
+   The second level doubles the integer work, which a one-row step hides behind
+   the weights' memory traffic; it is what brings the quantized model's argmax
+   agreement with transformers on the same GGUF above llama.cpp's (the weights are
+   the same: the activations' rounding is the difference).
    The offset takes the quantized sum, not the exact one: then the error is
-   sum_i w_i e_i (e = x - dx q), where with the exact sum it would be
+   sum_i w_i e_i (e = x - dx q - dr r), where with the exact sum it would be
    sum_i (w_i - m) e_i, and w - m is one-signed and about twice |w| (perplexity
-   +2.1% instead of +0.2% on SmolLM2 Q4_1; llama.cpp's Q8_1 sums alike).
+   +2.1% instead of +0.2% on SmolLM2 Q4_1 with one level; llama.cpp's Q8_1 sums alike).
 
    Layout (quant.py's Int8Weights writes it): rows in blocks of 16, one vector
    lane per row, so a block's 16 outputs come out of one register with no
@@ -43,7 +49,9 @@ static inline float f16_to_f32(uint16_t h) {
     return (float)v;
 }
 
-/* x [M, K] -> q int8 [M, K]; dx, sx [M, K/32]: scale and dx * sum(q) per group */
+/* x [M, K] -> per group of 32 (r = row * K/32 + group): q int8 [r][64], the group's
+   32 first-level codes then its 32 second-level ones; dx [r][2]: their scales;
+   sx [r]: dx * sum(q) + dr * sum(r), the offset's multiplier */
 static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx) {
     const int groups = M * (K / GROUP);
     #pragma omp parallel for schedule(static) if (M > 8)
@@ -53,11 +61,19 @@ static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, fl
         const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-        const __m512 s = _mm512_set1_ps(inv); /* cvtps rounds to nearest, ties to even */
+        const float d2 = d / 127.f, inv2 = d2 > 0.f ? 1.f / d2 : 0.f;
+        const __m512 s = _mm512_set1_ps(inv), vd = _mm512_set1_ps(d), s2 = _mm512_set1_ps(inv2);
+        /* cvtps rounds to nearest, ties to even */
         const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, s)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, s));
-        _mm_storeu_si128((__m128i *)(q + (size_t)r * GROUP), _mm512_cvtsepi32_epi8(qa));
-        _mm_storeu_si128((__m128i *)(q + (size_t)r * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
+        const __m512 ea = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qa), vd, a), eb = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qb), vd, b);
+        const __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(ea, s2)), rb = _mm512_cvtps_epi32(_mm512_mul_ps(eb, s2));
+        int8_t *out = q + (size_t)r * 2 * GROUP;
+        _mm_storeu_si128((__m128i *)out, _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtsepi32_epi8(qb));
+        _mm_storeu_si128((__m128i *)(out + 32), _mm512_cvtsepi32_epi8(ra));
+        _mm_storeu_si128((__m128i *)(out + 48), _mm512_cvtsepi32_epi8(rb));
         const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        const int sum2 = _mm512_reduce_add_epi32(_mm512_add_epi32(ra, rb));
 #else
         float amax = 0.f;
         for (int i = 0; i < GROUP; i++) {
@@ -65,14 +81,18 @@ static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, fl
             amax = a > amax ? a : amax;
         }
         const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-        int sum = 0;
+        const float d2 = d / 127.f, inv2 = d2 > 0.f ? 1.f / d2 : 0.f;
+        int8_t *out = q + (size_t)r * 2 * GROUP;
+        int sum = 0, sum2 = 0;
         for (int i = 0; i < GROUP; i++) {
-            q[(size_t)r * GROUP + i] = (int8_t)(int)rintf(v[i] * inv); /* ties to even */
-            sum += q[(size_t)r * GROUP + i];
+            const float level = rintf(v[i] * inv); /* ties to even */
+            out[i] = (int8_t)(int)level;
+            out[GROUP + i] = (int8_t)(int)rintf(fmaf(-level, d, v[i]) * inv2);
+            sum += out[i], sum2 += out[GROUP + i];
         }
 #endif
-        dx[r] = d;
-        sx[r] = d * (float)sum;
+        dx[2 * r] = d, dx[2 * r + 1] = d2;
+        sx[r] = d * (float)sum + d2 * (float)sum2;
     }
 }
 
@@ -94,39 +114,45 @@ static inline __attribute__((always_inline)) void block_tile(
     __m512 acc[MT], off[MT];
     for (int j = 0; j < MT; j++) {
         const int m = m0 + j < M ? m0 + j : m0;
-        qr[j] = q + (size_t)m * G * GROUP;
-        dr[j] = dx + (size_t)m * G;
+        qr[j] = q + (size_t)m * G * 2 * GROUP;
+        dr[j] = dx + (size_t)m * G * 2;
         sr[j] = sx + (size_t)m * G;
         acc[j] = off[j] = _mm512_setzero_ps();
     }
     const uint8_t *codes = w + (size_t)b * G * block_group_bytes;
     const uint16_t *bd = wd + (size_t)b * G * LANES, *bm = wm + (size_t)b * G * LANES;
     for (int g = 0; g < G; g++, codes += block_group_bytes) {
-        __m512i lo[MT], hi[MT]; /* two integer chains per row of x */
+        __m512i lo[MT], hi[MT]; /* per row of x: its first level (lo) and its second (hi) */
         for (int j = 0; j < MT; j++) lo[j] = hi[j] = _mm512_setzero_si512();
         if (bits == 4) {
             for (int c = 0; c < 4; c++) {
                 const __m512i raw = _mm512_loadu_si512(codes + c * 64);
                 const __m512i cl = _mm512_and_si512(raw, low4), ch = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
                 for (int j = 0; j < MT; j++) {
-                    lo[j] = _mm512_dpbusd_epi32(lo[j], cl, bcast4(qr[j] + g * GROUP + 4 * c));
-                    hi[j] = _mm512_dpbusd_epi32(hi[j], ch, bcast4(qr[j] + g * GROUP + 16 + 4 * c));
+                    const int8_t *qg = qr[j] + g * 2 * GROUP;
+                    lo[j] = _mm512_dpbusd_epi32(lo[j], cl, bcast4(qg + 4 * c));
+                    hi[j] = _mm512_dpbusd_epi32(hi[j], cl, bcast4(qg + GROUP + 4 * c));
+                    lo[j] = _mm512_dpbusd_epi32(lo[j], ch, bcast4(qg + 16 + 4 * c));
+                    hi[j] = _mm512_dpbusd_epi32(hi[j], ch, bcast4(qg + GROUP + 16 + 4 * c));
                 }
             }
         } else {
-            for (int c = 0; c < 8; c += 2) {
-                const __m512i c0 = _mm512_loadu_si512(codes + c * 64), c1 = _mm512_loadu_si512(codes + c * 64 + 64);
+            for (int c = 0; c < 8; c++) {
+                const __m512i cw = _mm512_loadu_si512(codes + c * 64);
                 for (int j = 0; j < MT; j++) {
-                    lo[j] = _mm512_dpbusd_epi32(lo[j], c0, bcast4(qr[j] + g * GROUP + 4 * c));
-                    hi[j] = _mm512_dpbusd_epi32(hi[j], c1, bcast4(qr[j] + g * GROUP + 4 * c + 4));
+                    const int8_t *qg = qr[j] + g * 2 * GROUP;
+                    lo[j] = _mm512_dpbusd_epi32(lo[j], cw, bcast4(qg + 4 * c));
+                    hi[j] = _mm512_dpbusd_epi32(hi[j], cw, bcast4(qg + GROUP + 4 * c));
                 }
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bd + g * LANES)));
         const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bm + g * LANES)));
         for (int j = 0; j < MT; j++) {
-            const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[j], hi[j]));
-            acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(dots, d), _mm512_set1_ps(dr[j][g]), acc[j]);
+            const __m512 first = _mm512_mul_ps(_mm512_cvtepi32_ps(lo[j]), d);
+            const __m512 second = _mm512_mul_ps(_mm512_cvtepi32_ps(hi[j]), d);
+            acc[j] = _mm512_fmadd_ps(first, _mm512_set1_ps(dr[j][2 * g]), acc[j]);
+            acc[j] = _mm512_fmadd_ps(second, _mm512_set1_ps(dr[j][2 * g + 1]), acc[j]);
             off[j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sr[j][g]), off[j]);
         }
     }
@@ -154,21 +180,24 @@ __attribute__((unused)) static void block_plain(int b, int M, int G, int bits, c
         float total[LANES] = {0};
         for (int g = 0; g < G; g++) {
             const uint8_t *codes = w + ((size_t)b * G + g) * block_group_bytes;
-            const int8_t *qg = q + ((size_t)m * G + g) * GROUP;
-            int32_t dots[LANES] = {0};
-            for (int c = 0; c < (bits == 4 ? 4 : 8); c++)
-                for (int i = 0; i < LANES; i++)
-                    for (int t = 0; t < 4; t++) {
-                        const uint8_t byte = codes[c * 64 + 4 * i + t];
-                        if (bits == 4)
-                            dots[i] += (byte & 15) * qg[4 * c + t] + (byte >> 4) * qg[16 + 4 * c + t];
-                        else
-                            dots[i] += byte * qg[4 * c + t];
-                    }
+            const size_t r = (size_t)m * G + g;
+            for (int level = 0; level < 2; level++) {
+                const int8_t *qg = q + r * 2 * GROUP + level * GROUP;
+                int32_t dots[LANES] = {0};
+                for (int c = 0; c < (bits == 4 ? 4 : 8); c++)
+                    for (int i = 0; i < LANES; i++)
+                        for (int t = 0; t < 4; t++) {
+                            const uint8_t byte = codes[c * 64 + 4 * i + t];
+                            if (bits == 4)
+                                dots[i] += (byte & 15) * qg[4 * c + t] + (byte >> 4) * qg[16 + 4 * c + t];
+                            else
+                                dots[i] += byte * qg[4 * c + t];
+                        }
+                const size_t s = ((size_t)b * G + g) * LANES;
+                for (int i = 0; i < LANES; i++) total[i] += f16_to_f32(wd[s + i]) * (float)dots[i] * dx[2 * r + level];
+            }
             const size_t s = ((size_t)b * G + g) * LANES;
-            for (int i = 0; i < LANES; i++)
-                total[i] += f16_to_f32(wd[s + i]) * (float)dots[i] * dx[(size_t)m * G + g]
-                            + f16_to_f32(wm[s + i]) * sx[(size_t)m * G + g];
+            for (int i = 0; i < LANES; i++) total[i] += f16_to_f32(wm[s + i]) * sx[r];
         }
         float *out = y + (size_t)m * N + (size_t)b * LANES;
         for (int i = 0; i < LANES; i++) out[i] = accumulate ? out[i] + total[i] : total[i];
@@ -181,8 +210,8 @@ int skippy_qmatmul(const float *x, int M, int K, const uint8_t *w, const uint16_
                    int bits, int N, float *y, int accumulate) {
     if (K % GROUP || N % LANES || (bits != 4 && bits != 8) || M < 1) return -1;
     const int G = K / GROUP;
-    int8_t *q = malloc((size_t)M * K);
-    float *dx = malloc(sizeof(float) * M * G), *sx = malloc(sizeof(float) * M * G);
+    int8_t *q = malloc((size_t)M * K * 2);
+    float *dx = malloc(sizeof(float) * M * G * 2), *sx = malloc(sizeof(float) * M * G);
     if (!q || !dx || !sx) {
         free(q), free(dx), free(sx);
         return -2;
