@@ -14,6 +14,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                         help="weights: auto (default) keeps them as the file stores them, GGUF 4- to 8-bit types "
                              "quantized; a float dtype dequantizes every weight to it")
+    parser.add_argument("--quantize", dest="dtype", choices=["int4", "int8"],
+                        help="a Hugging Face checkpoint's matmul weights as 4- or 8-bit codes per group of 32 "
+                             "(GGUF files keep their own quantization)")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     parser.add_argument("--ctx-size", type=int, default=None, help="context size per session (default: the model's)")
     parser.add_argument("--no-repack", dest="repack", action="store_false",

@@ -149,6 +149,27 @@ def test_hf_dir_logits_equal_gguf(hf_dir, full_weights, prompt_ids, gguf_logits)
     assert_close("HF directory == GGUF logits", got, gguf_logits, bound(model.args, len(prompt_ids)))
 
 
+@pytest.mark.parametrize(("quantize", "bits"), [("int8", 8), ("int4", 4)])
+def test_hf_dir_quantized_on_request(hf_dir, gguf_logits, prompt_ids, quantize, bits):
+    """--quantize: a checkpoint's matmul weights (the tied head too) as `bits`-bit codes
+    through our kernel, norms and the embedding as stored. These weights are the bundled
+    Q4_1 model's, which a 4-bit grid over each group's range holds again, so int4 too
+    keeps the GGUF path's argmax at nearly every position."""
+    model = load_stage(hf_dir, dtype=quantize, device="cpu", progress=False)
+    assert {getattr(linear, "bits", None) for linear in model.linears} == {bits}
+    assert model.embedding.dtype == torch.float32 and model.kv_dtype == torch.float16
+    weights = sum(linear.out_features * linear.in_features for linear in model.linears)
+    held = sum(t.nbytes for linear in model.linears for t in linear.tensors)
+    assert held == weights * (bits / 8 + 4 / 32)  # the codes, and a float16 scale and offset per 32
+    got = model.compute_logits(run(model, torch.tensor(prompt_ids)))
+    assert (got.argmax(-1) == gguf_logits.argmax(-1)).float().mean() >= 0.95
+
+
+def test_quantize_refuses_a_gguf(gguf_path):
+    with pytest.raises(ValueError, match=r"--quantize int4 is for Hugging Face checkpoints.*Fix: drop --quantize"):
+        load_stage(gguf_path, (0, 1), dtype="int4", device="cpu", progress=False)
+
+
 def test_hf_dir_middle_stage_equals_gguf(hf_dir, make_stage, prompt_ids):
     hidden = run(make_stage(0, 10), torch.tensor(prompt_ids))  # [T, D] activations entering layer 10
     gguf_stage = make_stage(10, 20)

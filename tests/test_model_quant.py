@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 from numerics import record, unit_roundoff
 from skippy.model import gguf_loader, qkernel
 from skippy.model.llama import Segment
-from skippy.model.quant import (REQUANTIZED, SUPPORTED, GroupAffine, QuantizedTensor, QuantLinear, deinterleave,
+from skippy.model.quant import (REQUANTIZED, SUPPORTED, FloatWeight, GroupAffine, QuantizedTensor, QuantLinear, deinterleave,
                                 from_gguf_blocks, interleave)
 
 BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
@@ -42,12 +42,12 @@ def test_every_supported_type_has_a_test_layout():
 
 
 def requantization_bound(weight: GroupAffine, values: np.ndarray) -> np.ndarray:
-    """Per weight, what requantize_8bit may cost: half a step of its float16 scale,
-    the float16 rounding of the group's minimum and of the range / 255 times the
-    largest code (clipped at 255), and the float32 arithmetic of both decoders."""
+    """Per weight, what requantize(values, bits) may cost: half a step of its float16
+    scale, the float16 rounding of the group's minimum and of the range / top times the
+    largest code (clipped at top = 2^bits - 1), and the float32 arithmetic of both decoders."""
     s, o = (np.repeat(a.astype(np.float64), 32, axis=1) for a in (weight.scale, weight.offset))
-    u16, u32 = unit_roundoff(torch.float16), unit_roundoff()
-    return 0.5 * s + u16 * (np.abs(o) + 255 * s) + 4 * u32 * (np.abs(values) + np.abs(o) + 255 * s)
+    u16, u32, top = unit_roundoff(torch.float16), unit_roundoff(), 2**weight.bits - 1
+    return 0.5 * s + u16 * (np.abs(o) + top * s) + 4 * u32 * (np.abs(values) + np.abs(o) + top * s)
 
 
 def assert_within(name: str, got: np.ndarray, expected: np.ndarray, bound: np.ndarray) -> None:
@@ -85,6 +85,16 @@ def kernel_weight_bound(weight: GroupAffine) -> np.ndarray:
     codes = weight.codes.astype(np.float64)
     s, o = (np.repeat(a.astype(np.float64), 32, axis=1) for a in (weight.scale, weight.offset))
     return np.maximum(u * np.abs(s), 2.0**-25) * codes + np.maximum(u * np.abs(o), 2.0**-25)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_float_weights_requantize_within_the_bound(bits):
+    """--quantize: a checkpoint's float weights as codes over each group of 32's range."""
+    values = np.random.default_rng(bits).standard_normal((32, 256)).astype(np.float32) * 0.05
+    weight = FloatWeight(torch.from_numpy(values), bits).affine()
+    assert weight.bits == bits and weight.codes.max() == 2**bits - 1 and weight.codes.min() == 0
+    assert_within(f"int{bits} requantized float weights (fraction of the bound)", weight.dequantize().astype(np.float64),
+                  values.astype(np.float64), requantization_bound(weight, values))
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)

@@ -260,7 +260,7 @@ class LocalChain:
         await self.close()
 
 
-_WEIGHT_NAMES = {"auto": "auto", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+_WEIGHT_NAMES = {"auto": "auto", "float32": "f32", "float16": "f16", "bfloat16": "bf16", "int4": "int4", "int8": "int8"}
 
 
 def generate_on_chain(prompt_ids: Sequence[int], model_path: str | Path, *,

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from .args import LayerRange, ModelArgs
 from .errors import ModelLoadError
+from .quant import FloatWeight
 from .weights import BLOCK_TENSORS, needed_tensor_names
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
@@ -73,6 +74,9 @@ def read_hf_args(directory: Path) -> ModelArgs:
     )
 
 
+MATMUL_SUFFIXES = tuple(f".{t}.weight" for t in BLOCK_TENSORS if not t.endswith("norm"))
+
+
 def load_hf_tensors(
     directory: Path,
     args: ModelArgs,
@@ -80,7 +84,10 @@ def load_hf_tensors(
     dtype: torch.dtype | None,
     device: torch.device,
     on_tensor: Callable[[], None] = lambda: None,
-) -> dict[str, torch.Tensor]:
+    quantize_bits: int | None = None,
+) -> dict[str, torch.Tensor | FloatWeight]:
+    """The stage's tensors as stored (or in `dtype`); with `quantize_bits`, every matmul
+    weight (the output head too, tied or not) becomes a FloatWeight for the kernel."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{directory} holds no .safetensors files.")
@@ -98,4 +105,9 @@ def load_hf_tensors(
         is_norm = name.endswith("norm.weight")
         weights[name] = tensor.to(device=device, dtype=torch.float32 if is_norm else dtype or tensor.dtype)
         on_tensor()
+    if quantize_bits is not None:
+        for name in [n for n in weights if n.endswith(MATMUL_SUFFIXES) or n == "output.weight"]:
+            weights[name] = FloatWeight(weights[name], quantize_bits)
+        if layers.is_last and "output.weight" not in weights:  # tied: the head quantized, lookups stay float
+            weights["output.weight"] = FloatWeight(weights["token_embd.weight"], quantize_bits)
     return weights

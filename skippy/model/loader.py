@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 # "auto": as the file stores it, GGUF quantized types kept quantized (quant.py)
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# a Hugging Face checkpoint's float matmul weights as 4- or 8-bit codes (--quantize)
+QUANTIZE = {"int4": 4, "int8": 8}
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -31,10 +33,13 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """The torch dtype weights load in; None: as stored (and for --quantize's int4/int8)."""
     if name is None or isinstance(name, torch.dtype):
         return name
+    if name in QUANTIZE:
+        return None
     if name not in DTYPES:
-        raise ValueError(f"Expected a dtype in {sorted(DTYPES)}, got {name!r}")
+        raise ValueError(f"Expected a dtype in {sorted(DTYPES) + sorted(QUANTIZE)}, got {name!r}")
     return DTYPES[name]
 
 
@@ -65,7 +70,8 @@ def load_stage(
 
     `dtype` "auto" keeps the weights as stored (GGUF 4- to 8-bit types packed for
     the kernels/qmatmul.c codes); a float dtype dequantizes to it (float32 is the parity
-    reference).
+    reference); "int4"/"int8" (--quantize) turn a Hugging Face checkpoint's matmul
+    weights into 4-/8-bit codes per group of 32 for the same kernel.
 
     `repack`: also keep the matmul weights prepacked for multi-row batches (CPU float32;
     see Linear), unless that copy would take over half the memory still available.
@@ -80,13 +86,17 @@ def _load_stage(path: Path, layers: tuple[int, int] | None, dtype: str | torch.d
     torch_device, weight_dtype = resolve_device(device), resolve_dtype(dtype)
     release_library_pages()  # torch's start-up code (~65 MiB of RSS), before the weights add theirs
     args, reader = open_model(path)
+    quantize_bits = QUANTIZE.get(dtype) if isinstance(dtype, str) else None
+    if quantize_bits and reader is not None:
+        raise ValueError(f"--quantize {dtype} is for Hugging Face checkpoints; {path.name} is a GGUF, whose "
+                         "quantized blocks are kept as they are. Fix: drop --quantize (the default keeps them)")
     layer_range = LayerRange(*(layers or (0, args.num_layers)), args.num_layers)
     # one step per tensor read, then one per block (and head) built: packing quantized blocks is the slow part
     total = len(needed_tensor_names(layer_range, args.tie_word_embeddings)) + layer_range.num_local_layers
     total += layer_range.is_last
     with progress_bar(f"Loading layers {layer_range} of {path.name}", total, progress) as advance:
         if reader is None:
-            weights = load_hf_tensors(path, args, layer_range, weight_dtype, torch_device, advance)
+            weights = load_hf_tensors(path, args, layer_range, weight_dtype, torch_device, advance, quantize_bits)
         else:
             weights = load_gguf_tensors(reader, args, layer_range, weight_dtype, torch_device, advance)
             # The weights are views of the file's mapping now: the parsed metadata can go before packing.

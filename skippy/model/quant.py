@@ -124,16 +124,17 @@ def _k_quant(blocks: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.n
     return codes, scale, offset, bits
 
 
-def requantize_8bit(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """float32 values [..., 32] -> 8-bit codes over each group's [min, max], with the
-    scale and offset rounded to float16 first (as the kernel keeps them), so the codes
-    land nearest to the values through the stored scale."""
+def requantize(values: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """float32 values [..., 32] -> `bits`-bit codes over each group's [min, max], with
+    the scale and offset rounded to float16 first (as the kernel keeps them), so the
+    codes land nearest to the values through the stored scale."""
+    top = 2**bits - 1
     low, high = values.min(-1), values.max(-1)
-    scale = ((high - low) / 255).astype(np.float16).astype(np.float32)
+    scale = ((high - low) / top).astype(np.float16).astype(np.float32)
     offset = low.astype(np.float16).astype(np.float32)
     step = np.where(scale > 0, scale, 1.0)[..., None]
-    codes = np.clip(np.rint((values - offset[..., None]) / step), 0, 255).astype(np.uint8)
-    return codes, scale, offset, 8
+    codes = np.clip(np.rint((values - offset[..., None]) / step), 0, top).astype(np.uint8)
+    return codes, scale, offset, bits
 
 
 _LEGACY = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34}
@@ -156,7 +157,7 @@ def from_gguf_blocks(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Group
         codes, scale, offset, bits = _k_quant(blocks, qtype)
     elif qtype in REQUANTIZED:
         values = gguf_dequantize(raw, qtype).reshape(out_features, in_features // GROUP, GROUP)
-        codes, scale, offset, bits = requantize_8bit(values)
+        codes, scale, offset, bits = requantize(values, 8)
     else:
         raise ValueError(f"Expected one of {[t.name for t in SUPPORTED]}, got {qtype.name}")
     return GroupAffine(
@@ -183,6 +184,14 @@ class QuantizedTensor:
         raw = self.raw[index.min() : index.max() + 1] if self.row_order is None else self.raw[index]
         return from_gguf_blocks(raw, self.qtype, (len(index), self.shape[1]))
 
+    @property
+    def bits(self) -> int:
+        return BITS[self.qtype]
+
+    def release(self) -> None:
+        """Packed: the file's pages under this tensor can leave the resident set."""
+        drop_resident_pages(self.raw)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows [n, in] of the tokens `ids`: only their blocks are read."""
         index = ids.cpu().numpy()
@@ -191,6 +200,29 @@ class QuantizedTensor:
             return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(ids.device)
         rows = from_gguf_blocks(self.raw[index], self.qtype, (len(index), self.shape[1]))
         return torch.from_numpy(rows.dequantize()).to(ids.device)
+
+
+@dataclass(frozen=True, slots=True)
+class FloatWeight:
+    """A float matmul weight [out, in] (a Hugging Face checkpoint's, `--quantize`) to
+    keep as `bits`-bit codes over each group of 32's range, as Q4_1 and our Q6_K
+    conversion do; converted when the model is built, a chunk of rows at a time."""
+
+    weight: torch.Tensor
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def affine(self, rows: slice = slice(None)) -> GroupAffine:
+        values = self.weight[rows].float().numpy()
+        n, k = values.shape
+        codes, scale, offset, bits = requantize(values.reshape(n, k // GROUP, GROUP), self.bits)
+        return GroupAffine(codes.reshape(n, k), scale, offset, bits)
+
+    def release(self) -> None:
+        pass
 
 
 def drop_resident_pages(view: np.ndarray) -> None:
@@ -283,10 +315,10 @@ class QuantLinear:
                    torch.from_numpy(_by_block(weight.offset)), bits, n, k)
 
     @classmethod
-    def of_blocks(cls, parts: list[QuantizedTensor]) -> "QuantLinear":
+    def of_blocks(cls, parts: "list[QuantizedTensor | FloatWeight]") -> "QuantLinear":
         """One matmul over `parts` stacked along out, converted _CHUNK_ROWS rows at a
         time straight into the final tensors."""
-        bits = max(kernel_bits(BITS[p.qtype]) for p in parts)
+        bits = max(kernel_bits(p.bits) for p in parts)
         n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
         row_bytes = k * bits // 8
         codes = torch.empty(n * row_bytes, dtype=torch.uint8)
@@ -301,12 +333,12 @@ class QuantLinear:
                 scale[row // LANES : (row + rows) // LANES] = torch.from_numpy(_by_block(chunk.scale))
                 offset[row // LANES : (row + rows) // LANES] = torch.from_numpy(_by_block(chunk.offset))
                 row += rows
-            drop_resident_pages(part.raw)
+            part.release()
         return cls(codes, scale, offset, bits, n, k)
 
     @staticmethod
     def can_pack(parts: list) -> bool:
-        return all(isinstance(p, QuantizedTensor) and p.shape[0] % LANES == 0 and p.shape[1] % GROUP == 0
+        return all(isinstance(p, (QuantizedTensor, FloatWeight)) and p.shape[0] % LANES == 0 and p.shape[1] % GROUP == 0
                    for p in parts) and qkernel.available()
 
     @property
@@ -340,7 +372,7 @@ class QuantLinear:
         return torch.from_numpy(self.affine().dequantize())
 
 
-def build_linear(parts: list[torch.Tensor | QuantizedTensor], device: torch.device) -> Linear | QuantLinear:
+def build_linear(parts: list[torch.Tensor | QuantizedTensor | FloatWeight], device: torch.device) -> Linear | QuantLinear:
     """One matmul over `parts` stacked along out (q, k, v; gate, up).
 
     All parts quantized, on CPU, with the kernel built: QuantLinear. Otherwise (CUDA

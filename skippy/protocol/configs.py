@@ -99,7 +99,7 @@ class StageConfig(_Frozen):
     downstream: PeerEndpoint | None = None     # None = the final stage
     auth_token: str | None = Field(None, repr=False)
     activation_dtype: Literal["f32", "f16", "bf16"] = "f32"
-    weight_dtype: Literal["auto", "f32", "f16", "bf16"] = "auto"
+    weight_dtype: Literal["auto", "f32", "f16", "bf16", "int4", "int8"] = "auto"
     repack_weights: bool = True                # a batch-friendly copy of float32 CPU weights
     device: str = "auto"
     max_inflight: int = Field(4, ge=1)
