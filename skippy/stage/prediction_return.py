@@ -84,6 +84,10 @@ class ReturnListener:
             log.warning("prediction-return stream refused or broken: %s", error)
         except (ConnectionError, OSError, asyncio.IncompleteReadError):
             pass
+        except asyncio.CancelledError:
+            # close() cancels us; ending normally keeps Python 3.11's stream callback from
+            # logging the cancellation as an "Exception in callback" traceback
+            pass
         finally:
             self._tasks.discard(asyncio.current_task())
             writer.close()
