@@ -1,12 +1,15 @@
 """Decode and prefill throughput of 1, 2 and 3 local stages, and the cost of a decode hop.
 
-    python bench/chain.py [--rounds 5] [--threads 1] [--decode-tokens 64] [--prompt-tokens 512]
+    python bench/chain.py [--rounds 5] [--threads 2] [--decode-tokens 64] [--prompt-tokens 512]
 
-Every configuration stays up for the whole run and the rounds interleave them
-(1, 2, 3, 1, 2, 3, ...), so a noisy neighbour hurts all of them alike; figures
-are medians over rounds. Stages 1..N-1 are separate processes with the same
-torch thread count as the one-process run: in single-stream decode only one
-stage computes at a time. A decode token takes N hops with the direct return
+The rounds interleave the configurations (1, 2, 3, 1, 2, 3, ...), so a noisy
+neighbour hurts all of them alike; figures are medians over rounds. Each is
+started for its turn and closed after it: stage 0 of every configuration runs in
+this process, and several runtimes alive at once would each hold an OpenMP team,
+which throttles them all (skippy/model/threads.py). Every configuration runs the
+default quantized weights, with `LocalChain`'s settings for stages sharing this
+machine: every core per stage (only one computes at a time in single-stream
+decode) and a short libgomp spin. A decode token takes N hops with the direct return
 (S0 -> S1 -> ... -> S0), so the end-to-end overhead per hop is
 (ms/token with N stages - ms/token with one) / N, in wall time and in CPU time
 of all the chain's processes (the CPU figure holds up on a busy machine). The
@@ -21,7 +24,9 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle stages must not spin on the cores
+from skippy.model.threads import spin_for_co_located_stages  # noqa: E402
+
+spin_for_co_located_stages()  # before torch loads, as `skippy serve --stages N` does
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -62,8 +67,11 @@ async def measure(client: ChainClient, pids: list[int], prompt: list[int],
 async def wire_hop_us(num_round_trips: int = 2000, width: int = 576) -> float:
     """Half a loopback round trip of DecodeEmbd + PredictedToken, protocol code only."""
     async def echo(reader, writer):
-        while await read_message(reader) is not None:
-            await write_reply(writer, StageReply.token(42))
+        try:
+            while await read_message(reader) is not None:
+                await write_reply(writer, StageReply.token(42))
+        except asyncio.CancelledError:  # the run ends: no traceback for that
+            pass
 
     server = await asyncio.start_server(echo, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -83,34 +91,34 @@ async def wire_hop_us(num_round_trips: int = 2000, width: int = 576) -> float:
     return statistics.median(samples) / 2 * 1e6
 
 
+async def measure_one(n: int, args: argparse.Namespace, path, prompt: list[int]) -> tuple[float, float, float]:
+    """Start `n` stages (1: a ChainClient holding the whole model), warm up, measure, close."""
+    if n == 1:
+        client, chain, pids = ChainClient(load_stage(path, device="cpu", progress=False), ctx_size=2048), None, []
+        await client.start()
+    else:
+        chain = LocalChain(path, n, threads=args.threads, ctx_size=2048)
+        client = await chain.start()
+        pids = [process.pid for process in chain.processes]
+    try:
+        await measure(client, pids, prompt[:64], 8)  # warm-up: first-call allocations, page faults
+        return await measure(client, pids, prompt, args.decode_tokens)
+    finally:
+        await (client.close() if chain is None else chain.close())
+
+
 async def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     path = bundled_model_path()
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 40000, size=args.prompt_tokens).tolist()
-    one = ChainClient(load_stage(path, dtype="float32", device="cpu", progress=False),
-                      ctx_size=2048)
-    await one.start()
-    chains = [LocalChain(path, n, threads=args.threads, ctx_size=2048) for n in (2, 3)]
-    clients, pids = {1: one}, {1: []}
-    try:
-        for n, chain in zip((2, 3), chains):
-            clients[n] = await chain.start()
-            pids[n] = [process.pid for process in chain.processes]
-        for n, client in clients.items():  # warm-up: first-call allocations, page faults
-            await measure(client, pids[n], prompt[:64], 8)
-        results: dict[int, list[tuple[float, float, float]]] = {n: [] for n in clients}
-        for round_index in range(args.rounds):
-            for n, client in clients.items():
-                results[n].append(await measure(client, pids[n], prompt, args.decode_tokens))
-            print(f"round {round_index + 1}/{args.rounds}: " + "  ".join(
-                f"{n} stage{'s' * (n > 1)} {results[n][-1][1]:.1f} tok/s" for n in clients),
-                flush=True)
-        hop_us = await wire_hop_us()
-    finally:
-        await one.close()
-        for chain in chains:
-            await chain.close()
+    results: dict[int, list[tuple[float, float, float]]] = {n: [] for n in (1, 2, 3)}
+    for round_index in range(args.rounds):
+        for n in results:
+            results[n].append(await measure_one(n, args, path, prompt))
+        print(f"round {round_index + 1}/{args.rounds}: " + "  ".join(
+            f"{n} stage{'s' * (n > 1)} {results[n][-1][1]:.1f} tok/s" for n in results), flush=True)
+    hop_us = await wire_hop_us()
 
     decode = {n: statistics.median(r[1] for r in results[n]) for n in results}
     prefill = {n: statistics.median(r[0] for r in results[n]) for n in results}
@@ -138,7 +146,7 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads in every stage")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads in every stage")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     asyncio.run(main(parser.parse_args()))
