@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from skippy.runtime.scheduler import IterationScheduler, SchedulerBusyError, _Cadence
+from skippy.runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS, IterationScheduler, SchedulerBusyError, _Cadence
 from skippy.runtime.session import LaneLimitError, SessionError, SessionTable
 
 
@@ -124,6 +125,31 @@ def test_a_straggler_is_waited_for_and_the_other_pipeline_wave_is_not():
         assert scheduler._peer_deadline(since=now) is None
     finally:
         scheduler.shutdown()
+
+
+def test_stages_sharing_cores_wait_for_the_other_wave():
+    """peer_wait_forwards=2 (LocalChain's stages on one machine): the peer a forward
+    away is waited for too, so every session ends up in one wave."""
+    scheduler = IterationScheduler(FakeModel(delay_s=0), peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
+    try:
+        now = time.perf_counter()
+        scheduler._forward_s = 0.04
+        scheduler._cadences = {"other wave": _Cadence(last_submit=now - 0.06, period_s=0.1)}
+        deadline = scheduler._peer_deadline(since=now)
+        assert deadline == pytest.approx(now + 0.04 + scheduler.batch_wait_s, abs=4 * math.ulp(now + 1.0))
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_local_chain_shares_the_cores_as_one_wave(gguf_path):
+    from skippy.frontend.local_chain import LocalChain
+
+    chain = LocalChain(gguf_path, 2)
+    try:
+        assert chain.threads == os.cpu_count()
+        assert {c.peer_wait_forwards for c in chain.configs} == {ONE_WAVE_PEER_WAIT_FORWARDS}
+    finally:
+        chain._dir.cleanup()
 
 
 def test_a_lone_session_never_waits():

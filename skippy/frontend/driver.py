@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from ..model.llama import StageModel
 from ..protocol import SamplingConfig, StageReplyStats
 from ..runtime.engine import StageRuntime
-from ..runtime.scheduler import PEER_WAIT_FORWARDS
 from ..runtime.proposers import Proposer, create_proposer
+from ..runtime.scheduler import PEER_WAIT_FORWARDS
 from ..runtime.speculation import SpeculativeSettings
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.downstream import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, DownstreamLink, LinkBroken
