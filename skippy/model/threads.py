@@ -4,8 +4,9 @@ libgomp (torch's OpenMP and our kernels alike) gives every thread that opens a p
 region a team of worker threads of its own, kept until that thread exits. Once a process
 holds more such threads than it has cores, libgomp stops letting idle workers spin (100
 spins instead of ~300,000) and every one of a decode step's ~150 parallel regions pays a
-futex wake-up. Measured on 2 cores with the bundled model: 70 tok/s with load and decode on
-one thread, 31 tok/s with the model loaded on one thread and decoded on another.
+futex wake-up. Measured on 2 cores with the bundled model: 150 tok/s with load and decode
+on one thread, 53 tok/s with the model loaded on one thread and decoded on another (138
+with loading on a passing thread, as below).
 
 So a process runs its model on one long-lived thread (the runtime's scheduler, see
 runtime/scheduler.py), and one-off parallel work, loading above all, runs on a thread that
