@@ -205,6 +205,50 @@ def test_ops_and_iterations_alternate():
     assert [kind for kind, _ in order[2:]] == ["op", "op"]  # ... before the remaining ops
 
 
+def test_prompt_chunks_of_other_sessions_share_a_forward():
+    """Chunks queued together run as one forward, in queue order; a session's next chunk
+    (it needs the first one's KV) and an op between chunks each end the run."""
+    batches = []
+    gate, started = threading.Event(), threading.Event()
+    scheduler = IterationScheduler(lambda steps: batches.append(list(steps)) or [f"done {s}" for s in steps])
+
+    async def main():
+        blocker = scheduler.submit_op(lambda: started.set() or gate.wait())
+        started.wait(5)  # hold the worker while we queue
+        chunks = [scheduler.submit_prefill(f"{key}{i}", key, 40) for key, i in [("a", 0), ("b", 0), ("c", 0), ("a", 1)]]
+        op = scheduler.submit_op(lambda: batches.append(["op"]))
+        chunks.append(scheduler.submit_prefill("d0", "d", 40))
+        gate.set()
+        await blocker
+        return [(await c).value for c in chunks], [(await c).batch_size for c in chunks], await op
+
+    values, sizes, _ = asyncio.run(main())
+    scheduler.shutdown()
+    assert batches == [["a0", "b0", "c0"], ["a1"], ["op"], ["d0"]]
+    assert values == ["done a0", "done b0", "done c0", "done a1", "done d0"] and sizes == [3, 3, 3, 1, 1]
+    assert scheduler.stats.prefill_forwards == 3 and scheduler.stats.prefill_chunks == 5
+
+
+def test_prompt_chunks_share_a_forward_up_to_a_row_budget():
+    from skippy.runtime.scheduler import MAX_PREFILL_ROWS
+
+    batches = []
+    gate, started = threading.Event(), threading.Event()
+    scheduler = IterationScheduler(lambda steps: batches.append(list(steps)) or steps)
+
+    async def main():
+        blocker = scheduler.submit_op(lambda: started.set() or gate.wait())
+        started.wait(5)
+        rows = MAX_PREFILL_ROWS // 2
+        chunks = [scheduler.submit_prefill(key, key, rows) for key in "abc"]
+        gate.set()
+        await asyncio.gather(blocker, *chunks)
+
+    asyncio.run(main())
+    scheduler.shutdown()
+    assert batches == [["a", "b"], ["c"]]
+
+
 def test_full_queue_is_refused():
     gate, started = threading.Event(), threading.Event()
     scheduler = IterationScheduler(lambda steps: steps, capacity=8)

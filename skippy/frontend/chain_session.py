@@ -145,7 +145,7 @@ class ChainSession:
             sample = SampleMode.LAST if is_last and self.is_local else SampleMode.NONE
             step = Step(self.session, self.position, size, chunk, sample=sample,
                         out_dtype=None if self.is_local else self.out_dtype)
-            timed = await runtime.run_alone(step)
+            timed = await runtime.prefill(step)
             self.stats = merge(self.stats, prefill_compute_observation(0, int(timed.run_s * 1e6),
                                                                       size))
             self.position += size
@@ -232,7 +232,7 @@ class ChainSession:
                                  tokens=prefix, cache_namespace=self.cache_namespace)
         last = int(tokens[len(prefix)])
         step = Step(self.session, len(prefix), 1, [last], out_dtype=self.out_dtype)
-        timed = await self.client.runtime.run_alone(step)
+        timed = await self.client.runtime.prefill(step)
         return self._with_rows(self._message(
             MessageKind.TryRestorePrefillDecode, pos_start=len(prefix), token_count=1,
             tokens=prefix + [last], current_token=last, sampling=self.sampling,

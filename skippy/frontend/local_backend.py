@@ -70,7 +70,7 @@ class LocalBackend:
                 chunk = prompt[start : start + self._prefill_chunk]
                 is_last = start + len(chunk) == len(prompt)
                 mode = SampleMode.LAST if is_last else SampleMode.NONE
-                timed = await runtime.run_alone(Step(session, start, len(chunk), chunk, sample=mode))
+                timed = await runtime.prefill(Step(session, start, len(chunk), chunk, sample=mode))
             token = timed.value.tokens[0]
             first_token_at = time.perf_counter()
             yield PrefillDone(len(prompt), 0, (first_token_at - started) * 1e3)

@@ -85,15 +85,10 @@ class StageRuntime:
         of this process (a draft model's forward) belongs on this thread (model/threads.py)."""
         return (await self.scheduler.submit_op(fn)).value
 
-    async def run_alone(self, step: Step) -> Timed[StepResult]:
-        """A prefill chunk: one forward of its own (spec §6.1 runtime operation)."""
-        def run() -> StepResult:
-            result = self.runner.run_batch([step])[0]
-            if isinstance(result, Exception):
-                raise result
-            return result
-
-        return await self.scheduler.submit_op(run)
+    async def prefill(self, step: Step) -> Timed[StepResult]:
+        """A prompt chunk: in order with this session's other runtime operations (spec
+        §6.1), in one forward with other sessions' chunks waiting at the same time."""
+        return await self.scheduler.submit_prefill(step, step.session.key, step.num_rows)
 
     async def configure(self, key: SessionKey, sampling: SamplingConfig | None,
                         prompt_token_count: int) -> Timed[None]:

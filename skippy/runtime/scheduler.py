@@ -4,7 +4,10 @@ Everyone else submits commands and awaits asyncio futures:
 
 * `submit_iteration(step)`: one decode or verify step of one session. Steps that
   are waiting together run as ONE batched forward (spec §6.5, "direct iterations").
-* `submit_op(fn)`: any other runtime work (a prefill chunk, trim, drop...), run alone.
+* `submit_prefill(step)`: a prompt chunk, queued in order with the ops; chunks of other
+  sessions queued right behind it run in the same forward (8 prompts arriving together
+  cost one stage forward of their rows instead of eight).
+* `submit_op(fn)`: any other runtime work (trim, drop, configure...), run alone.
 
 Each turn the worker takes one kind of work, alternating when both are waiting so
 neither starves. A single stream never waits. When several sessions are decoding,
@@ -47,6 +50,7 @@ RECENT_DECODER_S = 0.05   # with no cadence yet, a step this recent counts as de
 PEER_WAIT_FORWARDS = 0.25  # wait for a peer due back within this many forwards' time
 ONE_WAVE_PEER_WAIT_FORWARDS = 2.0  # stages sharing cores: every decoding session in one wave
 MAX_PEER_WAIT_S = 0.25    # never idle longer than this for a peer, however slow the forward
+MAX_PREFILL_ROWS = 1024   # prompt rows of several sessions that may share one forward
 CADENCE_SMOOTHING = 0.3   # weight of the newest gap in a session's cadence
 LATE_FACTOR = 2.0         # a session this many cadences overdue has stopped decoding
 
@@ -74,6 +78,8 @@ class SchedulerStats:
     batched_iterations: int = 0  # forwards that carried more than one step
     max_batch_size: int = 0
     ops: int = 0
+    prefill_forwards: int = 0    # forwards of prompt chunks
+    prefill_chunks: int = 0      # chunks inside them
     batch_sizes: dict[int, int] = field(default_factory=dict)
 
 
@@ -105,6 +111,7 @@ class _Command:
     loop: asyncio.AbstractEventLoop
     submitted: float
     key: Hashable = None
+    prefill_rows: int = 0              # > 0: a prompt chunk (the payload is its step)
 
 
 class IterationScheduler:
@@ -135,12 +142,15 @@ class IterationScheduler:
     def submit_iteration(self, step: Any, key: Hashable) -> asyncio.Future:
         return self._submit(self._iterations, step, key)
 
+    def submit_prefill(self, step: Any, key: Hashable, rows: int) -> asyncio.Future:
+        return self._submit(self._ops, step, key, max(1, rows))
+
     def submit_op(self, fn: Callable[[], T]) -> asyncio.Future:
         return self._submit(self._ops, fn, None)
 
-    def _submit(self, queue: deque, payload: Any, key: Hashable) -> asyncio.Future:
+    def _submit(self, queue: deque, payload: Any, key: Hashable, prefill_rows: int = 0) -> asyncio.Future:
         loop = asyncio.get_running_loop()
-        command = _Command(payload, loop.create_future(), loop, time.perf_counter(), key)
+        command = _Command(payload, loop.create_future(), loop, time.perf_counter(), key, prefill_rows)
         with self._cv:
             if self._closed:
                 raise SchedulerClosedError("the runtime is shut down")
@@ -187,12 +197,28 @@ class IterationScheduler:
                              for _ in range(min(self.max_batch_steps, len(self._iterations)))]
                 else:
                     op = self._ops.popleft()
+                    chunks = self._prefills_behind(op) if op.prefill_rows else []
             if run_iterations:
                 self._last_kind = "iteration"
                 self._run_iterations(batch)
+            elif op.prefill_rows:
+                self._last_kind = "op"
+                self._run_prefills([op, *chunks])
             else:
                 self._last_kind = "op"
                 self._run_op(op)
+
+    def _prefills_behind(self, first: _Command) -> list[_Command]:
+        """Called with the lock held: the prompt chunks of other sessions queued right
+        behind `first` (a session's next chunk needs this one's KV, so it waits)."""
+        chunks, keys, rows = [], {first.key}, first.prefill_rows
+        while self._ops and (nxt := self._ops[0]).prefill_rows and nxt.key not in keys:
+            if rows + nxt.prefill_rows > MAX_PREFILL_ROWS:
+                break
+            chunks.append(self._ops.popleft())
+            keys.add(nxt.key)
+            rows += nxt.prefill_rows
+        return chunks
 
     def _wait_for_peers(self) -> None:
         """Called with the lock held: wait for the decoding sessions due back soon."""
@@ -252,6 +278,20 @@ class IterationScheduler:
             self._on_batch(size)
         for command, result in zip(batch, results):
             timed = Timed(result, started - command.submitted, finished - started, size)
+            _resolve(command, result if isinstance(result, Exception) else None, timed)
+
+    def _run_prefills(self, chunks: list[_Command]) -> None:
+        started = time.perf_counter()
+        try:
+            results = self._run_batch([c.payload for c in chunks])
+        except Exception as error:  # contained, as a batch is
+            log.exception("runtime worker: %d prompt chunks failed", len(chunks))
+            results = [error] * len(chunks)
+        finished = time.perf_counter()
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_chunks += len(chunks)
+        for command, result in zip(chunks, results):
+            timed = Timed(result, started - command.submitted, finished - started, len(chunks))
             _resolve(command, result if isinstance(result, Exception) else None, timed)
 
     def _run_op(self, command: _Command) -> None:

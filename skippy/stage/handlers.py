@@ -67,7 +67,7 @@ async def on_prefill(conn: StageConnection, msg: StageMessage, span: Span) -> No
     """PrefillEmbd: compute, forward asynchronously, defer the downstream ACK."""
     session = conn.open_session(msg)
     link = await conn.downstream()
-    timed = await conn.runtime.run_alone(conn.step(session, msg, SampleMode.NONE))
+    timed = await conn.runtime.prefill(conn.step(session, msg, SampleMode.NONE))
     _note_compute(conn, msg, span, timed)
     index = conn.config.stage_index
     conn.add_stats(prefill_compute_observation(index, _us(timed.run_s), msg.token_count))
@@ -100,7 +100,7 @@ async def on_predicting(conn: StageConnection, msg: StageMessage, span: Span) ->
     sample = SampleMode.NONE if link is not None else SampleMode.ALL if is_window else SampleMode.LAST
     step = conn.step(session, msg, sample, window=is_window)
     if msg.kind == MessageKind.PrefillFinalEmbd:
-        timed = await conn.runtime.run_alone(step)
+        timed = await conn.runtime.prefill(step)
         conn.add_stats(prefill_compute_observation(conn.config.stage_index, _us(timed.run_s),
                                                    msg.token_count))
     else:
@@ -272,7 +272,7 @@ async def _restore_decode(conn: StageConnection, msg: StageMessage, session, lin
     still ACKs upstream with the merged stats, so each one learns whether the chain hit."""
     step_msg = dataclasses.replace(msg, tokens=[msg.current_token])
     sample = SampleMode.NONE if link is not None else SampleMode.LAST
-    timed = await conn.runtime.run_alone(conn.step(session, step_msg, sample))
+    timed = await conn.runtime.prefill(conn.step(session, step_msg, sample))
     _note_compute(conn, msg, span, timed)
     if link is None:
         await conn.return_prediction(msg, StageReply.token(timed.value.tokens[0]))
