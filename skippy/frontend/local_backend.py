@@ -1,8 +1,8 @@
 """`LocalBackend`: the whole model in this process, behind the GenerationBackend seam.
 
 Model work goes through the runtime's `StageRuntime`: one worker thread owns the
-model (the event loop never blocks on a forward), prefill chunks run alone, and
-decode steps that are waiting together run as one batched forward. This module
+model (the event loop never blocks on a forward), prompt chunks and decode steps
+each run batched with those of other sessions waiting at the same time. This module
 only sequences one request: open a session, prefill, decode until a stop id,
 max_tokens or the context end, then drop the session, also when the consumer
 stops iterating early.
