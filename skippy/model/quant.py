@@ -9,8 +9,9 @@ the product of the super-block's float16 scale and a 6-bit sub-scale, rounded
 once). Q6_K (the 6-bit tensors of Q4_K_M files) scales every 16 weights, which one
 affine map per 32 cannot hold exactly: its values are requantized to 8-bit codes
 over each group's range (error at most half a step of range/255, ~1/8 of Q6_K's
-own step; 1.125 bytes a weight against the file's 0.82). The kernel quantizes each input row to int8 per group of 32, as
-llama.cpp does, and multiplies integer codes with integer codes.
+own step; 1.125 bytes a weight against the file's 0.82). The kernel quantizes each
+input row to int8 per group of 32 in two levels (kernels/qmatmul.c) and multiplies
+integer codes with integer codes.
 
 Conversion reads one tensor's blocks from the memory-mapped file, rearranges
 them for the kernel a few thousand rows at a time and drops the file's pages,
