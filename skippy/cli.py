@@ -183,6 +183,10 @@ def prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from .model.threads import spin_for_co_located_stages
+
+    if args.stages > 1 and not args.topology:
+        spin_for_co_located_stages()  # before torch loads
     from .model.loader import load_stage
     from .model.tokenizer import Tokenizer
     from .runtime.local_generation import GenerationLimits, generate_tokens
@@ -250,10 +254,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def chain_tokens(args: argparse.Namespace, path, ids: list[int], tokenizer, speculative):
-    from .model.threads import spin_for_co_located_stages
-
-    if not args.topology:
-        spin_for_co_located_stages()
     from .frontend.local_chain import generate_on_chain
     from .protocol import Topology
 

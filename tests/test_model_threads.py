@@ -74,3 +74,21 @@ def test_passing_thread_returns_the_result_and_raises_the_error():
     assert on_passing_thread(lambda a, b=0: a + b, 2, b=3) == 5
     with pytest.raises(KeyError, match="gone"):
         on_passing_thread(lambda: {}["gone"])
+
+
+def test_co_located_spin_is_set_before_torch_loads_and_left_to_the_user():
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: the CLI sets it first
+    (skippy/cli.py), and a value the user exported wins."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import skippy.cli; assert 'torch' not in sys.modules; "
+            "from skippy.model.threads import spin_for_co_located_stages; spin_for_co_located_stages(); "
+            "import os, torch; print(os.environ['GOMP_SPINCOUNT'])")
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "10000" and "after torch loaded" not in done.stderr
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**env, "GOMP_SPINCOUNT": "777"})
+    assert done.stdout.strip() == "777"
