@@ -257,7 +257,8 @@ def chain_tokens(args: argparse.Namespace, path, ids: list[int], tokenizer, spec
     from .frontend.local_chain import generate_on_chain
     from .protocol import Topology
 
-    options = {"activation_dtype": args.activation_dtype, "dtype": args.dtype, "repack": args.repack,
+    options = {"activation_dtype": args.activation_dtype, "dtype": args.dtype, "device": args.device,
+               "repack": args.repack,
                "ctx_size": args.ctx_size or 2048, "speculative": speculative,
                "draft_model": load_draft_model(args)}
     topology = Topology.load(args.topology) if args.topology else None

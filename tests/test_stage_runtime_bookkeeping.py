@@ -144,12 +144,16 @@ def test_stages_sharing_cores_wait_for_the_other_wave():
 def test_a_local_chain_shares_the_cores_as_one_wave(gguf_path):
     from skippy.frontend.local_chain import LocalChain
 
-    chain = LocalChain(gguf_path, 2)
+    chain, on_gpu = LocalChain(gguf_path, 2), LocalChain(gguf_path, 2, device="cuda:1")
     try:
         assert chain.threads == os.cpu_count()
         assert {c.peer_wait_forwards for c in chain.configs} == {ONE_WAVE_PEER_WAIT_FORWARDS}
+        # the device reaches every stage (it was "cpu" for the child stages whatever --device said)
+        assert {c.device for c in chain.configs} == {"auto"} and chain.device == "auto"
+        assert {c.device for c in on_gpu.configs} == {"cuda:1"} and on_gpu.device == "cuda:1"
     finally:
         chain._dir.cleanup()
+        on_gpu._dir.cleanup()
 
 
 def test_a_lone_session_never_waits():

@@ -103,7 +103,7 @@ def stage_kv_cache(kv_cache: KvCacheConfig, stage_index: int) -> KvCacheConfig:
 
 async def connect_topology(topology: Topology, model_path: str | Path, *,
                            auth_token: str | None = None, dtype: str = "auto",
-                           device: str = "cpu", repack: bool = True, kv_cache: KvCacheConfig | None = None,
+                           device: str = "auto", repack: bool = True, kv_cache: KvCacheConfig | None = None,
                            **client_options) -> ChainClient:
     """Stage 0 for a running chain: load layers [0, k), listen on the topology's stage-0
     endpoint for the direct return, connect the lanes to stage 1. `kv_cache`: stage 0's
@@ -134,7 +134,7 @@ class LocalChain:
 
     def __init__(self, model_path: str | Path, num_stages: int, *, threads: int | None = None,
                  activation_dtype: str = "f32", ctx_size: int = 2048, lane_count: int = 4,
-                 dtype: str = "auto", repack: bool = True, concurrency: int = 1,
+                 dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
                  log_level: str = "WARNING",
                  kv_cache: KvCacheConfig | None = None, **client_options):
         """`kv_cache`: every stage's prefix-cache settings (disk tier: one subdirectory per
@@ -148,12 +148,13 @@ class LocalChain:
         threads = threads or os.cpu_count() or 1
         self.model_path, self.num_stages, self.threads = Path(model_path), num_stages, threads
         self.dtype, self.repack, self.concurrency, self.log_level = dtype, repack, concurrency, log_level
+        self.device = device  # every stage's, stage 0's included ("auto": CUDA where present)
         self.auth_token = secrets.token_hex(16)  # loopback, but still not open to anyone
         self.client_options = client_options
         self.kv_cache = kv_cache
         self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
                                    ctx_size=ctx_size, lane_count=lane_count,
-                                   weight_dtype=_WEIGHT_NAMES[dtype], repack_weights=repack, device="cpu",
+                                   weight_dtype=_WEIGHT_NAMES[dtype], repack_weights=repack, device=device,
                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
         self._model_args = model_args(model_path)
         self._plan()
@@ -194,7 +195,8 @@ class LocalChain:
     async def _connect(self) -> ChainClient:
         try:
             return await connect_topology(
-                self.topology, self.model_path, auth_token=self.auth_token, dtype=self.dtype, repack=self.repack,
+                self.topology, self.model_path, auth_token=self.auth_token, dtype=self.dtype, device=self.device,
+                repack=self.repack,
                 concurrency=self.concurrency, ctx_size=self.configs[0].ctx_size,
                 activation_dtype=self.configs[0].activation_dtype, kv_cache=self.kv_cache,
                 peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, **self.client_options)

@@ -165,7 +165,7 @@ async def start_chain_backend(config: ServeConfig):
         backend = ChainBackend(client, topology, num_lanes=config.num_lanes, auth_token=config.chain_auth_token)
         return tokenizer, backend
     chain = LocalChain(config.model, config.num_stages, threads=config.threads, lane_count=config.num_lanes,
-                       dtype=config.dtype, repack=config.repack, log_level=config.log_level,
+                       dtype=config.dtype, device=config.device, repack=config.repack, log_level=config.log_level,
                        kv_cache=config.kv_cache(config.num_stages), **options)  # fmt: skip
     description = f"Starting {config.num_stages} stages of {Path(config.model).name}"
     with progress_bar(description, config.num_stages) as advance:
