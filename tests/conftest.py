@@ -25,13 +25,13 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(gguf_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the oracle: missing, it fails the run (never a skip)
     return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
 @pytest.fixture(scope="session")
 def hf_model(gguf_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the oracle: missing, it fails the run (never a skip)
     import torch
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
