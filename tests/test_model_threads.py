@@ -25,9 +25,10 @@ def os_threads() -> int:
 
 
 def settle(expected: int, timeout_s: float = 5.0) -> int:
-    """The process's thread count once exiting pool workers are gone (or at the timeout)."""
+    """The process's thread count once exiting pool workers are gone (or at the timeout);
+    other tests' threads may end meanwhile, so at most `expected` is settled."""
     deadline = time.monotonic() + timeout_s
-    while (count := os_threads()) != expected and time.monotonic() < deadline:
+    while (count := os_threads()) > expected and time.monotonic() < deadline:
         time.sleep(0.01)
     return count
 
@@ -67,7 +68,7 @@ def test_load_and_passing_work_leave_no_team_behind(gguf_path):
     thread.start()
     thread.join()
     assert seen["blocks"] == 2
-    assert seen["after"] == seen["before"]
+    assert seen["after"] <= seen["before"]  # without the passing thread: one more (its team)
 
 
 def test_passing_thread_returns_the_result_and_raises_the_error():
