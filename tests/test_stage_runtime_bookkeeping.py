@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from skippy.runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS, IterationScheduler, SchedulerBusyError, _Cadence
+from skippy.runtime.scheduler import (ONE_WAVE_PEER_WAIT_FORWARDS, PEER_WAIT_FORWARDS, IterationScheduler,
+                                      SchedulerBusyError, _Cadence)
 from skippy.runtime.session import LaneLimitError, SessionError, SessionTable
 
 
@@ -109,34 +110,26 @@ def test_concurrent_decoders_share_one_forward():
     assert model.threads == {"skippy-runtime"}  # one worker owns the model
 
 
-def test_a_straggler_is_waited_for_and_the_other_pipeline_wave_is_not():
-    """With 40 ms forwards: a peer due back in 5 ms is worth waiting for (its row costs
-    less than a forward of its own); a peer of the other wave, due a forward away, is
-    not: it is computing on the next stage while this one works."""
-    scheduler = IterationScheduler(FakeModel(delay_s=0))
+@pytest.mark.parametrize(("peer_wait_forwards", "last_submit_ago", "waits_s"), [
+    (PEER_WAIT_FORWARDS, 0.095, 0.005),          # a straggler of this wave, due in 5 ms: waited for
+    (PEER_WAIT_FORWARDS, 0.06, None),            # the other pipeline wave, a forward away: not
+    (ONE_WAVE_PEER_WAIT_FORWARDS, 0.06, 0.04),   # stages sharing cores (LocalChain): one wave
+], ids=["straggler", "other-wave", "one-wave"])
+def test_which_peers_a_batch_waits_for(peer_wait_forwards, last_submit_ago, waits_s):
+    """With 40 ms forwards and 100 ms cadences: a peer due back within a fraction of a
+    forward is worth waiting for (its row costs less than a forward of its own); a peer
+    of the other wave is computing on the next stage meanwhile, unless the stages share
+    the cores, where every session belongs in one wave."""
+    scheduler = IterationScheduler(FakeModel(delay_s=0), peer_wait_forwards=peer_wait_forwards)
     try:
         now = time.perf_counter()
         scheduler._forward_s = 0.04
-        scheduler._cadences = {"straggler": _Cadence(last_submit=now - 0.095, period_s=0.1)}
+        scheduler._cadences = {"peer": _Cadence(last_submit=now - last_submit_ago, period_s=0.1)}
         deadline = scheduler._peer_deadline(since=now)
-        # two float64 sums of the same terms in another order: a few ulps of `now` apart
-        assert deadline == pytest.approx(now + 0.005 + scheduler.batch_wait_s, abs=4 * math.ulp(now + 1.0))
-        scheduler._cadences = {"other wave": _Cadence(last_submit=now - 0.06, period_s=0.1)}
-        assert scheduler._peer_deadline(since=now) is None
-    finally:
-        scheduler.shutdown()
-
-
-def test_stages_sharing_cores_wait_for_the_other_wave():
-    """peer_wait_forwards=2 (LocalChain's stages on one machine): the peer a forward
-    away is waited for too, so every session ends up in one wave."""
-    scheduler = IterationScheduler(FakeModel(delay_s=0), peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
-    try:
-        now = time.perf_counter()
-        scheduler._forward_s = 0.04
-        scheduler._cadences = {"other wave": _Cadence(last_submit=now - 0.06, period_s=0.1)}
-        deadline = scheduler._peer_deadline(since=now)
-        assert deadline == pytest.approx(now + 0.04 + scheduler.batch_wait_s, abs=4 * math.ulp(now + 1.0))
+        if waits_s is None:
+            assert deadline is None
+        else:  # two float64 sums of the same terms in another order: a few ulps of `now` apart
+            assert deadline == pytest.approx(now + waits_s + scheduler.batch_wait_s, abs=4 * math.ulp(now + 1.0))
     finally:
         scheduler.shutdown()
 

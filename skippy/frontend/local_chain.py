@@ -30,7 +30,7 @@ from ..protocol import (
 )
 from ..runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS
 from ..runtime.stage_cache import StagePrefixCache
-from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX
+from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX, WEIGHT_DTYPES
 from .driver import ChainClient
 
 log = logging.getLogger("skippy.driver")
@@ -262,7 +262,7 @@ class LocalChain:
         await self.close()
 
 
-_WEIGHT_NAMES = {"auto": "auto", "float32": "f32", "float16": "f16", "bfloat16": "bf16", "int4": "int4", "int8": "int8"}
+_WEIGHT_NAMES = {name: short for short, name in WEIGHT_DTYPES.items()}  # --dtype -> StageConfig.weight_dtype
 
 
 def generate_on_chain(prompt_ids: Sequence[int], model_path: str | Path, *,

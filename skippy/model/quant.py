@@ -20,7 +20,6 @@ so loading never holds a float copy of the model.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from . import qkernel
 from .layers import Linear
+from .resident import drop_pages
 
 GROUP = 32  # weights per scale and offset
 _SUPER = 256  # weights per K-quant super-block
@@ -238,7 +238,7 @@ def drop_resident_pages(view: np.ndarray) -> None:
     start = -(-view.ctypes.data // page) * page  # whole pages inside the view only
     end = (view.ctypes.data + view.nbytes) // page * page
     if end > start:
-        _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
+        drop_pages(start, end - start)
 
 
 def _read_only_file_mapping(view: np.ndarray) -> bool:
@@ -247,13 +247,6 @@ def _read_only_file_mapping(view: np.ndarray) -> bool:
             return view.mode == "r"
         view = view.base
     return False
-
-
-def _madvise(address, length, advice) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).madvise(address, length, advice)
-    except (OSError, AttributeError):  # no madvise here: the pages stay resident
-        pass
 
 
 # --- the kernel's weight and its matmul ---------------------------------------------

@@ -1,4 +1,7 @@
-"""Give back the resident pages of library code that ran once.
+"""Give back resident pages this process will not read again (or can read back).
+
+`drop_pages` is the one madvise call: the GGUF's pages after packing
+(quant.drop_resident_pages) and library code that ran once (below).
 
 Importing torch executes and reads ~60 MiB of its shared libraries (static
 initializers registering every operator, Python bindings); those pages stay
@@ -38,17 +41,26 @@ def clean_library_mappings(smaps_text: str) -> list[tuple[int, int]]:
     return found
 
 
+def drop_pages(start: int, length: int) -> bool:
+    """MADV_DONTNEED on [start, start + length) (page-aligned): clean file pages fault
+    back in from the page cache when read again. False where madvise is unavailable or
+    refuses."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # no madvise here: the pages stay resident
+        return False
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise(ctypes.c_void_p(start), length, mmap.MADV_DONTNEED) == 0
+
+
 def release_library_pages() -> int:
     """Drop this process's resident pages of clean shared-library mappings (Linux);
     returns the bytes of address space advised. Anywhere else, nothing happens."""
     try:
         with open("/proc/self/smaps") as smaps:
             mappings = clean_library_mappings(smaps.read())
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
+    except OSError:
         return 0
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    released = sum(end - start for start, end in mappings
-                   if madvise(ctypes.c_void_p(start), end - start, mmap.MADV_DONTNEED) == 0)
+    released = sum(end - start for start, end in mappings if drop_pages(start, end - start))
     log.debug("released the resident pages of %d MiB of library mappings", released >> 20)
     return released

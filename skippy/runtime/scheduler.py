@@ -257,13 +257,7 @@ class IterationScheduler:
         return deadline
 
     def _run_iterations(self, batch: list[_Command]) -> None:
-        started = time.perf_counter()
-        try:
-            results = self._run_batch([c.payload for c in batch])
-        except Exception as error:  # contained: fail this batch, keep serving (spec §6.1)
-            log.exception("runtime worker: batch of %d steps failed", len(batch))
-            results = [error] * len(batch)
-        finished = time.perf_counter()
+        results, started, finished = self._forward(batch)
         run_s = finished - started
         self._forward_s = run_s if self._forward_s is None else (
             (1 - CADENCE_SMOOTHING) * self._forward_s + CADENCE_SMOOTHING * run_s)
@@ -276,23 +270,24 @@ class IterationScheduler:
         stats.batch_sizes[size] = stats.batch_sizes.get(size, 0) + 1
         if self._on_batch is not None:
             self._on_batch(size)
-        for command, result in zip(batch, results):
-            timed = Timed(result, started - command.submitted, finished - started, size)
-            _resolve(command, result if isinstance(result, Exception) else None, timed)
+        _settle(batch, results, started, finished)
 
     def _run_prefills(self, chunks: list[_Command]) -> None:
-        started = time.perf_counter()
-        try:
-            results = self._run_batch([c.payload for c in chunks])
-        except Exception as error:  # contained, as a batch is
-            log.exception("runtime worker: %d prompt chunks failed", len(chunks))
-            results = [error] * len(chunks)
-        finished = time.perf_counter()
+        results, started, finished = self._forward(chunks)
         self.stats.prefill_forwards += 1
         self.stats.prefill_chunks += len(chunks)
-        for command, result in zip(chunks, results):
-            timed = Timed(result, started - command.submitted, finished - started, len(chunks))
-            _resolve(command, result if isinstance(result, Exception) else None, timed)
+        _settle(chunks, results, started, finished)
+
+    def _forward(self, commands: list[_Command]) -> tuple[list, float, float]:
+        """(one result per command, start, end) of one forward over the commands' steps.
+        A failure fails these steps only and the worker keeps serving (spec §6.1)."""
+        started = time.perf_counter()
+        try:
+            results = self._run_batch([c.payload for c in commands])
+        except Exception as error:
+            log.exception("runtime worker: a forward of %d steps failed", len(commands))
+            results = [error] * len(commands)
+        return results, started, time.perf_counter()
 
     def _run_op(self, command: _Command) -> None:
         started = time.perf_counter()
@@ -303,6 +298,13 @@ class IterationScheduler:
         self.stats.ops += 1
         _resolve(command, error, Timed(value, started - command.submitted,
                                        time.perf_counter() - started))
+
+
+def _settle(commands: list[_Command], results: list, started: float, finished: float) -> None:
+    """Hand each command of one forward its result, or its step's exception."""
+    for command, result in zip(commands, results):
+        timed = Timed(result, started - command.submitted, finished - started, len(commands))
+        _resolve(command, result if isinstance(result, Exception) else None, timed)
 
 
 def _resolve(command: _Command, error: Exception | None, timed: Timed | None) -> None:
