@@ -187,30 +187,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.stages > 1 and not args.topology:
         spin_for_co_located_stages()  # before torch loads
-    from .model.loader import load_stage
     from .model.tokenizer import Tokenizer
-    from .runtime.local_generation import GenerationLimits, generate_tokens
 
     path = model_path(args)
     tokenizer = Tokenizer.from_model(path)
     ids = prompt_ids(args, tokenizer)
-    speculative = speculative_settings(args)
-    if args.stages > 1 or args.topology:
-        return emit(args, tokenizer, ids, chain_tokens(args, path, ids, tokenizer, speculative))
-    model = load_stage(path, dtype=args.dtype, device=args.device, repack=args.repack)
-    limits = GenerationLimits(max_tokens=args.max_tokens, stop_ids=tokenizer.eog_ids)
-    if not speculative.is_enabled:
-        tokens = generate_tokens(model, ids, limits, sampling_config(args), args.ctx_size)
-        return emit(args, tokenizer, ids, tokens)
-    from .runtime.local_speculative import generate_tokens_speculative
-    from .runtime.speculation import AdaptiveWindow, create_proposer
-
-    options = ({"model": load_draft_model(args)} if speculative.mode == "draft"
-               else speculative.proposer_options())  # fmt: skip
-    window = AdaptiveWindow(speculative.min_window, speculative.max_window)
-    tokens = generate_tokens_speculative(model, ids, limits, create_proposer(speculative.mode, **options),
-                                         sampling_config(args), window, ctx_size=args.ctx_size)  # fmt: skip
-    return emit(args, tokenizer, ids, tokens)
+    return emit(args, tokenizer, ids, chain_tokens(args, path, ids, tokenizer, speculative_settings(args)))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -262,8 +244,14 @@ def chain_tokens(args: argparse.Namespace, path, ids: list[int], tokenizer, spec
                "ctx_size": args.ctx_size or 2048, "speculative": speculative,
                "draft_model": load_draft_model(args)}
     topology = Topology.load(args.topology) if args.topology else None
-    if topology is None:
+    if topology is None and args.stages > 1:
         options.update(threads=args.threads, log_level=args.log_level)
+    elif topology is None:  # the whole model here: every core, as `skippy serve --stages 1`
+        import os
+
+        import torch
+
+        torch.set_num_threads(args.threads or os.cpu_count() or 1)
     return generate_on_chain(ids, path, num_stages=args.stages, topology=topology, auth_token=args.auth_token,
                              chain_options=options, max_tokens=args.max_tokens, sampling=sampling_config(args),
                              stop_ids=tokenizer.eog_ids)

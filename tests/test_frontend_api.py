@@ -1,5 +1,6 @@
 """The OpenAI API end to end: the real `openai` package against real uvicorn servers on loopback,
-with the whole model in-process (LocalBackend). One model load; several small apps share it:
+with the whole model in-process (a one-stage chain, as `skippy serve --stages 1`). One model
+load; several small apps share it:
 
     main        defaults (8 lanes)
     tight       1 lane, queue 1, 3 s admission timeout      (429s)
@@ -23,9 +24,9 @@ from frontend_support import running_server, wait_until
 from skippy import cli
 from skippy.frontend.api import ApiSettings, create_app
 from skippy.frontend.backend import Readiness, StageUnavailable, Token
-from skippy.frontend.local_backend import LocalBackend
+from skippy.frontend.chain_backend import ChainBackend
+from skippy.frontend.local_chain import start_stage0
 from skippy.frontend.serve import model_id_for
-from skippy.model.loader import load_stage
 
 CTX = 1024
 # Asked for one sentence, so the answer is short. (On the bare question llama.cpp's
@@ -66,7 +67,8 @@ class FaultyBackend:
 
 @pytest.fixture(scope="module")
 def stack(gguf_path, tokenizer):
-    backend = LocalBackend(load_stage(gguf_path, progress=False), num_lanes=8, ctx_size=CTX)
+    client = asyncio.run(start_stage0(gguf_path, concurrency=8, ctx_size=CTX))
+    backend = ChainBackend(client, None, num_lanes=8)
     faulty = FaultyBackend(backend)
     model_id = model_id_for(gguf_path)
     apps = {
@@ -381,8 +383,10 @@ def test_401_without_the_auth_token(stack):
 
 def test_429_queue_full_and_admission_timeout(stack):
     url = stack["tight"] + "/v1/chat/completions"
+    # 900 tokens hold the only lane for several seconds at any speed this runs at (the
+    # admission timeout is 3 s); the prompt and they fit the 1024-token context.
     long = {"model": stack["model"], "messages": [{"role": "user", "content": "Write a long essay."}],
-            "max_tokens": 400, "temperature": 0, "stream": True, "logit_bias": NO_EOS}  # fmt: skip
+            "max_tokens": 900, "temperature": 0, "stream": True, "logit_bias": NO_EOS}  # fmt: skip
     short = {**long, "max_tokens": 1, "stream": False}
     with httpx.stream("POST", url, json=long, timeout=60) as holder:
         lines = holder.iter_lines()  # keep a reference: a collected iterator closes the connection

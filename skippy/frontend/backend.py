@@ -1,7 +1,7 @@
 """The seam between the HTTP layer and whatever runs the model.
 
-The API only ever calls a `GenerationBackend`: one process holding the whole
-model (`LocalBackend`) or stage 0 of a chain (`ChainBackend`). A generation is an
+The API only ever calls a `GenerationBackend`: stage 0 of a chain (`ChainBackend`),
+whether it holds the whole model or the first of N stages. A generation is an
 async iterator of events, always in this order:
 
     PrefillDone -> Token* -> Finished

@@ -15,6 +15,7 @@ reported as `StageUnavailable`, naming the first stage that does not answer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -44,15 +45,19 @@ STOP_TIMEOUT_S = 5.0  # an early Stop that takes longer is abandoned: the lane i
 
 
 class ChainBackend:
-    def __init__(self, client: ChainClient, topology: Topology, *, num_lanes: int,
+    def __init__(self, client: ChainClient, topology: Topology | None, *, num_lanes: int,
                  auth_token: str | None = None, on_close: Callable[[], Awaitable[None]] | None = None):
-        """`num_lanes` must be the client's concurrency; `on_close` stops what started the chain."""
-        self._client, self._topology = client, topology
+        """`topology` None: stage 0 holds the whole model in this process. `num_lanes` must be
+        the client's concurrency; `on_close` stops what started the chain."""
+        layers = client.runtime.model.layers
+        first = "in-process" if topology is None else topology.stages[0].endpoint
+        self._first = StageStatus("stage-0", layers.start, layers.end, first, "ready", 0)
+        self._client, self._remote = client, [] if topology is None else topology.stages[1:]
         self._num_lanes = num_lanes
         self._auth_token = auth_token
         self._on_close = on_close
         # prefix-cache restores as the chain saw them, per stage: [hits, misses]
-        self._restores = [[0, 0] for _ in topology.stages]
+        self._restores = [[0, 0] for _ in range(1 + len(self._remote))]
 
     @property
     def num_lanes(self) -> int:
@@ -125,36 +130,35 @@ class ChainBackend:
         stage-local eviction counts: those are in each stage's telemetry counters)."""
         out = []
         local = self._client.runtime.prefix_cache
-        for stage, (hits, misses) in zip(self._topology.stages, self._restores):
+        stage_ids = [self._first.stage_id, *(stage.stage_id for stage in self._remote)]
+        for index, (stage_id, (hits, misses)) in enumerate(zip(stage_ids, self._restores)):
             counters = {"chain_restore_hits": hits, "chain_restore_misses": misses}
-            if stage.stage_index == 0 and local is not None:
+            if index == 0 and local is not None:
                 counters.update(local.stats())
-            out.append((stage.stage_id, counters))
+            out.append((stage_id, counters))
         return out
 
     async def _unavailable(self, exc: Exception) -> BackendError:
-        for stage, report in zip(self._topology.stages[1:], await self._query_all()):
+        for stage, report in zip(self._remote, await self._query_all()):
             if report is None:
                 where = f"{stage.endpoint}, layers [{stage.layer_start}, {stage.layer_end})"
                 return StageUnavailable(stage.stage_id, f"it does not answer at {where} ({exc})")
         return BackendError(f"The stage chain failed: {exc}")
 
     async def _query_all(self) -> list[StageStatusReport | None]:
-        stages = self._topology.stages[1:]
+        stages = self._remote
         return await asyncio.gather(*(query_stage_status(s.endpoint, self._auth_token) for s in stages))
 
     async def status(self) -> list[StageStatus]:
-        first, *rest = self._topology.stages
-        statuses = [StageStatus(first.stage_id, first.layer_start, first.layer_end, first.endpoint, "ready",
-                                len(self._client.runtime.sessions))]  # fmt: skip
-        for stage, report in zip(rest, await self._query_all()):
+        statuses = [dataclasses.replace(self._first, num_active_sessions=len(self._client.runtime.sessions))]
+        for stage, report in zip(self._remote, await self._query_all()):
             statuses.append(StageStatus(stage.stage_id, stage.layer_start, stage.layer_end, stage.endpoint,
                                         "down" if report is None else "ready",
                                         0 if report is None else report.active_sessions))  # fmt: skip
         return statuses
 
     async def ready(self) -> Readiness:
-        for stage, report in zip(self._topology.stages[1:], await self._query_all()):
+        for stage, report in zip(self._remote, await self._query_all()):
             if report is None:
                 return Readiness(False, stage.stage_id, f"no status answer from {stage.endpoint}")
         return Readiness(True)

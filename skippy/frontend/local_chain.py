@@ -4,6 +4,7 @@
 * `LocalChain` starts stages 1..N-1 as separate processes on free loopback ports
   and holds stage 0 in this process as a `ChainClient`.
 * `connect_topology` builds stage 0 for stages that are already running anywhere.
+* `start_stage0` is stage 0 in every case: for those two, or holding the whole model.
 """
 
 from __future__ import annotations
@@ -102,25 +103,29 @@ def stage_kv_cache(kv_cache: KvCacheConfig, stage_index: int) -> KvCacheConfig:
 
 
 async def connect_topology(topology: Topology, model_path: str | Path, *,
-                           auth_token: str | None = None, dtype: str = "auto",
-                           device: str = "auto", repack: bool = True, kv_cache: KvCacheConfig | None = None,
-                           **client_options) -> ChainClient:
+                           auth_token: str | None = None, **options) -> ChainClient:
     """Stage 0 for a running chain: load layers [0, k), listen on the topology's stage-0
-    endpoint for the direct return, connect the lanes to stage 1. `kv_cache`: stage 0's
-    prefix cache (its disk tier under `disk_dir`/stage-0); None: no prefix cache."""
+    endpoint for the direct return, connect the lanes to stage 1."""
     first = topology.stages[0]
-    model = load_stage(model_path, (first.layer_start, first.layer_end), dtype=dtype,
-                       device=device, progress=False, repack=repack)
     downstream = topology.stages[1].endpoint if len(topology.stages) > 1 else None
+    return await start_stage0(model_path, (first.layer_start, first.layer_end), downstream=downstream,
+                              auth_token=auth_token, return_bind=first.endpoint, **options)
+
+
+async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = None, *,
+                       dtype: str = "auto", device: str = "auto", repack: bool = True,
+                       kv_cache: KvCacheConfig | None = None, **client_options) -> ChainClient:
+    """Stage 0 holding layers [0, k) (None: the whole model, a chain of one stage), started.
+    `kv_cache`: its prefix cache (the disk tier under `disk_dir`/stage-0); None: none."""
+    model = load_stage(model_path, layers, dtype=dtype, device=device, progress=False, repack=repack)
     prefix_cache = None
     if kv_cache is not None:
         prefix_cache = StagePrefixCache.build(
-            stage_kv_cache(kv_cache, 0), model_path=str(model_path), layer_start=first.layer_start,
-            layer_end=first.layer_end, kv_dtype=model.kv_dtype, weights=model.weight_format,
+            stage_kv_cache(kv_cache, 0), model_path=str(model_path), layer_start=model.layers.start,
+            layer_end=model.layers.end, kv_dtype=model.kv_dtype, weights=model.weight_format,
             ctx_size=min(client_options.get("ctx_size") or model.args.context_length,
                          model.args.context_length))
-    client = ChainClient(model, downstream=downstream, auth_token=auth_token,
-                         return_bind=first.endpoint, prefix_cache=prefix_cache, **client_options)
+    client = ChainClient(model, prefix_cache=prefix_cache, **client_options)
     try:
         await client.start()
     except BaseException:
@@ -270,7 +275,8 @@ def generate_on_chain(prompt_ids: Sequence[int], model_path: str | Path, *,
                       auth_token: str | None = None, chain_options: dict | None = None,
                       **generate_options) -> Iterator[int]:
     """Tokens of one generation, as they arrive, on a local chain of `num_stages` processes
-    or on the running `topology`. The chain lives on an event loop in a helper thread."""
+    (1: the whole model in this process) or on the running `topology`. The chain lives on
+    an event loop in a helper thread."""
     tokens: queue.Queue = queue.Queue()
     done = object()
     options = chain_options or {}
@@ -281,6 +287,8 @@ def generate_on_chain(prompt_ids: Sequence[int], model_path: str | Path, *,
             if topology is not None:
                 client = await connect_topology(topology, model_path, auth_token=auth_token,
                                                 **options)
+            elif num_stages == 1:
+                client = await start_stage0(model_path, **options)
             else:
                 chain = LocalChain(model_path, num_stages, **options)
                 client = await chain.start()

@@ -1,8 +1,11 @@
 """`skippy serve`: load the model (one process, or a chain of stages), then run the API until a signal.
 
-    --stages 1          LocalBackend: the whole model in this process
+    --stages 1          stage 0 holds the whole model, in this process (a chain of one)
     --stages N (N>1)    LocalChain: stages 1..N-1 as child processes on loopback, stage 0 here
     --topology FILE     stage 0 here, stages 1..N-1 already running where the file says
+
+Every case is the same stage-0 engine (`ChainClient` behind `ChainBackend`), so the
+prefix cache, speculation and batching work alike on one stage and on N.
 
 Ctrl-C or SIGTERM: stop accepting, end open streams after a short grace period,
 close the backend (which stops every stage process it started), exit. A signal
@@ -80,11 +83,6 @@ class ServeConfig:
                                    self.speculative_pipeline_depth)  # fmt: skip
 
     @property
-    def is_speculative(self) -> bool:
-        """Speculation is possible: on by default, or a draft model loaded for requests to use."""
-        return self.speculative != "off" or self.draft_model is not None
-
-    @property
     def num_lanes(self) -> int:
         return self.concurrency or DEFAULT_LANES
 
@@ -123,50 +121,31 @@ def set_one_process_threads(config: ServeConfig) -> None:
     torch.set_num_threads(config.threads or os.cpu_count() or 1)
 
 
-def load_local_backend(config: ServeConfig):
-    """(tokenizer, LocalBackend) with the whole model in this process."""
-    from ..model.loader import load_stage
-    from .local_backend import LocalBackend
-
-    set_one_process_threads(config)
-    tokenizer = load_tokenizer(config.model)  # first: it shares the GGUF reader that loading releases
-    model = load_stage(config.model, dtype=config.dtype, device=config.device, repack=config.repack)
-    backend = LocalBackend(model, num_lanes=config.num_lanes, ctx_size=config.ctx_size)
-    return tokenizer, backend
-
-
-async def start_chain_backend(config: ServeConfig):
-    """(tokenizer, ChainBackend): a LocalChain of `num_stages` processes, or a running topology."""
+async def build_backend(config: ServeConfig):
+    """(tokenizer, ChainBackend): stage 0 here, holding the whole model (--stages 1), the first
+    of `num_stages` local processes, or the first stage of a running topology."""
     from ..protocol import Topology
     from .chain_backend import ChainBackend
-    from .local_chain import LocalChain, connect_topology
+    from .local_chain import LocalChain, connect_topology, start_stage0
 
     tokenizer = load_tokenizer(config.model)  # first: it shares the GGUF reader that loading releases
     ctx_size = config.ctx_size or _model_context(config.model)
+    weights = dict(dtype=config.dtype, device=config.device, repack=config.repack)
     options = dict(concurrency=config.num_lanes, ctx_size=ctx_size, activation_dtype=config.activation_dtype,
                    speculative=config.speculative_settings(), draft_model=await _load_draft_model(config))
-    if config.topology is not None or config.num_stages == 1:
-        if config.topology is None:  # one stage, in this process: a chain of one, for speculation
-            from ..protocol import TopologyStage
-            from ..model.loader import model_args
-
-            set_one_process_threads(config)
-            # Nothing listens for it, so its endpoint is not an address (built unvalidated).
-            stage = TopologyStage.model_construct(stage_id="stage-0", stage_index=0, endpoint="in-process",
-                                                  layer_start=0, layer_end=model_args(config.model).num_layers)
-            topology = Topology.model_construct(topology_id="in-process", model_id=model_id_for(config.model),
-                                                stages=[stage])
-        else:
-            topology = Topology.load(config.topology)
+    if config.topology is not None:
+        topology = Topology.load(config.topology)
         client = await connect_topology(topology, config.model, auth_token=config.chain_auth_token,
-                                        dtype=config.dtype, device=config.device, repack=config.repack,
-                                        kv_cache=config.kv_cache(1),
-                                        **options)  # fmt: skip
-        backend = ChainBackend(client, topology, num_lanes=config.num_lanes, auth_token=config.chain_auth_token)
-        return tokenizer, backend
+                                        kv_cache=config.kv_cache(1), **weights, **options)
+        return tokenizer, ChainBackend(client, topology, num_lanes=config.num_lanes,
+                                       auth_token=config.chain_auth_token)
+    if config.num_stages == 1:
+        set_one_process_threads(config)
+        client = await start_stage0(config.model, kv_cache=config.kv_cache(1), **weights, **options)
+        return tokenizer, ChainBackend(client, None, num_lanes=config.num_lanes)
     chain = LocalChain(config.model, config.num_stages, threads=config.threads, lane_count=config.num_lanes,
-                       dtype=config.dtype, device=config.device, repack=config.repack, log_level=config.log_level,
-                       kv_cache=config.kv_cache(config.num_stages), **options)  # fmt: skip
+                       log_level=config.log_level, kv_cache=config.kv_cache(config.num_stages),
+                       **weights, **options)  # fmt: skip
     description = f"Starting {config.num_stages} stages of {Path(config.model).name}"
     with progress_bar(description, config.num_stages) as advance:
         watcher = asyncio.create_task(_advance_as_stages_come_up(chain, advance))
@@ -209,12 +188,6 @@ async def _load_draft_model(config: ServeConfig):
 
     return await asyncio.to_thread(load_stage, config.draft_model, dtype=config.dtype, device=config.device,
                                    progress=False)  # fmt: skip
-
-
-async def build_backend(config: ServeConfig):
-    if config.num_stages == 1 and config.topology is None and not config.is_speculative:
-        return await asyncio.to_thread(load_local_backend, config)
-    return await start_chain_backend(config)
 
 
 def describe_split(stages: list[StageStatus]) -> str:
