@@ -31,8 +31,8 @@ spin_for_co_located_stages()  # before torch loads, as `skippy serve --stages N`
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from skippy.frontend.driver import ChainClient  # noqa: E402
-from skippy.frontend.local_chain import LocalChain  # noqa: E402
+from skippy.driver.client import ChainClient  # noqa: E402
+from skippy.launch.local_chain import LocalChain  # noqa: E402
 from skippy.model.loader import load_stage  # noqa: E402
 from skippy.model.locate import bundled_model_path  # noqa: E402
 from skippy.protocol import (  # noqa: E402

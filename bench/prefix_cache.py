@@ -22,7 +22,7 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle stages must not spin on the cores
 
-from skippy.frontend.local_chain import LocalChain  # noqa: E402
+from skippy.launch.local_chain import LocalChain  # noqa: E402
 from skippy.model.locate import bundled_model_path  # noqa: E402
 from skippy.model.tokenizer import Tokenizer  # noqa: E402
 from skippy.protocol import KvCacheConfig, cache_namespace_digest  # noqa: E402

@@ -131,7 +131,7 @@ class Direct:
 
             self.model = load_stage(path, dtype=args.dtype, progress=False, repack=args.repack)
         else:
-            from skippy.frontend.local_chain import LocalChain
+            from skippy.launch.local_chain import LocalChain
 
             self.chain = LocalChain(path, args.stages, ctx_size=2048, threads=args.threads, repack=args.repack,
                                     dtype=args.dtype)
@@ -181,7 +181,7 @@ def main() -> None:
 
         spin_for_co_located_stages()
 
-    from skippy.frontend.serve import load_tokenizer, model_id_for
+    from skippy.launch.serve import load_tokenizer, model_id_for
     from skippy.model.locate import bundled_model_path
 
     if args.threads:

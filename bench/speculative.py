@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # an idle stage must not sp
 
 import torch  # noqa: E402
 
-from skippy.frontend.local_chain import LocalChain  # noqa: E402
+from skippy.launch.local_chain import LocalChain  # noqa: E402
 from skippy.model.locate import bundled_model_path  # noqa: E402
 from skippy.model.tokenizer import Tokenizer  # noqa: E402
 from skippy.runtime.speculation import SpeculativeSettings  # noqa: E402

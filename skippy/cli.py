@@ -202,7 +202,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.stages > 1 and not args.topology:
         spin_for_co_located_stages()  # before torch loads
-    from .frontend.serve import ServeConfig, serve
+    from .launch.serve import ServeConfig, serve
 
     config = ServeConfig(
         model=Path(model_path(args)),
@@ -236,7 +236,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def chain_tokens(args: argparse.Namespace, path, ids: list[int], tokenizer, speculative):
-    from .frontend.local_chain import generate_on_chain
+    from .launch.local_chain import generate_on_chain
     from .protocol import Topology
 
     options = {"activation_dtype": args.activation_dtype, "dtype": args.dtype, "device": args.device,
@@ -291,7 +291,7 @@ def stage_config(args: argparse.Namespace):
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from .frontend.local_chain import plan_chain, write_plan
+    from .launch.local_chain import plan_chain, write_plan
 
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
     if len(hosts) != args.stages:

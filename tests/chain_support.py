@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from skippy.frontend.driver import ChainClient
+from skippy.driver.client import ChainClient
 from skippy.model.llama import Segment
 from skippy.protocol import PeerEndpoint, StageConfig, plan_layer_split
 from skippy.runtime.engine import StageRuntime

@@ -7,7 +7,7 @@ import asyncio
 import threading
 
 from chain_support import Chain, stage_config
-from skippy.frontend.driver import ChainClient
+from skippy.driver.client import ChainClient
 from skippy.protocol import KvCacheConfig, PeerEndpoint, plan_layer_split
 from skippy.runtime.engine import StageRuntime
 from skippy.runtime.stage_cache import StagePrefixCache

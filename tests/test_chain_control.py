@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from chain_support import PROMPTS, reference_greedy, run, start_chain
-from skippy.frontend.chunking import FixedChunks
+from skippy.driver.chunking import FixedChunks
 from skippy.protocol import (
     MessageKind, ReplyKind, SamplingConfig, StageMessage, client_handshake, read_reply,
     write_message,
@@ -237,7 +237,7 @@ def test_relay_fallback_and_persistent_lanes(make_stage, greedy):
 def test_every_stage_reports_its_own_layers_and_open_sessions(make_stage, greedy):
     """GetStageStatus, asked of each stage on a connection of its own: the count is the
     stage's session table, so a session a stage failed to drop would show."""
-    from skippy.frontend.chain_backend import query_stage_status
+    from skippy.driver.chain_backend import query_stage_status
 
     async def sessions_per_stage(chain) -> list[int]:
         reports = [await query_stage_status(server.endpoint, "t" * 16) for server in chain.servers]

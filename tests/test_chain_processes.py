@@ -11,9 +11,9 @@ import time
 import pytest
 
 from chain_support import PROMPTS, reference_greedy, run, stage_config
-from skippy.frontend.chain_session import ChainError
-from skippy.frontend.driver import ChainClient
-from skippy.frontend.local_chain import free_ports
+from skippy.driver.session import ChainError
+from skippy.driver.client import ChainClient
+from skippy.launch.local_chain import free_ports
 from skippy.protocol import PeerEndpoint
 from skippy.runtime.engine import StageRuntime
 from skippy.runtime.local_generation import GenerationLimits, generate_tokens

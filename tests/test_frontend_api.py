@@ -22,11 +22,11 @@ import pytest
 
 from frontend_support import running_server, wait_until
 from skippy import cli
-from skippy.frontend.api import ApiSettings, create_app
-from skippy.frontend.backend import Readiness, StageUnavailable, Token
-from skippy.frontend.chain_backend import ChainBackend
-from skippy.frontend.local_chain import start_stage0
-from skippy.frontend.serve import model_id_for
+from skippy.api.app import ApiSettings, create_app
+from skippy.driver.backend import Readiness, StageUnavailable, Token
+from skippy.driver.chain_backend import ChainBackend
+from skippy.launch.local_chain import start_stage0
+from skippy.launch.serve import model_id_for
 
 CTX = 1024
 # Asked for one sentence, so the answer is short. (On the bare question llama.cpp's

@@ -179,7 +179,7 @@ def test_plan_layer_split_counts_the_head_on_the_last_stage(n_layers, n_stages, 
 
 
 def test_plan_chain_balances_the_bundled_model_with_its_head(gguf_path):
-    from skippy.frontend.local_chain import plan_chain
+    from skippy.launch.local_chain import plan_chain
     from skippy.model.loader import model_args
 
     assert model_args(gguf_path).head_cost_in_layers == 8.0  # 49152 x 576 over 3,538,944: exact in float64
@@ -238,7 +238,7 @@ def test_split_is_contiguous_and_covers_every_layer(args):
 
 def test_skippy_stage_command_line_overrides_its_config(gguf_path, tmp_path):
     from skippy.cli import build_parser, stage_config
-    from skippy.frontend.local_chain import plan_chain, write_plan
+    from skippy.launch.local_chain import plan_chain, write_plan
 
     _, config_path, _ = write_plan(*plan_chain(gguf_path, ["127.0.0.1:1", "127.0.0.1:2"]), tmp_path)
     parse = build_parser().parse_args

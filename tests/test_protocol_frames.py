@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import numpy as np
@@ -675,3 +676,13 @@ def test_status_travels_only_in_a_stage_status_reply():
         encode_reply(StageReply(ReplyKind.Ack, status=StageStatusReport(1, 0, 1, 0, 1)))
     with pytest.raises(FrameError, match="stage status"):
         StageStatusReport(1, 5, 5, 0, 1)
+
+
+def test_cache_namespace_digest_is_the_documented_construction():
+    # docs/architecture.md: blake2b-256 of the domain tag "openai-cache-namespace-v1\0" and the
+    # key's UTF-8 bytes, spelled out here rather than pasted, so a changed tag or hash fails.
+    for key in ("tenant-a", "", "ключ 🔑"):
+        expected = hashlib.blake2b(b"openai-cache-namespace-v1\x00" + key.encode("utf-8"), digest_size=32).digest()
+        assert cache_namespace_digest(key) == expected
+    assert cache_namespace_digest(None) is None
+    assert cache_namespace_digest("tenant-a") != cache_namespace_digest("tenant-b")

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from skippy import cli
-from skippy.frontend.backend import Finished, GenerationRequest, Token
-from skippy.frontend.serve import ServeConfig, build_backend
+from skippy.driver.backend import Finished, GenerationRequest, Token
+from skippy.launch.serve import ServeConfig, build_backend
 from skippy.protocol import SamplingConfig
 
 PROMPT = "Repeat the following text exactly: the quick brown fox jumps over the lazy dog, twice."

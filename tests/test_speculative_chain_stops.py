@@ -19,9 +19,9 @@ import pytest
 from chain_support import start_chain
 from prefix_chain_support import LoopThread, start_cached_chain, system_text
 from speculative_support import NUM_TOKENS, Oracle, encode_prompts, one_thread  # noqa: F401
-from skippy.frontend.api import ApiSettings, create_app
-from skippy.frontend.chain_backend import ChainBackend
-from skippy.frontend.local_chain import plan_chain
+from skippy.api.app import ApiSettings, create_app
+from skippy.driver.chain_backend import ChainBackend
+from skippy.launch.local_chain import plan_chain
 from skippy.protocol import KvCacheConfig, cache_namespace_digest
 from skippy.runtime.speculation import SpeculativeSettings
 

@@ -135,7 +135,7 @@ def test_which_peers_a_batch_waits_for(peer_wait_forwards, last_submit_ago, wait
 
 
 def test_a_local_chain_shares_the_cores_as_one_wave(gguf_path):
-    from skippy.frontend.local_chain import LocalChain
+    from skippy.launch.local_chain import LocalChain
 
     chain, on_gpu = LocalChain(gguf_path, 2), LocalChain(gguf_path, 2, device="cuda:1")
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -82,12 +81,6 @@ class StageModel:
             w_gate_up=build_linear([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]], self.device),
             w_down=build_linear([w[p + "ffn_down.weight"]], self.device),
         )
-
-    @classmethod
-    def load(cls, path: str | Path, layers: tuple[int, int] | None = None, **options) -> "StageModel":
-        from .loader import load_stage  # local: keeps this file about the forward pass
-
-        return load_stage(path, layers, **options)
 
     def new_cache(self, max_tokens: int | None = None) -> KVCache:
         args = self.args

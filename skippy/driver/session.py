@@ -14,18 +14,16 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 from ..protocol import (
     ActivationDtype, MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply,
     StageReplyStats, merge, prefill_compute_observation, stage_mask,
 )
 from ..runtime import SampleMode, Step
+from ..runtime.engine import StageRuntime
 from ..runtime.prefix_identity import cacheable_prefix_length
-from ..stage.downstream import LinkBroken
-
-if TYPE_CHECKING:
-    from .driver import ChainClient, Lane
+from ..stage.downstream import DownstreamLink, LinkBroken
+from ..telemetry import Telemetry
+from .chunking import ChunkPolicy
 
 log = logging.getLogger("skippy.driver")
 
@@ -46,15 +44,26 @@ class SessionTimings:
     restore_decision: str = ""    # chain_restore_hit, stage0_miss, downstream_miss_rollback...
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SessionEnv:
+    """What every session of one stage 0 shares (the ChainClient builds it once)."""
+    runtime: StageRuntime          # stage 0's own layers
+    telemetry: Telemetry
+    chunk_policy: ChunkPolicy      # prompt chunk sizes
+    reply_timeout_s: float         # the longest wait for any reply of the chain
+    out_dtype: ActivationDtype     # the wire dtype of the rows sent to stage 1
+
+
 class ChainSession:
-    def __init__(self, client: ChainClient, lane: Lane | None, request_id: int, session_id: int,
-                 sampling: SamplingConfig, prompt_token_count: int,
+    def __init__(self, env: SessionEnv, link: DownstreamLink | None, lane_id: int, request_id: int,
+                 session_id: int, sampling: SamplingConfig, prompt_token_count: int,
                  cache_namespace: bytes | None = None):
-        self.client, self.lane = client, lane
+        """`link` None: stage 0 holds the whole model, so nothing goes on the wire."""
+        self.env, self.link = env, link
         self.request_id, self.session_id = request_id, session_id
         self.sampling = sampling
         self.prompt_token_count = prompt_token_count
-        self.key = (0 if lane is None else lane.lane_id, session_id)
+        self.key = (lane_id, session_id)
         self.return_key = (request_id, session_id)
         self.position = 0         # the next position to write: what every stage holds
         self.decode_step = 0
@@ -63,14 +72,14 @@ class ChainSession:
         self.timings = SessionTimings()
         self.stopped = False
         self.waiter: asyncio.Queue = asyncio.Queue()
-        self.session = client.runtime.open_session(self.key, request_id)
+        self.session = env.runtime.open_session(self.key, request_id)
         self.session.cache_namespace = self.cache_namespace = cache_namespace
-        self.out_dtype = ActivationDtype[client.activation_dtype]
+        self.out_dtype = env.out_dtype
 
     @property
     def is_local(self) -> bool:
         """One stage: the driver holds the head and samples itself."""
-        return self.lane is None
+        return self.link is None
 
     def _message(self, kind: MessageKind, **fields) -> StageMessage:
         return StageMessage(kind, request_id=self.request_id, session_id=self.session_id,
@@ -88,10 +97,10 @@ class ChainSession:
             raise ChainError(f"stage chain failed during {phase}: {error}") from error
         except TimeoutError as error:
             raise ChainError(f"stage chain failed during {phase}: no prediction within "
-                             f"{self.client.reply_timeout_s:g} s") from error
+                             f"{self.env.reply_timeout_s:g} s") from error
 
     async def _control(self, msg: StageMessage) -> StageReply:
-        link = self.lane.link
+        link = self.link
         await link.flush()
         self.stats = merge(self.stats, await link.drain())
         reply = await link.request(msg)
@@ -99,7 +108,7 @@ class ChainSession:
         return reply
 
     async def _prediction(self, window_id: int | None = None) -> StageReply:
-        deadline = time.monotonic() + self.client.reply_timeout_s
+        deadline = time.monotonic() + self.env.reply_timeout_s
         while True:
             item = await asyncio.wait_for(self.waiter.get(), max(0.0, deadline - time.monotonic()))
             if isinstance(item, BaseException):
@@ -115,7 +124,7 @@ class ChainSession:
 
     # -- the request's messages -------------------------------------------------------------
     async def configure(self) -> None:
-        runtime = self.client.runtime
+        runtime = self.env.runtime
         await runtime.configure(self.key, self.sampling, self.prompt_token_count)
         if not self.is_local:
             await self._guard("ConfigureGeneration", self._control(self._message(
@@ -127,7 +136,7 @@ class ChainSession:
         A prompt (position 0) first tries a chain restore of its longest cached prefix and
         then prefills only the rest."""
         started = time.perf_counter()
-        runtime, link = self.client.runtime, None if self.is_local else self.lane.link
+        runtime, link = self.env.runtime, None if self.is_local else self.link
         if self.position == 0 and runtime.prefix_cache is not None:
             restored, first = await self._restore(tokens)
             if first is not None:  # TryRestorePrefillDecode: the first token came with it
@@ -137,7 +146,7 @@ class ChainSession:
                 return first
             tokens = tokens[restored:]
         self.timings.prefilled_tokens += len(tokens)
-        sizes = self.client.chunk_policy.chunk_sizes(len(tokens))
+        sizes = self.env.chunk_policy.chunk_sizes(len(tokens))
         offset = 0
         for index, size in enumerate(sizes):
             chunk = list(tokens[offset:offset + size])
@@ -182,9 +191,9 @@ class ChainSession:
         a TryRestorePrefillDecode: the last token's rows ride along, and on a chain hit the
         final stage samples the first token, so restore and first token take one round trip.
         """
-        runtime, started = self.client.runtime, time.perf_counter()
+        runtime, started = self.env.runtime, time.perf_counter()
         cacheable = list(tokens[:cacheable_prefix_length(len(tokens))])
-        with self.client.telemetry.span("stage0.prefix_restore",
+        with self.env.telemetry.span("stage0.prefix_restore",
                                         prompt_tokens=len(tokens)) as span:
             try:
                 restored = (await runtime.restore_prefix(self.key, cacheable, longest=True)).value
@@ -222,7 +231,7 @@ class ChainSession:
             span.set("kv_suffix_tokens", len(tokens) - restored)
             span.set("kv_hit_stage_mask", self.stats.kv_hit_stage_mask)
             span.set("restore_ms", self.timings.restore_s * 1e3)
-        self.client.telemetry.count(f"stage0.kv_restore.{decision}")
+        self.env.telemetry.count(f"stage0.kv_restore.{decision}")
         return restored, first
 
     async def _restore_message(self, prefix: list[int], tokens: Sequence[int],
@@ -232,7 +241,7 @@ class ChainSession:
                                  tokens=prefix, cache_namespace=self.cache_namespace)
         last = int(tokens[len(prefix)])
         step = Step(self.session, len(prefix), 1, [last], out_dtype=self.out_dtype)
-        timed = await self.client.runtime.prefill(step)
+        timed = await self.env.runtime.prefill(step)
         return self._with_rows(self._message(
             MessageKind.TryRestorePrefillDecode, pos_start=len(prefix), token_count=1,
             tokens=prefix + [last], current_token=last, sampling=self.sampling,
@@ -247,7 +256,7 @@ class ChainSession:
                 kv_record_stage_mask=stage_mask(0)))
 
     async def _send_predicting(self, msg: StageMessage) -> None:
-        link = self.lane.link
+        link = self.link
         self.stats = merge(self.stats, await link.drain())  # spec §2.6: drain before predictions
         await link.send(msg)
 
@@ -292,7 +301,7 @@ class ChainSession:
     async def _submit(self, kind: MessageKind, tokens: list[int],
                       window_id: int | None) -> list[int] | None:
         """Run stage 0's rows and send them down; the local predictions with one stage."""
-        runtime = self.client.runtime
+        runtime = self.env.runtime
         sample = SampleMode.NONE if not self.is_local else (
             SampleMode.LAST if window_id is None else SampleMode.ALL)
         step = Step(self.session, self.position, len(tokens), tokens, sample=sample,
@@ -313,8 +322,8 @@ class ChainSession:
         worker (busy with a run-ahead window, say): only for a range no later window uses."""
         if not self.is_local:
             msg = self._message(MessageKind.RetireVerifyWindow, pos_start=start, token_count=count)
-            await self._guard("RetireVerifyWindow", self.lane.link.send(msg))
-        retiring = asyncio.ensure_future(self.client.runtime.retire(self.key, start, count))
+            await self._guard("RetireVerifyWindow", self.link.send(msg))
+        retiring = asyncio.ensure_future(self.env.runtime.retire(self.key, start, count))
         if wait:
             await retiring
         else:  # a session already stopped has nothing left to retire
@@ -324,10 +333,10 @@ class ChainSession:
         self.session.discard_windows(low, high)
         if not self.is_local:
             msg = self._message(MessageKind.DiscardStaleWindows, tokens=[low, high])
-            await self._guard("DiscardStaleWindows", self.lane.link.send(msg))
+            await self._guard("DiscardStaleWindows", self.link.send(msg))
 
     async def trim(self, num_tokens: int) -> None:
-        await self.client.runtime.trim(self.key, num_tokens)
+        await self.env.runtime.trim(self.key, num_tokens)
         self.position = num_tokens
         if not self.is_local:
             await self._guard("TrimSession", self._control(self._message(
@@ -335,11 +344,11 @@ class ChainSession:
 
     async def stop(self) -> StageReplyStats:
         """End the session on every stage; returns the request's merged stats."""
-        if self.key in self.client.runtime.sessions:  # the full-prefill record (spec §4.3)
-            await self._record(self.client.runtime.record_prefix(self.key))
+        if self.key in self.env.runtime.sessions:  # the full-prefill record (spec §4.3)
+            await self._record(self.env.runtime.record_prefix(self.key))
         if not self.is_local:
             reply = await self._guard("Stop", self._control(self._message(MessageKind.Stop)))
             self.stop_ack_stats = reply.stats
-            self.stats = merge(self.stats, self.lane.link.take_edge_stats())
+            self.stats = merge(self.stats, self.link.take_edge_stats())
         self.stopped = True
         return self.stats

@@ -30,7 +30,7 @@ from ..model.chat_template import ChatTemplateError
 from ..model.errors import ContextOverflowError
 from ..model.tokenizer import Tokenizer
 from .admission import Admission, AdmissionError, ContextTooLong
-from .backend import BackendError, GenerationBackend
+from ..driver.backend import BackendError, GenerationBackend
 from .cache_metrics import PrefixCacheCollector
 from .completion import complete, prepare_chat, prepare_text, stream
 from .errors import ApiError, to_api_error

@@ -26,8 +26,8 @@ from pathlib import Path
 import uvicorn
 
 from ..console import progress_bar
-from .api import DEFAULT_MAX_BODY_BYTES, ApiSettings, create_app
-from .backend import GenerationBackend, StageStatus
+from ..api.app import DEFAULT_MAX_BODY_BYTES, ApiSettings, create_app
+from ..driver.backend import GenerationBackend, StageStatus
 
 GRACEFUL_SHUTDOWN_S = 5
 DEFAULT_LANES = 8
@@ -125,7 +125,7 @@ async def build_backend(config: ServeConfig):
     """(tokenizer, ChainBackend): stage 0 here, holding the whole model (--stages 1), the first
     of `num_stages` local processes, or the first stage of a running topology."""
     from ..protocol import Topology
-    from .chain_backend import ChainBackend
+    from ..driver.chain_backend import ChainBackend
     from .local_chain import LocalChain, connect_topology, start_stage0
 
     tokenizer = load_tokenizer(config.model)  # first: it shares the GGUF reader that loading releases
@@ -161,7 +161,7 @@ async def build_backend(config: ServeConfig):
 
 async def _advance_as_stages_come_up(chain, advance) -> None:
     """Advance the bar as each child stage finishes loading and starts answering handshakes."""
-    from .chain_backend import query_stage_status
+    from ..driver.chain_backend import query_stage_status
 
     pending = list(chain.topology.stages[1:])
     while pending:

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from ..model.chat_template import ChatTemplateError
 from ..model.errors import ContextOverflowError
 from .admission import AdmissionError, ContextTooLong
-from .backend import BackendError, BackendTimeout, StageUnavailable
+from ..driver.backend import BackendError, BackendTimeout, StageUnavailable
 from .schemas import ErrorDetail, ErrorEnvelope
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""`ChainBackend`: the GenerationBackend seam over the stage-0 `ChainClient` (driver.py).
+"""`ChainBackend`: the GenerationBackend seam over the stage-0 `ChainClient` (client.py).
 
 Each generation leases a lane, prefills, decodes until a stop id, max_tokens or
 the context end, and Stops, which reaches every stage (a stage ACKs Stop only
@@ -37,8 +37,8 @@ from .backend import (
     StageUnavailable,
     Token,
 )
-from .chain_session import ChainError, ChainSession, SessionTimings
-from .driver import ChainClient
+from .session import ChainError, ChainSession, SessionTimings
+from .client import ChainClient
 
 PROBE_TIMEOUT_S = 1.0
 STOP_TIMEOUT_S = 5.0  # an early Stop that takes longer is abandoned: the lane is closed instead

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..model.llama import StageModel
-from ..protocol import SamplingConfig, StageReplyStats
+from ..protocol import ActivationDtype, SamplingConfig, StageReplyStats
 from ..runtime.engine import StageRuntime
 from ..runtime.proposers import Proposer, create_proposer
 from ..runtime.scheduler import PEER_WAIT_FORWARDS
@@ -31,8 +31,8 @@ from ..runtime.stage_cache import StagePrefixCache
 from ..stage.downstream import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, DownstreamLink, LinkBroken
 from ..stage.prediction_return import PredictionHub, ReturnListener
 from ..telemetry import Telemetry
-from .chain_decode import ChainDecoder
-from .chain_session import ChainError, ChainSession, SessionTimings
+from .decoder import ChainDecoder
+from .session import ChainError, ChainSession, SessionEnv, SessionTimings
 from .chunking import ChunkPolicy, FixedChunks
 
 log = logging.getLogger("skippy.driver")
@@ -69,8 +69,8 @@ class ChainClient:
                  speculative: SpeculativeSettings = SpeculativeSettings(),
                  draft_model: StageModel | None = None):
         """`prefix_cache`: stage 0's prefix KV cache; with it a prompt first tries a chain
-        restore (chain_session.ChainSession.prefill). `speculative`: the default speculative
-        decoding of a request (chain_decode.py); `draft_model`: the whole small model the
+        restore (session.ChainSession.prefill). `speculative`: the default speculative
+        decoding of a request (decoder.py); `draft_model`: the whole small model the
         "draft" proposer runs in this process (shared by every request, each with its own KV)."""
         if not model.layers.is_first:
             raise ValueError(f"Expected the first stage's layers [0, k), got {model.layers}")
@@ -90,6 +90,8 @@ class ChainClient:
                                     record_logits=record_logits, name="skippy-stage0",
                                     prefix_cache=prefix_cache)
         self.ctx_size = self.runtime.runner.ctx_size
+        self.env = SessionEnv(self.runtime, self.telemetry, self.chunk_policy, reply_timeout_s,
+                              ActivationDtype[activation_dtype])
         self.speculative, self.draft_model = speculative, draft_model
         self.check_speculative(speculative)
         self.hub = PredictionHub()
@@ -132,9 +134,9 @@ class ChainClient:
             if self.downstream is not None and (lane.link is None or lane.link.broken):
                 await self._replace(lane)
             request_id = next(self._ids)
-            session = lane.session = ChainSession(self, None if self.downstream is None else lane,
-                                                  request_id, request_id, sampling,
-                                                  prompt_token_count, cache_namespace)
+            lane_id = 0 if self.downstream is None else lane.lane_id
+            session = lane.session = ChainSession(self.env, lane.link, lane_id, request_id, request_id,
+                                                  sampling, prompt_token_count, cache_namespace)
             self.hub.register(session.return_key, session.waiter)
             await session.configure()
             yield session

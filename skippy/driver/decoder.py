@@ -33,7 +33,7 @@ from ..runtime.speculation import AdaptiveWindow, SpeculationStats, SpeculativeS
 from ..telemetry import Telemetry
 
 if TYPE_CHECKING:
-    from .chain_session import ChainSession
+    from .session import ChainSession
 
 RETIRE_ALL = 1 << 30  # a RetireVerifyWindow count that covers every window based at or after a position
 
@@ -174,7 +174,7 @@ class ChainDecoder:
         if num_tokens <= 0:
             return []
         if self._is_heavy:  # a draft model: off the event loop, on the thread that runs stage 0's layers
-            return await self.session.client.runtime.call(lambda: self.spec.propose(num_tokens))
+            return await self.session.env.runtime.call(lambda: self.spec.propose(num_tokens))
         return self.spec.propose(num_tokens)
 
     def _window(self, base: int, tokens: list[int]) -> _Window:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from ..protocol.sampling_config import SamplingConfig
 from ..runtime.speculation import SpeculativeSettings
 from .admission import Lease, check_fits
-from .backend import GenerationRequest
+from ..driver.backend import GenerationRequest
 from .errors import ApiError, to_api_error
 from .generation import Generation, Job, ServeContext, finish
 from .schemas import (

@@ -17,7 +17,7 @@ import anyio
 
 from ..model.tokenizer import Tokenizer
 from .admission import Admission, Lease
-from .backend import BackendError, BackendTimeout, Finished, GenerationBackend, GenerationRequest, PrefillDone, Token
+from ..driver.backend import BackendError, BackendTimeout, Finished, GenerationBackend, GenerationRequest, PrefillDone, Token
 from .metrics import Metrics
 from .schemas import PromptTokensDetails, Timings, Usage
 from .streaming import StopTextStream

@@ -32,7 +32,7 @@ from ..protocol import (
 from ..runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX, WEIGHT_DTYPES
-from .driver import ChainClient
+from ..driver.client import ChainClient
 
 log = logging.getLogger("skippy.driver")
 STARTUP_TIMEOUT_S = 600.0

@@ -1,0 +1,67 @@
+"""Layering for every module: import-linter's contracts in pyproject.toml (protocol <- model <-
+runtime <- stage <- driver <- api <- launch <- cli; the protocol torch-free; the API layer
+knowing no frames or stages), and no import cycle between any two modules."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import grimp
+from importlinter.cli import lint_imports
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_import_contracts_hold(capsys):
+    exit_code = lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True)
+    report = capsys.readouterr().out
+    assert exit_code == 0, report
+    assert "3 kept, 0 broken" in report
+
+
+def import_cycles(graph) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan), sorted."""
+    index, low, on_stack, stack, groups = {}, {}, set(), [], []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph.find_modules_directly_imported_by(module):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while (member := stack.pop()) != module:
+                on_stack.discard(member)
+                group.append(member)
+            on_stack.discard(module)
+            if group:
+                groups.append(sorted([module, *group]))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    return sorted(groups)
+
+
+def test_no_import_cycles():
+    # Imports under `if TYPE_CHECKING:` never run (a stage's handlers annotate the
+    # connection that dispatches to them), so they are not cycles.
+    graph = grimp.build_graph("skippy", cache_dir=None, exclude_type_checking_imports=True)
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = grimp.ImportGraph()
+    for name in ("pkg", "pkg.a", "pkg.b", "pkg.c"):
+        graph.add_module(name)
+    graph.add_import(importer="pkg.a", imported="pkg.b")
+    graph.add_import(importer="pkg.b", imported="pkg.a")
+    graph.add_import(importer="pkg.c", imported="pkg.a")
+    assert import_cycles(graph) == [["pkg.a", "pkg.b"]]
