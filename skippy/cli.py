@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--auth-token", default=None, help="require Authorization: Bearer TOKEN on /v1/*")
     serve.add_argument("--chain-auth-token", default=None, help="the stages' transport token (with --topology)")
     serve.add_argument("--threads", type=int, default=None, help="torch threads in every stage (this one too)")
+    serve.add_argument("--otlp-endpoint", default=None,
+                       help="every stage exports spans over OTLP/HTTP, e.g. http://127.0.0.1:4318")
     serve.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
     serve.add_argument("--kv-cache-mem", type=byte_size, default=1 << 30,
                        help="prefix-cache memory, all stages together (e.g. 512MiB; 0 = no prefix cache)")
@@ -139,7 +141,7 @@ def add_stage_commands(commands) -> None:
     stage.add_argument("--config", required=True, help="stage config JSON (see `skippy plan`)")
     stage.add_argument("--topology", default=None, help="topology JSON (for the direct prediction return)")
     stage.add_argument("--threads", type=int, default=None, help="torch threads")
-    stage.add_argument("--otlp-endpoint", default=None, help="export spans over OTLP gRPC (needs the exporter)")
+    stage.add_argument("--otlp-endpoint", default=None, help="export spans over OTLP/HTTP, e.g. http://127.0.0.1:4318")
     stage.add_argument("--max-inflight", type=int, default=None, help="async forwarder depth (overrides the config)")
     stage.add_argument("--reply-credit-limit", type=int, default=None, help="deferred ACKs before a credit wait")
     stage.add_argument("--no-repack", action="store_true",
@@ -220,6 +222,7 @@ def run_serve(args: argparse.Namespace) -> int:
         repack=args.repack,
         activation_dtype=args.activation_dtype,
         threads=args.threads,
+        otlp_endpoint=args.otlp_endpoint,
         admission_timeout_s=args.admission_timeout,
         backend_timeout_s=args.backend_timeout,
         log_level=args.log_level,
@@ -265,7 +268,7 @@ def run_stage(args: argparse.Namespace) -> int:
 
     config = stage_config(args)
     topology = Topology.load(args.topology) if args.topology else None
-    asyncio.run(serve_stage(config, topology, threads=args.threads, otlp_endpoint=args.otlp_endpoint))
+    asyncio.run(serve_stage(config, topology))
     return 0
 
 
@@ -277,7 +280,8 @@ def stage_config(args: argparse.Namespace):
 
     config = StageConfig.load(args.config)
     overrides = {"max_inflight": args.max_inflight, "reply_credit_limit": args.reply_credit_limit,
-                 "repack_weights": False if args.no_repack else None}
+                 "repack_weights": False if args.no_repack else None, "threads": args.threads,
+                 "otlp_endpoint": args.otlp_endpoint}
     overrides = {key: value for key, value in overrides.items() if value is not None}
     kv_overrides = {"disk_budget_bytes": args.kv_disk_budget}
     if args.kv_disk_dir is not None:  # this stage's own subdirectory, as `skippy serve` does

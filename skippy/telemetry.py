@@ -64,7 +64,7 @@ class Telemetry:
     def __init__(self, service_name: str = "skippy", otlp_endpoint: str | None = None, *,
                  span_exporter: Any = None) -> None:
         """`span_exporter` (an SDK `SpanExporter`, e.g. in-memory in tests) overrides OTLP."""
-        self.service_name = service_name
+        self.service_name, self.otlp_endpoint = service_name, otlp_endpoint
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # counters are bumped from the runtime worker thread too
         self._provider = None
@@ -108,13 +108,14 @@ def _format(value: AttrValue) -> str:
 
 
 def _otlp_exporter(endpoint: str):
-    try:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    except ImportError as error:
-        raise TelemetryError(
-            "--otlp-endpoint needs the OTLP exporter, which is not installed. "
-            "Fix: pip install opentelemetry-exporter-otlp-proto-grpc") from error
-    return OTLPSpanExporter(endpoint=endpoint, insecure=True)
+    """OTLP over HTTP (a collector's port 4318): `http://host:4318` or the full traces URL."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    if not endpoint.startswith(("http://", "https://")):
+        raise TelemetryError(f"Expected --otlp-endpoint as http(s)://host:port (OTLP over HTTP), "
+                             f"got {endpoint!r}. Fix: e.g. http://127.0.0.1:4318")
+    url = endpoint.rstrip("/")
+    return OTLPSpanExporter(endpoint=url if url.endswith("/v1/traces") else url + "/v1/traces")
 
 
 def _sdk_provider(service_name: str, exporter: Any, *, batch: bool):

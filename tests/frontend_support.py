@@ -115,3 +115,42 @@ def is_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+class FakeCollector:
+    """An OTLP/HTTP trace collector on a free loopback port: keeps every span it is sent, as
+    (service.name, span name, attribute keys)."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        spans = self.spans = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest.FromString(body)
+                for resource_spans in request.resource_spans:
+                    service = next(a.value.string_value for a in resource_spans.resource.attributes
+                                   if a.key == "service.name")
+                    for scope in resource_spans.scope_spans:
+                        spans.extend((service, s.name, {a.key for a in s.attributes}) for s in scope.spans)
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def services(self) -> set[str]:
+        return {service for service, _, _ in self.spans}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import sys
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from chain_support import PROMPTS, run, start_chain
+from frontend_support import FakeCollector
 from skippy.protocol import SamplingConfig
 from skippy.telemetry import Telemetry, TelemetryError
 
@@ -66,7 +66,19 @@ def test_telemetry_refuses_text_attributes():
         telemetry.summary("request", text="hello world")
 
 
-def test_otlp_endpoint_without_the_exporter_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
-    with pytest.raises(TelemetryError, match="pip install opentelemetry-exporter-otlp"):
+def test_otlp_endpoint_must_be_an_http_url():
+    with pytest.raises(TelemetryError, match="Expected --otlp-endpoint as http"):
         Telemetry(otlp_endpoint="localhost:4317")
+
+
+def test_spans_reach_an_otlp_collector():
+    collector = FakeCollector()
+    try:
+        telemetry = Telemetry("skippy-stage7", otlp_endpoint=collector.endpoint)
+        with telemetry.span("stage.binary_message", kind="DecodeEmbd", stage_index=7) as span:
+            span.set("compute_ms", 1.5)
+        telemetry.shutdown()  # flushes the batch
+        assert collector.spans == [("skippy-stage7", "stage.binary_message",
+                                    {"kind", "stage_index", "compute_ms"})]
+    finally:
+        collector.close()

@@ -32,6 +32,7 @@ from ..protocol import (
 from ..runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX, WEIGHT_DTYPES
+from ..telemetry import Telemetry
 from ..driver.client import ChainClient
 
 log = logging.getLogger("skippy.driver")
@@ -114,9 +115,11 @@ async def connect_topology(topology: Topology, model_path: str | Path, *,
 
 async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = None, *,
                        dtype: str = "auto", device: str = "auto", repack: bool = True,
-                       kv_cache: KvCacheConfig | None = None, **client_options) -> ChainClient:
+                       kv_cache: KvCacheConfig | None = None, otlp_endpoint: str | None = None,
+                       **client_options) -> ChainClient:
     """Stage 0 holding layers [0, k) (None: the whole model, a chain of one stage), started.
-    `kv_cache`: its prefix cache (the disk tier under `disk_dir`/stage-0); None: none."""
+    `kv_cache`: its prefix cache (the disk tier under `disk_dir`/stage-0); None: none.
+    `otlp_endpoint`: where its spans go (OTLP/HTTP); None: nowhere."""
     model = load_stage(model_path, layers, dtype=dtype, device=device, progress=False, repack=repack)
     prefix_cache = None
     if kv_cache is not None:
@@ -125,12 +128,14 @@ async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = 
             layer_end=model.layers.end, kv_dtype=model.kv_dtype, weights=model.weight_format,
             ctx_size=min(client_options.get("ctx_size") or model.args.context_length,
                          model.args.context_length))
-    client = ChainClient(model, prefix_cache=prefix_cache, **client_options)
+    client = ChainClient(model, prefix_cache=prefix_cache,
+                         telemetry=Telemetry("skippy-stage0", otlp_endpoint), **client_options)
     try:
         await client.start()
     except BaseException:
         await client.close()  # its runtime worker and any lane already dialed
         raise
+    client.runtime.log_settings(0)
     return client
 
 
@@ -140,7 +145,7 @@ class LocalChain:
     def __init__(self, model_path: str | Path, num_stages: int, *, threads: int | None = None,
                  activation_dtype: str = "f32", ctx_size: int = 2048, lane_count: int = 4,
                  dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
-                 log_level: str = "WARNING",
+                 log_level: str = "WARNING", otlp_endpoint: str | None = None,
                  kv_cache: KvCacheConfig | None = None, **client_options):
         """`kv_cache`: every stage's prefix-cache settings (disk tier: one subdirectory per
         stage under `disk_dir`); None: no prefix cache anywhere. `threads`: torch threads in
@@ -160,7 +165,8 @@ class LocalChain:
         self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
                                    ctx_size=ctx_size, lane_count=lane_count,
                                    weight_dtype=_WEIGHT_NAMES[dtype], repack_weights=repack, device=device,
-                                   peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
+                                   peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, threads=threads,
+                                   otlp_endpoint=otlp_endpoint)
         self._model_args = model_args(model_path)
         self._plan()
         self._dir = tempfile.TemporaryDirectory(prefix="skippy-chain-")
@@ -204,6 +210,7 @@ class LocalChain:
                 repack=self.repack,
                 concurrency=self.concurrency, ctx_size=self.configs[0].ctx_size,
                 activation_dtype=self.configs[0].activation_dtype, kv_cache=self.kv_cache,
+                otlp_endpoint=self.configs[0].otlp_endpoint,
                 peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, **self.client_options)
         except OSError as error:
             if error.errno != errno.EADDRINUSE:
@@ -219,8 +226,7 @@ class LocalChain:
 
     async def _spawn(self, config_path: Path, topology_path: Path):
         command = [sys.executable, "-m", "skippy.cli", "--log-level", self.log_level, "stage",
-                   "--config", str(config_path), "--topology", str(topology_path),
-                   "--threads", str(self.threads)]
+                   "--config", str(config_path), "--topology", str(topology_path)]
         env = {"GOMP_SPINCOUNT": CO_LOCATED_SPIN_COUNT, **os.environ, "PYTHONUNBUFFERED": "1"}
         return await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE, env=env)
 

@@ -51,6 +51,7 @@ class ServeConfig:
     repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
     activation_dtype: str = "f32"
     threads: int | None = None  # torch threads in every stage process, this one included
+    otlp_endpoint: str | None = None  # every stage's span export (OTLP/HTTP); None = no spans
     admission_timeout_s: float = 60.0
     backend_timeout_s: float = 600.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -130,22 +131,23 @@ async def build_backend(config: ServeConfig):
 
     tokenizer = load_tokenizer(config.model)  # first: it shares the GGUF reader that loading releases
     ctx_size = config.ctx_size or _model_context(config.model)
-    weights = dict(dtype=config.dtype, device=config.device, repack=config.repack)
+    every_stage = dict(dtype=config.dtype, device=config.device, repack=config.repack,
+                   otlp_endpoint=config.otlp_endpoint)
     options = dict(concurrency=config.num_lanes, ctx_size=ctx_size, activation_dtype=config.activation_dtype,
                    speculative=config.speculative_settings(), draft_model=await _load_draft_model(config))
     if config.topology is not None:
         topology = Topology.load(config.topology)
         client = await connect_topology(topology, config.model, auth_token=config.chain_auth_token,
-                                        kv_cache=config.kv_cache(1), **weights, **options)
+                                        kv_cache=config.kv_cache(1), **every_stage, **options)
         return tokenizer, ChainBackend(client, topology, num_lanes=config.num_lanes,
                                        auth_token=config.chain_auth_token)
     if config.num_stages == 1:
         set_one_process_threads(config)
-        client = await start_stage0(config.model, kv_cache=config.kv_cache(1), **weights, **options)
+        client = await start_stage0(config.model, kv_cache=config.kv_cache(1), **every_stage, **options)
         return tokenizer, ChainBackend(client, None, num_lanes=config.num_lanes)
     chain = LocalChain(config.model, config.num_stages, threads=config.threads, lane_count=config.num_lanes,
                        log_level=config.log_level, kv_cache=config.kv_cache(config.num_stages),
-                       **weights, **options)  # fmt: skip
+                       **every_stage, **options)  # fmt: skip
     description = f"Starting {config.num_stages} stages of {Path(config.model).name}"
     with progress_bar(description, config.num_stages) as advance:
         watcher = asyncio.create_task(_advance_as_stages_come_up(chain, advance))

@@ -108,6 +108,8 @@ class StageConfig(_Frozen):
     # batch a decoding peer due back within this many forwards (runtime/scheduler.py);
     # stages that share one machine's cores run one wave of sessions (2.0), others two
     peer_wait_forwards: float = Field(0.25, ge=0.0)
+    threads: int | None = Field(None, ge=1)    # torch threads; None = torch's default
+    otlp_endpoint: str | None = None           # export spans over OTLP/HTTP; None = no spans
 
     @field_validator("bind_addr")
     @classmethod

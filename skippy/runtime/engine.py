@@ -9,6 +9,7 @@ sessions it was handed, in submission order.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from ..model.llama import StageModel
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from .stage_cache import StagePrefixCache
 
 T = TypeVar("T")
+
+log = logging.getLogger("skippy.runtime")
 
 BATCHED_STEPS_COUNTER = "skippy.runtime.batched_decode_iterations"
 BATCH_ROWS_COUNTER = "skippy.runtime.batched_decode_steps"
@@ -58,6 +61,23 @@ class StageRuntime:
         if size > 1:
             self.telemetry.count(BATCHED_STEPS_COUNTER)
             self.telemetry.count(BATCH_ROWS_COUNTER, size)
+
+    def effective_settings(self) -> dict[str, str | int]:
+        """What this stage runs with, as resolved (device "auto" made concrete, budgets split):
+        one log line at start, so an operator (and a test) can see every option arrived."""
+        model, kv = self.model, None if self.prefix_cache is None else self.prefix_cache.config
+        return {"layers": f"[{model.layers.start},{model.layers.end})", "device": str(model.device),
+                "weights": model.weight_format, "kv_dtype": str(model.kv_dtype).removeprefix("torch."),
+                "ctx_size": self.runner.ctx_size, "threads": self.runner.num_threads(),
+                "lanes": self.sessions.max_sessions,
+                "kv_cache_bytes": 0 if kv is None else kv.max_bytes,
+                "kv_disk_dir": "none" if kv is None or kv.disk_dir is None else kv.disk_dir,
+                "kv_disk_budget": 0 if kv is None else kv.disk_budget_bytes,
+                "otlp_endpoint": self.telemetry.otlp_endpoint or "none"}
+
+    def log_settings(self, stage_index: int) -> None:
+        settings = " ".join(f"{key}={value}" for key, value in self.effective_settings().items())
+        log.info("stage %d settings: %s", stage_index, settings)
 
     # -- sessions -------------------------------------------------------------------
     def open_session(self, key: SessionKey, request_id: int) -> Session:

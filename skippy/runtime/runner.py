@@ -43,6 +43,11 @@ class Runner:
         self.record_logits = record_logits
         self.last_logits: dict = {}   # session key -> logits of its last sampled rows (tests)
 
+    @staticmethod
+    def num_threads() -> int:
+        """torch's intra-op threads (one process-wide setting, read from any thread)."""
+        return torch.get_num_threads()
+
     # -- iterations ---------------------------------------------------------------
     def run_batch(self, steps: list[Step]) -> list[StepResult | Exception]:
         """One forward over every step that passes its checks; per-step errors are returned."""

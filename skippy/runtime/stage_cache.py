@@ -32,8 +32,9 @@ NO_RECORD = RecordResult(0, 0)
 
 class StagePrefixCache:
     def __init__(self, cache: PrefixCache, base: CacheNamespace, *, mode: str = "auto",
-                 disk: DiskCache | None = None):
+                 disk: DiskCache | None = None, config: KvCacheConfig | None = None):
         self.cache, self.base, self.mode, self.disk = cache, base, mode, disk
+        self.config = config or KvCacheConfig(mode=mode)  # as asked for: budgets, disk tier
         self.rollbacks = 0          # restores dropped because a stage below missed
         self.restore_errors = 0     # counted by the callers, which treat them as misses
         self.record_errors = 0
@@ -59,7 +60,7 @@ class StagePrefixCache:
             log.warning("prefix cache: disk tier at %s unusable (%s); memory only",
                         config.disk_dir, error)
         return cls(PrefixCache.from_config(config, disk=disk, disk_policy=config.disk_policy),
-                   base, mode=config.mode, disk=disk)
+                   base, mode=config.mode, disk=disk, config=config)
 
     @property
     def lookup_enabled(self) -> bool:

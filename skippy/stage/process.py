@@ -57,14 +57,14 @@ def load_stage_runtime(config: StageConfig, telemetry: Telemetry) -> StageRuntim
     return runtime
 
 
-async def serve_stage(config: StageConfig, topology: Topology | None = None, *,
-                      threads: int | None = None, otlp_endpoint: str | None = None) -> None:
+async def serve_stage(config: StageConfig, topology: Topology | None = None) -> None:
     """Load this stage's layers, listen, print the ready line, serve until SIGINT/SIGTERM."""
-    if threads:
-        torch.set_num_threads(threads)
+    if config.threads:
+        torch.set_num_threads(config.threads)
     sock = bind_listener(config)
-    telemetry = Telemetry(f"skippy-stage{config.stage_index}", otlp_endpoint)
+    telemetry = Telemetry(f"skippy-stage{config.stage_index}", config.otlp_endpoint)
     runtime = load_stage_runtime(config, telemetry)
+    runtime.log_settings(config.stage_index)
     server = StageServer(config, runtime, topology=topology, telemetry=telemetry)
     endpoint = await server.start(sock)
     stop = asyncio.Event()
