@@ -42,6 +42,8 @@ class FaultyBackend:
     def __init__(self, inner):
         self.inner, self.mode = inner, None
         self.num_lanes, self.ctx_size = inner.num_lanes, inner.ctx_size
+        self.speculative, self.check_speculative = inner.speculative, inner.check_speculative
+        self.cache_stats = inner.cache_stats
 
     async def generate(self, request):
         if self.mode == "down":

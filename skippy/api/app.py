@@ -76,8 +76,7 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
     admission = Admission(concurrency, settings.queue_size, settings.admission_timeout_s)
     metrics.queue_depth.set_function(lambda: admission.num_waiting)
     metrics.active_generations.set_function(lambda: admission.num_active)
-    if hasattr(backend, "cache_stats"):  # prefix-cache counters per stage (a chain backend)
-        metrics.registry.register(PrefixCacheCollector(backend.cache_stats))
+    metrics.registry.register(PrefixCacheCollector(backend.cache_stats))  # per stage
     ctx = ServeContext(backend, tokenizer, settings.model_id, admission, metrics, settings.backend_timeout_s)
     created = int(time.time())
 

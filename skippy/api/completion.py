@@ -142,7 +142,7 @@ def _speculative(ctx: ServeContext, body: GenerationParams) -> SpeculativeSettin
         return None
     backend = ctx.backend
     fields = {name: value for name, value in body.speculative.model_dump().items() if value is not None}
-    default = getattr(backend, "speculative", SpeculativeSettings())
+    default = backend.speculative
     if "min_window" in fields and "max_window" not in fields:  # one bound moves the other if needed
         fields["max_window"] = max(default.max_window, fields["min_window"])
     if "max_window" in fields and "min_window" not in fields:
@@ -150,11 +150,7 @@ def _speculative(ctx: ServeContext, body: GenerationParams) -> SpeculativeSettin
     try:
         settings = dataclasses.replace(default, **fields)
         if settings.is_enabled:
-            check = getattr(backend, "check_speculative", None)
-            if check is None:
-                raise ValueError("this server runs the model in one process without speculative decoding; "
-                                 "start it with --speculative MODE (or --stages 2 or more)")
-            check(settings)
+            backend.check_speculative(settings)
     except ValueError as exc:
         raise ApiError(400, f"speculative: {exc}", param="speculative") from None
     return settings

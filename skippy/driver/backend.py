@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from ..protocol.sampling_config import SamplingConfig
+from ..protocol.stats import StageReplyStats
 from ..runtime.speculation import SpeculativeSettings
 
 FinishReason = Literal["stop", "length"]
@@ -46,6 +47,8 @@ class PrefillDone:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens restored from a prefix cache, not computed
     prefill_ms: float
+    restore_decision: str = ""  # the prefix restore's outcome ("" when none was tried)
+    hit_stage_mask: int = 0     # the stages whose prefix cache hit (bit i: stage i)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,10 @@ class Finished:
     num_completion_tokens: int
     decode_ms: float  # first token to last
     extra: dict[str, float] = field(default_factory=dict)  # backend-specific counters for `timings`
+    ended_by: str = ""  # why decoding ended: "stop", "length" or "context" (the context is full)
+    stats: StageReplyStats = field(default_factory=StageReplyStats)  # merged over the chain's replies
+    timings: Any = None  # the session's SessionTimings (driver/session.py)
+    speculation: dict = field(default_factory=dict)  # the decoder's figures; {} without speculation
 
 
 GenerationEvent = PrefillDone | Token | Finished
@@ -108,6 +115,16 @@ class GenerationBackend(Protocol):
     @property
     def ctx_size(self) -> int:
         """Context tokens per session: prompt + completion must fit."""
+
+    @property
+    def speculative(self) -> SpeculativeSettings:
+        """The server's default speculative decoding (a request may ask for other settings)."""
+
+    def check_speculative(self, settings: SpeculativeSettings) -> None:
+        """ValueError, saying why and what to change, when `settings` cannot run here."""
+
+    def cache_stats(self) -> list[tuple[str, dict[str, int]]]:
+        """(stage id, prefix-cache counters) per stage, for /metrics."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]: ...
 

@@ -1,10 +1,8 @@
 """`ChainBackend`: the GenerationBackend seam over the stage-0 `ChainClient` (client.py).
 
-Each generation leases a lane, prefills, decodes until a stop id, max_tokens or
-the context end, and Stops, which reaches every stage (a stage ACKs Stop only
-after its downstream did). A consumer that leaves early (stop string, client
-gone, timeout) still gets a Stop sent; if that fails the lane is closed, and each
-stage reclaims a session whose connection ended without Stop (spec §3.3).
+Each generation is `ChainClient.run` (the one orchestration of a request: lease,
+prefill, decode, Stop, also when the consumer leaves early); this adds the API's
+view: chain failures as `StageUnavailable`, per-stage restore counts, stage status.
 
 Stage state comes from asking each stage directly (`GetStageStatus` on a
 connection of its own): a stage that answers is ready and reports the sessions
@@ -16,32 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
 from ..protocol import (
-    MessageKind, ProtocolError, ReplyKind, StageMessage, StageReplyStats, StageStatusReport, Topology,
+    MessageKind, ProtocolError, ReplyKind, StageMessage, StageStatusReport, Topology,
     cache_namespace_digest, read_reply, write_message,
 )
 from ..runtime.speculation import SpeculativeSettings
 from ..stage.downstream import LinkBroken, open_connection
 from .backend import (
-    BackendError,
-    Finished,
-    GenerationEvent,
-    GenerationRequest,
-    PrefillDone,
-    Readiness,
-    StageStatus,
-    StageUnavailable,
-    Token,
+    BackendError, GenerationEvent, GenerationRequest, PrefillDone, Readiness, StageStatus, StageUnavailable,
 )
-from .session import ChainError, ChainSession, SessionTimings
 from .client import ChainClient
+from .session import ChainError
 
 PROBE_TIMEOUT_S = 1.0
-STOP_TIMEOUT_S = 5.0  # an early Stop that takes longer is abandoned: the lane is closed instead
 
 
 class ChainBackend:
@@ -77,46 +65,24 @@ class ChainBackend:
         self._client.check_speculative(settings)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        client, prompt = self._client, request.prompt_ids
+        events = self._client.run(request.prompt_ids, max_tokens=request.max_tokens, sampling=request.sampling,
+                                  stop_ids=request.stop_ids, speculative=request.speculative,
+                                  cache_namespace=cache_namespace_digest(request.prompt_cache_key))
         try:
-            namespace = cache_namespace_digest(request.prompt_cache_key)
-            async with client.session(request.sampling, len(prompt), namespace) as session:
-                decoder = None
-                try:
-                    decoder = client.decoder(session, max_tokens=request.max_tokens,
-                                             stop_ids=request.stop_ids,
-                                             speculative=request.speculative)
-                    started = time.perf_counter()
-                    token = await session.prefill(prompt)
-                    first_token_at = time.perf_counter()
-                    self._observe_restore(session)
-                    yield PrefillDone(len(prompt), session.timings.restored_tokens,
-                                      (first_token_at - started) * 1e3)
-                    num_generated = 0
-                    async with aclosing(decoder.tokens(prompt, token)) as tokens:
-                        async for token in tokens:
-                            num_generated += 1
-                            yield Token(token)
-                    reason = "stop" if decoder.finish_reason == "stop" else "length"  # or context
-                    decode_ms = (time.perf_counter() - first_token_at) * 1e3
-                    stats = await session.stop()
-                    extras = {**_timing_extras(stats, session.timings),
-                              **decoder.report(client.telemetry)}
-                    yield Finished(reason, num_generated, decode_ms, extras)
-                finally:
-                    if not session.stopped:
-                        if decoder is not None:  # the consumer left early: still log its figures
-                            decoder.report(client.telemetry)
-                        await _stop_quietly(session)
+            async with aclosing(events):
+                async for event in events:
+                    if isinstance(event, PrefillDone):
+                        self._observe_restore(event)
+                    yield event
         except (ChainError, LinkBroken) as exc:
             raise await self._unavailable(exc) from exc
 
-    def _observe_restore(self, session: ChainSession) -> None:
+    def _observe_restore(self, prefill: PrefillDone) -> None:
         """Count each stage's part in this request's restore attempt: a stage is asked only
         when every stage above it hit (spec §4.4), and it hit when its mask bit is set."""
-        if not session.timings.restore_decision or session.timings.restore_decision == "stage0_error":
+        if not prefill.restore_decision or prefill.restore_decision == "stage0_error":
             return
-        mask = session.stats.kv_hit_stage_mask
+        mask = prefill.hit_stage_mask
         for index, counts in enumerate(self._restores):
             if mask >> index & 1:
                 counts[0] += 1
@@ -189,29 +155,3 @@ async def query_stage_status(endpoint: str, auth_token: str | None) -> StageStat
             await writer.wait_closed()
         except OSError:
             pass
-
-
-async def _stop_quietly(session: ChainSession) -> None:
-    """Send Stop for a session the consumer left early. It runs as its own task, so a
-    consumer being cancelled cannot cut it short. If it fails, `session.stopped` stays
-    False: the driver then closes the lane and every stage reclaims the session."""
-    stopping = asyncio.ensure_future(asyncio.wait_for(session.stop(), STOP_TIMEOUT_S))
-    try:
-        await asyncio.shield(stopping)
-    except (asyncio.CancelledError, Exception):
-        pass  # whatever brought us here still propagates
-
-
-def _timing_extras(stats: StageReplyStats, timings: SessionTimings) -> dict[str, float]:
-    """Chain figures for the `timings` object: the worst prefill edge and the prefix restore
-    (tokens restored on every stage, tokens prefilled after them, its time, the stages that
-    hit, the entries recorded). `cache_n` / `prompt_n` carry the same two token counts."""
-    return {
-        "chain_prefill_edge_max_ms": stats.prefill_edge_total_us_max / 1e3,
-        "chain_kv_imported_tokens": stats.kv_imported_tokens,
-        "kv_restored_tokens": timings.restored_tokens,
-        "kv_suffix_prefill_tokens": timings.prefilled_tokens,
-        "kv_restore_ms": timings.restore_s * 1e3,
-        "kv_hit_stage_mask": stats.kv_hit_stage_mask,
-        "kv_recorded_entries": stats.kv_recorded_pages,
-    }

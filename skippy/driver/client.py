@@ -31,11 +31,13 @@ from ..runtime.stage_cache import StagePrefixCache
 from ..stage.downstream import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, DownstreamLink, LinkBroken
 from ..stage.prediction_return import PredictionHub, ReturnListener
 from ..telemetry import Telemetry
+from .backend import Finished, GenerationEvent, PrefillDone, Token
 from .decoder import ChainDecoder
 from .session import ChainError, ChainSession, SessionEnv, SessionTimings
 from .chunking import ChunkPolicy, FixedChunks
 
 log = logging.getLogger("skippy.driver")
+STOP_TIMEOUT_S = 5.0  # an early Stop that takes longer is abandoned: the lane is closed instead
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,68 +192,69 @@ class ChainClient:
                             ctx_size=self.ctx_size, proposer=self.new_proposer(settings),
                             settings=settings)
 
-    async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int = 256,
-                       sampling: SamplingConfig = SamplingConfig(),
-                       stop_ids: Sequence[int] = (),
-                       on_token: Callable[[int], None] | None = None,
-                       cache_namespace: bytes | None = None,
-                       speculative: SpeculativeSettings | None = None) -> GenerationResult:
-        """Prefill, decode until a stop id, `max_tokens` or the context end, then Stop.
-        `speculative`: verify windows of proposed tokens (None: the client's default)."""
+    async def run(self, prompt_ids: Sequence[int], *, max_tokens: int = 256,
+                  sampling: SamplingConfig = SamplingConfig(), stop_ids: Sequence[int] = (),
+                  cache_namespace: bytes | None = None,
+                  speculative: SpeculativeSettings | None = None) -> AsyncIterator[GenerationEvent]:
+        """One request, start to end, as events (PrefillDone -> Token* -> Finished): lease a
+        lane, prefill (through the prefix cache), decode until a stop id, `max_tokens` or the
+        context end, Stop. The only orchestration of a request: the API and `generate` both
+        consume it. A consumer that leaves early still gets the session stopped on every stage
+        (or, when Stop fails, the lane closed, so every stage reclaims it)."""
         if not prompt_ids:
             raise ValueError("Expected a non-empty prompt")
         if len(prompt_ids) > self.ctx_size:
             raise ValueError(f"Expected a prompt of at most {self.ctx_size} tokens (the context "
                              f"size), got {len(prompt_ids)}. Fix: shorten it or raise ctx_size.")
         self.check_speculative(self.speculative if speculative is None else speculative)
-        tokens: list[int] = []
         async with self.session(sampling, len(prompt_ids), cache_namespace) as session:
             decoder = self.decoder(session, max_tokens=max_tokens, stop_ids=stop_ids,
                                    speculative=speculative)
-            first = await session.prefill(prompt_ids)
-            decode_started = time.perf_counter()
-            async for token in decoder.tokens(prompt_ids, first):
-                tokens.append(token)
-                if on_token is not None:
-                    on_token(token)
-            if decoder.settings.is_enabled:  # decode_s counts DecodeEmbd steps only otherwise
-                session.timings.decode_s = time.perf_counter() - decode_started
-            reason = decoder.finish_reason
-            started = time.perf_counter()
-            stats = await session.stop()
-            self.telemetry.summary(
-                "stage0.generation_summary", prompt_tokens=len(prompt_ids),
-                completion_tokens=len(tokens), finish_reason=reason,
-                prefill_ms=session.timings.prefill_s * 1e3,
-                first_token_ms=session.timings.first_token_s * 1e3,
-                decode_ms=session.timings.decode_s * 1e3,
-                stop_ms=(time.perf_counter() - started) * 1e3)
-            speculation = decoder.report(self.telemetry)
-        return GenerationResult(tokens, reason, len(prompt_ids), stats, session.timings,
-                                speculation)
-
-    async def stream(self, prompt_ids: Sequence[int], **options) -> AsyncIterator[int]:
-        """`generate`, yielding each token as it arrives."""
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def run() -> None:
             try:
-                await self.generate(prompt_ids, on_token=queue.put_nowait, **options)
-                queue.put_nowait(done)
-            except BaseException as error:  # handed to the consumer below
-                queue.put_nowait(error)
+                started = time.perf_counter()
+                first = await session.prefill(prompt_ids)
+                first_token_at = time.perf_counter()
+                timings = session.timings
+                yield PrefillDone(len(prompt_ids), timings.restored_tokens, (first_token_at - started) * 1e3,
+                                  timings.restore_decision, session.stats.kv_hit_stage_mask)
+                num_tokens = 0
+                async with contextlib.aclosing(decoder.tokens(prompt_ids, first)) as tokens:
+                    async for token in tokens:
+                        num_tokens += 1
+                        yield Token(token)
+                decode_ms = (time.perf_counter() - first_token_at) * 1e3
+                if decoder.settings.is_enabled:  # decode_s counts DecodeEmbd steps only otherwise
+                    timings.decode_s = decode_ms / 1e3
+                stop_started = time.perf_counter()
+                stats = await session.stop()
+                self.telemetry.summary(
+                    "stage0.generation_summary", prompt_tokens=len(prompt_ids),
+                    completion_tokens=num_tokens, finish_reason=decoder.finish_reason,
+                    prefill_ms=timings.prefill_s * 1e3, first_token_ms=timings.first_token_s * 1e3,
+                    decode_ms=timings.decode_s * 1e3, stop_ms=(time.perf_counter() - stop_started) * 1e3)
+                speculation = decoder.report(self.telemetry)
+                yield Finished("stop" if decoder.finish_reason == "stop" else "length", num_tokens,
+                               decode_ms, {**_timing_extras(stats, timings), **speculation},
+                               decoder.finish_reason, stats, timings, speculation)
+            finally:
+                if not session.stopped:  # the consumer left early: its figures still go out
+                    decoder.report(self.telemetry)
+                    await _stop_quietly(session)
 
-        task = asyncio.create_task(run())
-        try:
-            while (item := await queue.get()) is not done:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            if not task.done():
-                task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    async def generate(self, prompt_ids: Sequence[int], *, on_token: Callable[[int], None] | None = None,
+                       **options) -> GenerationResult:
+        """`run` to the end: the tokens (`on_token` sees each as it arrives) and the figures."""
+        tokens: list[int] = []
+        async with contextlib.aclosing(self.run(prompt_ids, **options)) as events:
+            async for event in events:
+                if isinstance(event, Token):
+                    tokens.append(event.token_id)
+                    if on_token is not None:
+                        on_token(event.token_id)
+                elif isinstance(event, Finished):
+                    finished = event
+        return GenerationResult(tokens, finished.ended_by, len(prompt_ids), finished.stats,
+                                finished.timings, finished.speculation)
 
     async def close(self) -> None:
         await self.listener.close()
@@ -261,3 +264,29 @@ class ChainClient:
                 await lane.link.close()
         self.runtime.close()
         self.telemetry.shutdown()
+
+
+async def _stop_quietly(session: ChainSession) -> None:
+    """Send Stop for a session the consumer left early. It runs as its own task, so a
+    consumer being cancelled cannot cut it short. If it fails, `session.stopped` stays
+    False: the lane is then closed and every stage reclaims the session."""
+    stopping = asyncio.ensure_future(asyncio.wait_for(session.stop(), STOP_TIMEOUT_S))
+    try:
+        await asyncio.shield(stopping)
+    except (asyncio.CancelledError, Exception):
+        pass  # whatever brought us here still propagates
+
+
+def _timing_extras(stats: StageReplyStats, timings: SessionTimings) -> dict[str, float]:
+    """Chain figures for the `timings` object: the worst prefill edge and the prefix restore
+    (tokens restored on every stage, tokens prefilled after them, its time, the stages that
+    hit, the entries recorded). `cache_n` / `prompt_n` carry the same two token counts."""
+    return {
+        "chain_prefill_edge_max_ms": stats.prefill_edge_total_us_max / 1e3,
+        "chain_kv_imported_tokens": stats.kv_imported_tokens,
+        "kv_restored_tokens": timings.restored_tokens,
+        "kv_suffix_prefill_tokens": timings.prefilled_tokens,
+        "kv_restore_ms": timings.restore_s * 1e3,
+        "kv_hit_stage_mask": stats.kv_hit_stage_mask,
+        "kv_recorded_entries": stats.kv_recorded_pages,
+    }
