@@ -16,7 +16,8 @@ import time
 from collections.abc import Sequence
 from ..protocol import (
     ActivationDtype, MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply,
-    StageReplyStats, merge, prefill_compute_observation, stage_mask,
+    LOOKUP_ERROR, StageReplyStats, lookup_observation, merge, prefill_compute_observation, record_observation,
+    restore_missed_below,
 )
 from ..runtime import SampleMode, Step
 from ..runtime.engine import StageRuntime
@@ -201,21 +202,18 @@ class ChainSession:
                 log.warning("stage 0: prefix restore failed: %s", error)
                 runtime.prefix_cache.restore_errors += 1
                 restored, decision = 0, "stage0_error"
-                self.stats = merge(self.stats, StageReplyStats(kv_lookup_errors=1))
+                self.stats = merge(self.stats, LOOKUP_ERROR)
             else:
                 decision = "chain_restore_hit" if restored else "stage0_miss"
-                self.stats = merge(self.stats, StageReplyStats(
-                    kv_lookup_hits=1, kv_imported_pages=1, kv_imported_tokens=restored,
-                    kv_hit_stage_mask=stage_mask(0)) if restored
-                    else StageReplyStats(kv_lookup_misses=1))
+                self.stats = merge(self.stats, lookup_observation(0, restored))
             first = None
             fused = bool(restored) and restored == len(cacheable) and not self.is_local
             if restored and not self.is_local:
                 msg = await self._restore_message(cacheable[:restored], tokens, fused)
-                down = (await self._guard(msg.kind.name, self._control(msg))).stats
-                if down.kv_lookup_misses or down.kv_lookup_errors or not down.kv_lookup_hits:
-                    if not (down.kv_lookup_hits or down.kv_lookup_misses or down.kv_lookup_errors):
-                        self.stats = merge(self.stats, StageReplyStats(kv_lookup_misses=1))
+                down = (await self._guard(msg.kind.name, self._control(msg))).stats  # merged in
+                missed, extra = restore_missed_below(down)
+                if missed:
+                    self.stats = merge(self.stats, extra)
                     await runtime.rollback_prefix(self.key)
                     restored, decision = 0, "downstream_miss_rollback"
                 elif fused:
@@ -251,9 +249,7 @@ class ChainSession:
         """Wait for a record submitted to the worker and count it in the request's stats."""
         recorded = (await recording).value
         if recorded.num_entries:
-            self.stats = merge(self.stats, StageReplyStats(
-                kv_recorded_pages=recorded.num_entries, kv_recorded_bytes=recorded.num_bytes,
-                kv_record_stage_mask=stage_mask(0)))
+            self.stats = merge(self.stats, record_observation(0, recorded.num_entries, recorded.num_bytes))
 
     async def _send_predicting(self, msg: StageMessage) -> None:
         link = self.link

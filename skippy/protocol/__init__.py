@@ -20,7 +20,8 @@ from .frames import (
 from .handshake import AuthPreamble, Ready
 from .sampling_config import SamplingConfig
 from .stats import (
-    StageReplyStats, merge, merge_all, prefill_compute_observation, prefill_edge_observation,
+    LOOKUP_ERROR, StageReplyStats, lookup_observation, merge, merge_all, prefill_compute_observation,
+    prefill_edge_observation, record_observation, restore_missed_below,
     stage_mask,
 )
 from .stream import (

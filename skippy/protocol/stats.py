@@ -162,6 +162,33 @@ def prefill_compute_observation(stage_index: int, compute_us: int,
     )
 
 
+def lookup_observation(stage_index: int, restored_tokens: int) -> StageReplyStats:
+    """One stage's prefix-cache lookup: a hit of `restored_tokens` (> 0) or a miss (0)."""
+    if restored_tokens <= 0:
+        return StageReplyStats(kv_lookup_misses=1)
+    return StageReplyStats(kv_lookup_hits=1, kv_imported_pages=1, kv_imported_tokens=restored_tokens,
+                           kv_hit_stage_mask=stage_mask(stage_index))
+
+
+LOOKUP_ERROR = StageReplyStats(kv_lookup_errors=1)  # a lookup that failed: counted, then a miss
+
+
+def record_observation(stage_index: int, num_entries: int, num_bytes: int) -> StageReplyStats:
+    """The prefix-cache entries one stage recorded for a prefill."""
+    return StageReplyStats(kv_recorded_pages=num_entries, kv_recorded_bytes=num_bytes,
+                           kv_record_stage_mask=stage_mask(stage_index))
+
+
+def restore_missed_below(down: StageReplyStats) -> tuple[bool, StageReplyStats]:
+    """The restore rule (spec §4.4), for stage 0 and every stage alike: what the stages below
+    answered a TryRestore with. (False, nothing more to count) when they all hit; (True, the
+    miss to add) when one missed or failed, or the reply was neutral (no stage below has a
+    cache): a neutral reply counts as one miss, so the chain's lookups add up."""
+    neutral = not (down.kv_lookup_hits or down.kv_lookup_misses or down.kv_lookup_errors)
+    missed = bool(down.kv_lookup_misses or down.kv_lookup_errors or neutral)
+    return missed, StageReplyStats(kv_lookup_misses=int(neutral))
+
+
 def encode_stats(stats: StageReplyStats) -> bytes:
     values = [getattr(stats, name) for name in FIELD_NAMES]
     for name, value in zip(FIELD_NAMES, values):

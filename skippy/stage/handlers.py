@@ -25,8 +25,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from ..protocol import (
-    FrameError, MessageKind, StageMessage, StageReply, StageReplyStats, StageStatusReport, merge,
-    prefill_compute_observation, prefill_edge_observation, stage_mask,
+    LOOKUP_ERROR, FrameError, MessageKind, StageMessage, StageReply, StageReplyStats, StageStatusReport,
+    lookup_observation, merge, prefill_compute_observation, prefill_edge_observation, record_observation,
+    restore_missed_below,
 )
 from ..runtime import SampleMode, Timed
 from ..telemetry import Span
@@ -135,9 +136,8 @@ async def _record(conn: StageConnection, msg: StageMessage, span: Span) -> None:
     recorded = (await conn.runtime.record_prefix(key)).value
     if recorded.num_entries:
         span.set("kv_recorded_entries", recorded.num_entries)
-        conn.add_stats(StageReplyStats(kv_recorded_pages=recorded.num_entries,
-                                       kv_recorded_bytes=recorded.num_bytes,
-                                       kv_record_stage_mask=stage_mask(conn.config.stage_index)))
+        conn.add_stats(record_observation(conn.config.stage_index, recorded.num_entries,
+                                          recorded.num_bytes))
 
 
 async def on_stop(conn: StageConnection, msg: StageMessage, span: Span) -> None:
@@ -225,13 +225,11 @@ async def on_prefix_cache(conn: StageConnection, msg: StageMessage, span: Span) 
         prefix = prefix[:msg.pos_start]
     try:
         restored = (await conn.runtime.restore_prefix(key, prefix, longest=False)).value
-        local = (StageReplyStats(kv_lookup_hits=1, kv_imported_pages=1, kv_imported_tokens=restored,
-                                 kv_hit_stage_mask=stage_mask(index)) if restored
-                 else StageReplyStats(kv_lookup_misses=1))
+        local = lookup_observation(index, restored)
     except Exception as error:  # noqa: BLE001 - a failed restore is a miss, never a crash
         log.warning("stage %d: prefix restore failed: %s", index, error)
         kv.restore_errors += 1
-        restored, local = 0, StageReplyStats(kv_lookup_errors=1)
+        restored, local = 0, LOOKUP_ERROR
     stats = merge(stats, local)
     hit = restored > 0
     decision = "local_hit" if hit else "local_miss"
@@ -242,10 +240,9 @@ async def on_prefix_cache(conn: StageConnection, msg: StageMessage, span: Span) 
         started = time.perf_counter()
         down = (await link.request(msg)).stats
         span.set("downstream_wait_ms", (time.perf_counter() - started) * 1e3)
-        if _downstream_missed(down):
-            hit = False
-            down = merge(down, StageReplyStats(kv_lookup_misses=int(_is_neutral(down))))
-        stats = merge(stats, down)
+        missed, extra = restore_missed_below(down)
+        hit = hit and not missed
+        stats = merge(stats, merge(down, extra))
         decision = "chain_hit" if hit else "downstream_miss_rollback"
     if restored and not hit:
         await conn.runtime.rollback_prefix(key)
@@ -255,15 +252,6 @@ async def on_prefix_cache(conn: StageConnection, msg: StageMessage, span: Span) 
     span.set("kv_decision", decision)
     span.set("kv_restored_tokens", restored if hit else 0)
     await conn.reply(StageReply.ack(stats))
-
-
-def _is_neutral(stats: StageReplyStats) -> bool:
-    return not (stats.kv_lookup_hits or stats.kv_lookup_misses or stats.kv_lookup_errors)
-
-
-def _downstream_missed(stats: StageReplyStats) -> bool:
-    """A miss or an error below, or a neutral reply (a stage without a cache): not a chain hit."""
-    return bool(stats.kv_lookup_misses or stats.kv_lookup_errors or not stats.kv_lookup_hits)
 
 
 async def _restore_decode(conn: StageConnection, msg: StageMessage, session, link, stats, span):
@@ -278,10 +266,8 @@ async def _restore_decode(conn: StageConnection, msg: StageMessage, session, lin
         await conn.return_prediction(msg, StageReply.token(timed.value.tokens[0]))
         return True, stats
     down = (await link.request(conn.forwarded(msg, timed.value.rows))).stats
-    if _downstream_missed(down):
-        return False, merge(stats, merge(down, StageReplyStats(
-            kv_lookup_misses=int(_is_neutral(down)))))
-    return True, merge(stats, down)
+    missed, extra = restore_missed_below(down)
+    return not missed, merge(stats, merge(down, extra))
 
 
 async def on_retire(conn: StageConnection, msg: StageMessage, span: Span) -> None:
