@@ -33,7 +33,7 @@ from ..stage.prediction_return import PredictionHub, ReturnListener
 from ..telemetry import Telemetry
 from .backend import Finished, GenerationEvent, PrefillDone, Token
 from .decoder import ChainDecoder
-from .session import ChainError, ChainSession, SessionEnv, SessionTimings
+from .session import ChainError, ChainSession, NoStagesBelow, SessionEnv, SessionTimings
 from .chunking import ChunkPolicy, FixedChunks
 
 log = logging.getLogger("skippy.driver")
@@ -53,7 +53,7 @@ class GenerationResult:
 @dataclass(slots=True)
 class Lane:
     lane_id: int
-    link: DownstreamLink | None = None
+    link: DownstreamLink | NoStagesBelow | None = None  # None until dialed
     session: ChainSession | None = None   # the request holding the lease
 
 
@@ -108,7 +108,7 @@ class ChainClient:
         if self.downstream is not None:
             self.return_endpoint = await self.listener.start()
         for lane_id in range(1, self._num_lanes + 1):
-            lane = Lane(lane_id)
+            lane = Lane(lane_id, NoStagesBelow() if self.downstream is None else None)
             if self.downstream is not None:
                 await self._connect(lane)
             self._lanes.put_nowait(lane)

@@ -61,8 +61,8 @@ class ChainDecoder:
             raise ValueError(f"Expected a proposer exactly when speculation is on, got mode "
                              f"{settings.mode!r} and proposer {proposer!r}")
         self.session, self.ctx_size, self.settings = session, ctx_size, settings
-        # One stage computes a window when it is sent: nothing would overlap.
-        self.pipeline_depth = 1 if session.is_local else settings.pipeline_depth
+        # Windows overlap only while stages below compute one and stage 0 the next.
+        self.pipeline_depth = settings.pipeline_depth if session.link.stages_below else 1
         self.stats = SpeculationStats()
         self.spec = Speculator(proposer, max_tokens, stop_ids,
                                AdaptiveWindow(settings.min_window, settings.max_window), self.stats)
@@ -78,36 +78,22 @@ class ChainDecoder:
         if self.spec.is_finished:
             self.finish_reason = self.spec.finish_reason
             return
-        steps = self._speculate() if self.settings.is_enabled else self._decode()
-        async for token in steps:
+        async for token in self._steps():
             yield token
         self.finish_reason = self.finish_reason or self.spec.finish_reason
 
-    # -- token by token ---------------------------------------------------------------------
-    async def _decode(self) -> AsyncIterator[int]:
-        spec, session = self.spec, self.session
-        while not spec.is_finished:
-            position = spec.num_committed_positions
-            if position + 1 > self.ctx_size:
-                self.finish_reason = "context"
-                return
-            token = await session.decode(spec.current, pos_start=position)
-            for token in spec.settle([], [token]).tokens:
-                yield token
-
-    # -- speculative windows ----------------------------------------------------------------
-    async def _speculate(self) -> AsyncIterator[int]:
+    async def _steps(self) -> AsyncIterator[int]:
+        """The one decode loop: a verify window whenever the proposer has drafts (none without
+        speculation), else one plain step of the current token."""
         spec, session = self.spec, self.session
         inflight: deque[_Window] = deque()
-        local: list[int] | None = None  # one stage: the targets, computed when sent
         while not spec.is_finished:
-            while len(inflight) < self.pipeline_depth and local is None:
+            while len(inflight) < self.pipeline_depth:
                 window = await self._plan(inflight)
                 if window is None:
                     break
                 started = time.perf_counter()
-                local = await session.submit_verify(window.tokens, window.window_id,
-                                                    pos_start=window.base)
+                await session.submit_verify(window.tokens, window.window_id, pos_start=window.base)
                 self.stats.verify_seconds += time.perf_counter() - started
                 inflight.append(window)
             if not inflight:  # nothing to propose: one plain decode step
@@ -123,8 +109,7 @@ class ChainDecoder:
                 continue
             window = inflight.popleft()
             started = time.perf_counter()
-            targets = local if local is not None else await session.wait_window(window.window_id)
-            local = None
+            targets = await session.wait_window(window.window_id)
             self.stats.verify_seconds += time.perf_counter() - started
             assert window.tokens[0] == spec.current and window.base == spec.num_committed_positions
             outcome = spec.settle(window.tokens[1:], targets)

@@ -55,11 +55,45 @@ class SessionEnv:
     out_dtype: ActivationDtype     # the wire dtype of the rows sent to stage 1
 
 
+class NoStagesBelow:
+    """The link of a chain of one stage: stage 0 holds every layer, so nothing goes on the
+    wire. It answers as an empty chain below would: every control an ACK with no stats, every
+    frame sent nowhere. Stage 0 samples its own steps and hands each prediction to the
+    session's waiter, where the final stage's return stream puts them on a longer chain."""
+
+    stages_below = False  # a prefix restore is complete at stage 0; nothing overlaps a window
+    broken = False
+
+    async def flush(self) -> None:
+        pass
+
+    async def drain(self) -> StageReplyStats:
+        return StageReplyStats()
+
+    async def request(self, msg: StageMessage) -> StageReply:
+        return StageReply.ack(StageReplyStats())
+
+    async def send(self, msg: StageMessage) -> float:
+        return 0.0
+
+    async def forward_async(self, msg: StageMessage) -> None:
+        pass
+
+    async def note_deferred(self) -> StageReplyStats:
+        return StageReplyStats()
+
+    def take_edge_stats(self) -> StageReplyStats:
+        return StageReplyStats()
+
+    async def close(self) -> None:
+        pass
+
+
 class ChainSession:
-    def __init__(self, env: SessionEnv, link: DownstreamLink | None, lane_id: int, request_id: int,
+    def __init__(self, env: SessionEnv, link: DownstreamLink | NoStagesBelow, lane_id: int, request_id: int,
                  session_id: int, sampling: SamplingConfig, prompt_token_count: int,
                  cache_namespace: bytes | None = None):
-        """`link` None: stage 0 holds the whole model, so nothing goes on the wire."""
+        """`link`: the lane to stage 1, or NoStagesBelow when stage 0 holds the whole model."""
         self.env, self.link = env, link
         self.request_id, self.session_id = request_id, session_id
         self.sampling = sampling
@@ -78,15 +112,30 @@ class ChainSession:
         self.out_dtype = env.out_dtype
 
     @property
-    def is_local(self) -> bool:
-        """One stage: the driver holds the head and samples itself."""
-        return self.link is None
+    def samples_here(self) -> bool:
+        """Stage 0 holds the head: its steps sample, and no rows go down."""
+        return not self.link.stages_below
+
+    def _step(self, start: int, tokens: list[int], sample: SampleMode, window_id: int | None = None) -> Step:
+        """Stage 0's step of `tokens` at `start`: sampled (`sample`) when it holds the head,
+        else its rows in the wire dtype for stage 1."""
+        here = self.samples_here
+        return Step(self.session, start, len(tokens), tokens, sample=sample if here else SampleMode.NONE,
+                    out_dtype=None if here else self.out_dtype, window_id=window_id)
+
+    def _deliver(self, tokens: list[int] | None, window_id: int | None) -> None:
+        """A prediction sampled here goes where the return stream puts a final stage's."""
+        if tokens is not None:
+            self.waiter.put_nowait(StageReply.token(tokens[0]) if window_id is None
+                                   else StageReply.window(tokens, window_id))
 
     def _message(self, kind: MessageKind, **fields) -> StageMessage:
         return StageMessage(kind, request_id=self.request_id, session_id=self.session_id,
                             prompt_token_count=self.prompt_token_count, **fields)
 
     def _with_rows(self, msg: StageMessage, rows) -> StageMessage:
+        if rows is None:  # sampled here: nothing to send down
+            return msg
         return dataclasses.replace(msg, source_stage_index=0, activation_dtype=self.out_dtype,
                                    activation_rows=rows.shape[0], activation_width=rows.shape[1],
                                    activation=memoryview(rows).cast("B"))
@@ -127,17 +176,15 @@ class ChainSession:
     async def configure(self) -> None:
         runtime = self.env.runtime
         await runtime.configure(self.key, self.sampling, self.prompt_token_count)
-        if not self.is_local:
-            await self._guard("ConfigureGeneration", self._control(self._message(
-                MessageKind.ConfigureGeneration, sampling=self.sampling,
-                cache_namespace=self.cache_namespace)))
+        await self._guard("ConfigureGeneration", self._control(self._message(
+            MessageKind.ConfigureGeneration, sampling=self.sampling, cache_namespace=self.cache_namespace)))
 
     async def prefill(self, tokens: Sequence[int]) -> int:
         """Prefill `tokens` at the current position, in chunks; returns the first prediction.
         A prompt (position 0) first tries a chain restore of its longest cached prefix and
         then prefills only the rest."""
         started = time.perf_counter()
-        runtime, link = self.env.runtime, None if self.is_local else self.link
+        runtime, link = self.env.runtime, self.link
         if self.position == 0 and runtime.prefix_cache is not None:
             restored, first = await self._restore(tokens)
             if first is not None:  # TryRestorePrefillDecode: the first token came with it
@@ -152,31 +199,24 @@ class ChainSession:
         for index, size in enumerate(sizes):
             chunk = list(tokens[offset:offset + size])
             is_last = index == len(sizes) - 1
-            sample = SampleMode.LAST if is_last and self.is_local else SampleMode.NONE
-            step = Step(self.session, self.position, size, chunk, sample=sample,
-                        out_dtype=None if self.is_local else self.out_dtype)
+            step = self._step(self.position, chunk, SampleMode.LAST if is_last else SampleMode.NONE)
             timed = await runtime.prefill(step)
             self.stats = merge(self.stats, prefill_compute_observation(0, int(timed.run_s * 1e6),
                                                                       size))
             self.position += size
             offset += size
-            if self.is_local:
-                continue
             kind = MessageKind.PrefillFinalEmbd if is_last else MessageKind.PrefillEmbd
             msg = self._with_rows(self._message(kind, pos_start=step.start, token_count=size,
                                                 tokens=chunk), timed.value.rows)
             if is_last:
                 await self._guard("prefill", self._send_predicting(msg))
+                self._deliver(timed.value.tokens, None)
                 # recorded on the worker while the stages below compute (spec §4.3)
                 recording = runtime.record_prefix(self.key)
             else:
                 await self._guard("prefill", link.forward_async(msg))
                 self.stats = merge(self.stats, await self._guard("prefill", link.note_deferred()))
         self.timings.prefill_s += time.perf_counter() - started
-        if self.is_local:
-            self.timings.first_token_s = time.perf_counter() - started
-            await self._record(runtime.record_prefix(self.key))
-            return timed.value.tokens[0]
         reply = await self._guard("prefill (first token)", self._prediction())
         self.timings.first_token_s = time.perf_counter() - started
         await self._record(recording)
@@ -207,8 +247,9 @@ class ChainSession:
                 decision = "chain_restore_hit" if restored else "stage0_miss"
                 self.stats = merge(self.stats, lookup_observation(0, restored))
             first = None
-            fused = bool(restored) and restored == len(cacheable) and not self.is_local
-            if restored and not self.is_local:
+            below = self.link.stages_below  # else stage 0's hit is the chain's
+            fused = bool(restored) and restored == len(cacheable) and below
+            if restored and below:
                 msg = await self._restore_message(cacheable[:restored], tokens, fused)
                 down = (await self._guard(msg.kind.name, self._control(msg))).stats  # merged in
                 missed, extra = restore_missed_below(down)
@@ -273,52 +314,42 @@ class ChainSession:
         The rows stay in every stage's KV provisionally; the next message's `pos_start`
         (or a TrimSession) decides how many of them are kept.
         """
-        local = await self.submit_verify(tokens, window_id, pos_start=pos_start)
-        return local if local is not None else await self.wait_window(window_id)
+        await self.submit_verify(tokens, window_id, pos_start=pos_start)
+        return await self.wait_window(window_id)
 
     async def submit_verify(self, tokens: Sequence[int], window_id: int, *,
-                            pos_start: int | None = None) -> list[int] | None:
-        """Send a VerifyWindow without waiting for its predictions (see `wait_window`).
-        With a single stage the predictions are computed here and returned at once."""
+                            pos_start: int | None = None) -> None:
+        """Send a VerifyWindow without waiting for its predictions (see `wait_window`)."""
         self.position = self.position if pos_start is None else pos_start
-        return await self._submit(MessageKind.VerifyWindow, list(tokens), window_id)
+        await self._submit(MessageKind.VerifyWindow, list(tokens), window_id)
 
     async def wait_window(self, window_id: int) -> list[int]:
         reply = await self._guard(f"VerifyWindow {window_id}", self._prediction(window_id))
         return reply.predicted_tokens
 
     async def _iterate(self, kind: MessageKind, tokens: list[int], window_id: int | None):
-        local = await self._submit(kind, tokens, window_id)
-        if local is not None:
-            return local
+        await self._submit(kind, tokens, window_id)
         reply = await self._guard(f"{kind.name} step {self.decode_step}", self._prediction())
         return reply.predicted_tokens
 
-    async def _submit(self, kind: MessageKind, tokens: list[int],
-                      window_id: int | None) -> list[int] | None:
-        """Run stage 0's rows and send them down; the local predictions with one stage."""
-        runtime = self.env.runtime
-        sample = SampleMode.NONE if not self.is_local else (
-            SampleMode.LAST if window_id is None else SampleMode.ALL)
-        step = Step(self.session, self.position, len(tokens), tokens, sample=sample,
-                    out_dtype=None if self.is_local else self.out_dtype, window_id=window_id)
-        timed = await runtime.iterate(step)
+    async def _submit(self, kind: MessageKind, tokens: list[int], window_id: int | None) -> None:
+        """Run stage 0's rows, then send them down (or, holding the head, deliver its predictions)."""
+        step = self._step(self.position, tokens, SampleMode.LAST if window_id is None else SampleMode.ALL,
+                          window_id)
+        timed = await self.env.runtime.iterate(step)
         start, self.position = self.position, self.position + len(tokens)
-        if self.is_local:
-            return timed.value.tokens
         msg = self._with_rows(self._message(
             kind, pos_start=start, token_count=len(tokens), tokens=tokens,
             current_token=tokens[0], decode_step=self.decode_step, seq_id=window_id or 0),
             timed.value.rows)
         await self._guard(f"{kind.name} step {self.decode_step}", self._send_predicting(msg))
-        return None
+        self._deliver(timed.value.tokens, window_id)
 
     async def retire(self, start: int, count: int, *, wait: bool = True) -> None:
         """RetireVerifyWindow on every stage. `wait` False does not wait for stage 0's own
         worker (busy with a run-ahead window, say): only for a range no later window uses."""
-        if not self.is_local:
-            msg = self._message(MessageKind.RetireVerifyWindow, pos_start=start, token_count=count)
-            await self._guard("RetireVerifyWindow", self.link.send(msg))
+        msg = self._message(MessageKind.RetireVerifyWindow, pos_start=start, token_count=count)
+        await self._guard("RetireVerifyWindow", self.link.send(msg))
         retiring = asyncio.ensure_future(self.env.runtime.retire(self.key, start, count))
         if wait:
             await retiring
@@ -327,24 +358,21 @@ class ChainSession:
 
     async def discard_windows(self, low: int, high: int) -> None:
         self.session.discard_windows(low, high)
-        if not self.is_local:
-            msg = self._message(MessageKind.DiscardStaleWindows, tokens=[low, high])
-            await self._guard("DiscardStaleWindows", self.link.send(msg))
+        msg = self._message(MessageKind.DiscardStaleWindows, tokens=[low, high])
+        await self._guard("DiscardStaleWindows", self.link.send(msg))
 
     async def trim(self, num_tokens: int) -> None:
         await self.env.runtime.trim(self.key, num_tokens)
         self.position = num_tokens
-        if not self.is_local:
-            await self._guard("TrimSession", self._control(self._message(
-                MessageKind.TrimSession, token_count=num_tokens)))
+        await self._guard("TrimSession", self._control(self._message(
+            MessageKind.TrimSession, token_count=num_tokens)))
 
     async def stop(self) -> StageReplyStats:
         """End the session on every stage; returns the request's merged stats."""
         if self.key in self.env.runtime.sessions:  # the full-prefill record (spec §4.3)
             await self._record(self.env.runtime.record_prefix(self.key))
-        if not self.is_local:
-            reply = await self._guard("Stop", self._control(self._message(MessageKind.Stop)))
-            self.stop_ack_stats = reply.stats
-            self.stats = merge(self.stats, self.link.take_edge_stats())
+        reply = await self._guard("Stop", self._control(self._message(MessageKind.Stop)))
+        self.stop_ack_stats = reply.stats
+        self.stats = merge(self.stats, self.link.take_edge_stats())
         self.stopped = True
         return self.stats

@@ -60,6 +60,8 @@ async def open_connection(endpoint: str, *, auth_token: str | None,
 
 
 class DownstreamLink:
+    stages_below = True  # a lane to real stages (driver/session.py NoStagesBelow: none)
+
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
                  endpoint: str, stage_index: int, max_inflight: int = 4,
                  max_deferred: int | None = None, reply_timeout_s: float = REPLY_TIMEOUT_S,
