@@ -70,7 +70,7 @@ class FaultyBackend:
 @pytest.fixture(scope="module")
 def stack(gguf_path, tokenizer):
     client = asyncio.run(start_stage0(gguf_path, concurrency=8, ctx_size=CTX))
-    backend = ChainBackend(client, None, num_lanes=8)
+    backend = ChainBackend(client, None)
     faulty = FaultyBackend(backend)
     model_id = model_id_for(gguf_path)
     apps = {

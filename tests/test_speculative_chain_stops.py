@@ -111,7 +111,7 @@ def test_request_extension_stop_string_timings_and_metrics(make_stage, loop, tok
     async def main():
         chain = await start_chain(make_stage, 2, ctx_size=2048)
         topology = plan_chain(gguf_path, ["127.0.0.1:1", "127.0.0.1:2"])[0]
-        backend = ChainBackend(chain.client, topology, num_lanes=1)
+        backend = ChainBackend(chain.client, topology)
         app = create_app(backend, tokenizer, ApiSettings(model_id="m"))
         transport = httpx.ASGITransport(app=app)
         try:

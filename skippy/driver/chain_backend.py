@@ -33,15 +33,14 @@ PROBE_TIMEOUT_S = 1.0
 
 
 class ChainBackend:
-    def __init__(self, client: ChainClient, topology: Topology | None, *, num_lanes: int,
+    def __init__(self, client: ChainClient, topology: Topology | None, *,
                  auth_token: str | None = None, on_close: Callable[[], Awaitable[None]] | None = None):
-        """`topology` None: stage 0 holds the whole model in this process. `num_lanes` must be
-        the client's concurrency; `on_close` stops what started the chain."""
+        """`topology` None: stage 0 holds the whole model in this process. `on_close` stops
+        what started the chain. Requests at once: the client's lanes (`num_lanes`)."""
         layers = client.runtime.model.layers
         first = "in-process" if topology is None else topology.stages[0].endpoint
         self._first = StageStatus("stage-0", layers.start, layers.end, first, "ready", 0)
         self._client, self._remote = client, [] if topology is None else topology.stages[1:]
-        self._num_lanes = num_lanes
         self._auth_token = auth_token
         self._on_close = on_close
         # prefix-cache restores as the chain saw them, per stage: [hits, misses]
@@ -49,7 +48,7 @@ class ChainBackend:
 
     @property
     def num_lanes(self) -> int:
-        return self._num_lanes
+        return self._client.num_lanes
 
     @property
     def ctx_size(self) -> int:

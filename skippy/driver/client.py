@@ -100,14 +100,14 @@ class ChainClient:
         self.listener = ReturnListener(self.hub, return_bind, auth_token=auth_token)
         self.return_endpoint: str | None = None
         self._lanes: asyncio.Queue[Lane] = asyncio.Queue()
-        self._num_lanes = concurrency
+        self.num_lanes = concurrency  # the one bound on requests at once: the API's admission is checked against it
         self._ids = itertools.count(secrets.randbits(40) << 16)  # unique across drivers
 
     async def start(self) -> None:
         """Open the return listener and preconnect the lane pool (spec §3.2)."""
         if self.downstream is not None:
             self.return_endpoint = await self.listener.start()
-        for lane_id in range(1, self._num_lanes + 1):
+        for lane_id in range(1, self.num_lanes + 1):
             lane = Lane(lane_id, NoStagesBelow() if self.downstream is None else None)
             if self.downstream is not None:
                 await self._connect(lane)
@@ -211,20 +211,17 @@ class ChainClient:
             decoder = self.decoder(session, max_tokens=max_tokens, stop_ids=stop_ids,
                                    speculative=speculative)
             try:
-                started = time.perf_counter()
                 first = await session.prefill(prompt_ids)
                 first_token_at = time.perf_counter()
-                timings = session.timings
-                yield PrefillDone(len(prompt_ids), timings.restored_tokens, (first_token_at - started) * 1e3,
+                timings = session.timings  # the one clock: usage, `timings`, metrics and logs read it
+                yield PrefillDone(len(prompt_ids), timings.restored_tokens, timings.first_token_s * 1e3,
                                   timings.restore_decision, session.stats.kv_hit_stage_mask)
                 num_tokens = 0
                 async with contextlib.aclosing(decoder.tokens(prompt_ids, first)) as tokens:
                     async for token in tokens:
                         num_tokens += 1
                         yield Token(token)
-                decode_ms = (time.perf_counter() - first_token_at) * 1e3
-                if decoder.settings.is_enabled:  # decode_s counts DecodeEmbd steps only otherwise
-                    timings.decode_s = decode_ms / 1e3
+                timings.decode_s = time.perf_counter() - first_token_at  # first token to last
                 stop_started = time.perf_counter()
                 stats = await session.stop()
                 self.telemetry.summary(
@@ -234,7 +231,7 @@ class ChainClient:
                     decode_ms=timings.decode_s * 1e3, stop_ms=(time.perf_counter() - stop_started) * 1e3)
                 speculation = decoder.report(self.telemetry)
                 yield Finished("stop" if decoder.finish_reason == "stop" else "length", num_tokens,
-                               decode_ms, {**_timing_extras(stats, timings), **speculation},
+                               timings.decode_s * 1e3, {**_timing_extras(stats, timings), **speculation},
                                decoder.finish_reason, stats, timings, speculation)
             finally:
                 if not session.stopped:  # the consumer left early: its figures still go out

@@ -37,8 +37,8 @@ class ChainError(RuntimeError):
 class SessionTimings:
     prefill_s: float = 0.0
     first_token_s: float = 0.0
-    decode_s: float = 0.0
-    decode_steps: int = 0
+    decode_s: float = 0.0         # first token to last (set by ChainClient.run)
+    decode_steps: int = 0         # plain DecodeEmbd steps (verify windows are counted apart)
     restored_tokens: int = 0      # prompt tokens restored from the chain's prefix caches
     prefilled_tokens: int = 0     # prompt tokens computed (the suffix after a restore)
     restore_s: float = 0.0        # the restore attempt, hit or not
@@ -299,11 +299,9 @@ class ChainSession:
 
     async def decode(self, token: int, *, pos_start: int | None = None) -> int:
         """One decode step of `token` at `pos_start` (default: the current position)."""
-        started = time.perf_counter()
         self.position = self.position if pos_start is None else pos_start
         self.decode_step += 1
         predictions = await self._iterate(MessageKind.DecodeEmbd, [token], None)
-        self.timings.decode_s += time.perf_counter() - started
         self.timings.decode_steps += 1
         return predictions[0]
 

@@ -139,12 +139,11 @@ async def build_backend(config: ServeConfig):
         topology = Topology.load(config.topology)
         client = await connect_topology(topology, config.model, auth_token=config.chain_auth_token,
                                         kv_cache=config.kv_cache(1), **every_stage, **options)
-        return tokenizer, ChainBackend(client, topology, num_lanes=config.num_lanes,
-                                       auth_token=config.chain_auth_token)
+        return tokenizer, ChainBackend(client, topology, auth_token=config.chain_auth_token)
     if config.num_stages == 1:
         set_one_process_threads(config)
         client = await start_stage0(config.model, kv_cache=config.kv_cache(1), **every_stage, **options)
-        return tokenizer, ChainBackend(client, None, num_lanes=config.num_lanes)
+        return tokenizer, ChainBackend(client, None)
     chain = LocalChain(config.model, config.num_stages, threads=config.threads, lane_count=config.num_lanes,
                        log_level=config.log_level, kv_cache=config.kv_cache(config.num_stages),
                        **every_stage, **options)  # fmt: skip
@@ -156,7 +155,7 @@ async def build_backend(config: ServeConfig):
         finally:
             watcher.cancel()
         advance()  # stage 0, here, loads last
-    backend = ChainBackend(client, chain.topology, num_lanes=config.num_lanes, auth_token=chain.auth_token,
+    backend = ChainBackend(client, chain.topology, auth_token=chain.auth_token,
                            on_close=chain.close)  # fmt: skip
     return tokenizer, backend
 
