@@ -22,9 +22,14 @@ from ..protocol import (
     ActivationDtype, FrameError, MessageKind, ProtocolError, StageMessage, StageReply,
     StageReplyStats, merge, read_message, write_reply,
 )
-from ..runtime import SampleMode, Session, SessionKey, Step
+from ..model.errors import ContextOverflowError
+from ..runtime import LaneLimitError, SampleMode, Session, SessionError, SessionKey, Step
 from .downstream import DownstreamLink
 from .handlers import HANDLERS, StageError
+
+# Errors a message causes by itself (malformed, out of order, for no such session, past the
+# context or the lanes): the connection closes with a warning, the stage is fine.
+UPSTREAM_FAULTS = (ProtocolError, StageError, SessionError, LaneLimitError, ContextOverflowError)
 
 if TYPE_CHECKING:
     from .server import StageServer
@@ -147,9 +152,11 @@ class StageConnection:
             self.close_reason = self.close_reason or "stage shutting down"
         except Exception as error:  # noqa: BLE001 - every failure closes this connection only
             self.close_reason = f"{type(error).__name__}: {error}"
-            level = logging.WARNING if isinstance(error, ProtocolError | StageError) else logging.ERROR
-            log.log(level, "stage %d: closing connection %d: %s", self.config.stage_index,
-                    self.conn_id, self.close_reason)
+            # What the upstream sent is at fault: a warning. Anything else is ours: with its traceback.
+            upstream_fault = isinstance(error, UPSTREAM_FAULTS)
+            log.log(logging.WARNING if upstream_fault else logging.ERROR,
+                    "stage %d: closing connection %d: %s", self.config.stage_index, self.conn_id,
+                    self.close_reason, exc_info=not upstream_fault)
         finally:
             reader_task.cancel()
             # Shielded: a second cancellation must not skip reclaiming the sessions.
