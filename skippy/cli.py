@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--auth-token", default=None, help="require Authorization: Bearer TOKEN on /v1/*")
     serve.add_argument("--chain-auth-token", default=None, help="the stages' transport token (with --topology)")
     serve.add_argument("--threads", type=int, default=None, help="torch threads in every stage (this one too)")
+    serve.add_argument("--max-restarts", type=int, default=5,
+                       help="restart a local stage process that dies or hangs at most this often (0 = never)")
     serve.add_argument("--otlp-endpoint", default=None,
                        help="every stage exports spans over OTLP/HTTP, e.g. http://127.0.0.1:4318")
     serve.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
@@ -223,6 +225,7 @@ def run_serve(args: argparse.Namespace) -> int:
         activation_dtype=args.activation_dtype,
         threads=args.threads,
         otlp_endpoint=args.otlp_endpoint,
+        max_restarts=args.max_restarts,
         admission_timeout_s=args.admission_timeout,
         backend_timeout_s=args.backend_timeout,
         log_level=args.log_level,

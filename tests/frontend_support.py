@@ -82,7 +82,8 @@ class ServeProcess:
                 return line
 
     def log_text(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # still running; after stop() the file is complete
+            self._log.flush()
         return Path(self.log_path).read_text()
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:

@@ -33,7 +33,7 @@ def test_every_serve_option_reaches_every_local_stage(tmp_path):
         finally:
             assert server.stop() == 0  # every stage flushes its spans as it stops
         settings = {int(index): dict(pair.split("=", 1) for pair in line.split())
-                    for index, line in SETTINGS.findall((tmp_path / "serve.log").read_text())}
+                    for index, line in SETTINGS.findall(server.log_text())}
         assert sorted(settings) == [0, 1, 2]
         ends = []
         for index, stage in sorted(settings.items()):

@@ -3,7 +3,7 @@
     GET  /v1/models                model list (one model)
     POST /v1/chat/completions      chat, streaming (SSE) or not
     POST /v1/completions           text completion, streaming (SSE) or not
-    GET  /v1/stages                each stage: id, layer range, endpoint, state, sessions
+    GET  /v1/stages                each stage: id, layer range, endpoint, state, sessions, restarts
     GET  /health                   liveness: the process answers
     GET  /readyz                   readiness: every stage reachable (503 names the one that is not)
     GET  /metrics                  Prometheus
@@ -109,6 +109,7 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
         for stage in await backend.status():
             metrics.stage_sessions.labels(stage.stage_id).set(stage.num_active_sessions)
             metrics.stage_up.labels(stage.stage_id).set(stage.state == "ready")
+            metrics.stage_restarts.labels(stage.stage_id).set(stage.restarts)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -125,7 +126,8 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
     async def stages():
         return StageList(data=[
             StageInfo(id=s.stage_id, layer_start=s.layer_start, layer_end=s.layer_end, endpoint=s.endpoint,
-                      state=s.state, active_sessions=s.num_active_sessions)
+                      state=s.state, active_sessions=s.num_active_sessions, restarts=s.restarts,
+                      last_failure=s.last_failure)
             for s in await backend.status()
         ])  # fmt: skip
 

@@ -34,6 +34,9 @@ class Metrics:
             "skippy_stage_active_sessions", "Sessions open on each stage", ["stage"], registry=r
         )
         self.stage_up = Gauge("skippy_stage_up", "1 when the stage is ready", ["stage"], registry=r)
+        self.stage_restarts = Gauge(
+            "skippy_stage_restarts", "Times the supervisor restarted the stage (it only grows)", ["stage"], registry=r
+        )
         self.speculative_tokens = Counter(
             "skippy_speculative_draft_tokens", "Draft tokens verified, by outcome (proposed, accepted, rejected)",
             ["outcome"], registry=r,

@@ -254,8 +254,10 @@ class StageInfo(BaseModel):
     layer_start: int
     layer_end: int  # exclusive
     endpoint: str
-    state: str
+    state: str  # ready, down, restarting, failed
     active_sessions: int
+    restarts: int = 0
+    last_failure: str = ""
 
 
 class StageList(BaseModel):

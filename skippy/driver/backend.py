@@ -77,8 +77,10 @@ class StageStatus:
     layer_start: int
     layer_end: int
     endpoint: str
-    state: str  # "ready", "down", "starting"
+    state: str  # "ready", "down", "restarting" or "failed" (its restarts are spent)
     num_active_sessions: int
+    restarts: int = 0       # times a supervisor started it again
+    last_failure: str = ""  # why it last went down
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 
 from ..protocol import (
@@ -34,14 +34,18 @@ PROBE_TIMEOUT_S = 1.0
 
 class ChainBackend:
     def __init__(self, client: ChainClient, topology: Topology | None, *,
-                 auth_token: str | None = None, on_close: Callable[[], Awaitable[None]] | None = None):
+                 auth_token: str | None = None, on_close: Callable[[], Awaitable[None]] | None = None,
+                 health: Sequence | None = None):
         """`topology` None: stage 0 holds the whole model in this process. `on_close` stops
-        what started the chain. Requests at once: the client's lanes (`num_lanes`)."""
+        what started the chain. `health`: per stage, its supervisor's `StageHealth` (state,
+        restarts, last failure) when something restarts the stages. Requests at once: the
+        client's lanes (`num_lanes`)."""
         layers = client.runtime.model.layers
         first = "in-process" if topology is None else topology.stages[0].endpoint
         self._first = StageStatus("stage-0", layers.start, layers.end, first, "ready", 0)
         self._client, self._remote = client, [] if topology is None else topology.stages[1:]
         self._auth_token = auth_token
+        self._health = health
         self._on_close = on_close
         # prefix-cache restores as the chain saw them, per stage: [hits, misses]
         self._restores = [[0, 0] for _ in range(1 + len(self._remote))]
@@ -116,16 +120,29 @@ class ChainBackend:
 
     async def status(self) -> list[StageStatus]:
         statuses = [dataclasses.replace(self._first, num_active_sessions=len(self._client.runtime.sessions))]
-        for stage, report in zip(self._remote, await self._query_all()):
-            statuses.append(StageStatus(stage.stage_id, stage.layer_start, stage.layer_end, stage.endpoint,
-                                        "down" if report is None else "ready",
-                                        0 if report is None else report.active_sessions))  # fmt: skip
+        for index, (stage, report) in enumerate(zip(self._remote, await self._query_all()), start=1):
+            state = "down" if report is None else "ready"
+            restarts, last_failure = 0, ""
+            if self._health is not None:
+                health = self._health[index]
+                state = state if health.state == "ready" else health.state
+                restarts, last_failure = health.restarts, health.last_failure
+            statuses.append(StageStatus(stage.stage_id, stage.layer_start, stage.layer_end, stage.endpoint, state,
+                                        0 if report is None else report.active_sessions, restarts,
+                                        last_failure))  # fmt: skip
         return statuses
 
     async def ready(self) -> Readiness:
-        for stage, report in zip(self._remote, await self._query_all()):
+        for index, (stage, report) in enumerate(zip(self._remote, await self._query_all()), start=1):
+            health = None if self._health is None else self._health[index]
+            if health is not None and health.state == "failed":
+                return Readiness(False, stage.stage_id, f"it {health.last_failure} and was not restarted "
+                                 f"again after {health.restarts} restart(s)")
             if report is None:
-                return Readiness(False, stage.stage_id, f"no status answer from {stage.endpoint}")
+                detail = f"no status answer from {stage.endpoint}"
+                if health is not None and health.state == "restarting":
+                    detail += f" (restarting: it {health.last_failure})"
+                return Readiness(False, stage.stage_id, detail)
         return Readiness(True)
 
     async def close(self) -> None:
@@ -139,7 +156,8 @@ async def query_stage_status(endpoint: str, auth_token: str | None) -> StageStat
     """The stage's own status, or None when it does not answer within PROBE_TIMEOUT_S. The
     connection then closes cleanly, which a stage ends quietly (no sessions to reclaim)."""
     try:
-        reader, writer = await open_connection(endpoint, auth_token=auth_token, timeout_s=PROBE_TIMEOUT_S)
+        reader, writer = await open_connection(endpoint, auth_token=auth_token, timeout_s=PROBE_TIMEOUT_S,
+                                               handshake_timeout_s=PROBE_TIMEOUT_S)  # a hung stage: quickly None
     except (LinkBroken, OSError, TimeoutError):
         return None
     try:

@@ -33,6 +33,7 @@ from ..runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX, WEIGHT_DTYPES
 from ..telemetry import Telemetry
+from .supervisor import Supervisor
 from ..driver.client import ChainClient
 
 log = logging.getLogger("skippy.driver")
@@ -146,13 +147,16 @@ class LocalChain:
                  activation_dtype: str = "f32", ctx_size: int = 2048, lane_count: int = 4,
                  dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
                  log_level: str = "WARNING", otlp_endpoint: str | None = None,
-                 kv_cache: KvCacheConfig | None = None, **client_options):
+                 kv_cache: KvCacheConfig | None = None, max_restarts: int | None = None,
+                 **client_options):
         """`kv_cache`: every stage's prefix-cache settings (disk tier: one subdirectory per
         stage under `disk_dir`); None: no prefix cache anywhere. `threads`: torch threads in
         every stage; by default every core: a stream visits the stages in turn, so each may use
         them all while the others wait (2 stages on 2 cores: 108 tok/s with 2 threads each,
         71 with 1), provided a waiting stage's OpenMP workers stop spinning soon
-        (model/threads.py: CO_LOCATED_SPIN_COUNT, given to the stage processes here)."""
+        (model/threads.py: CO_LOCATED_SPIN_COUNT, given to the stage processes here).
+        `max_restarts`: supervise the stage processes (supervisor.py), restarting each at most
+        this often; None: no supervision (a stage that dies stays down)."""
         if num_stages < 2:
             raise ValueError(f"Expected at least 2 stages for a chain, got {num_stages}")
         threads = threads or os.cpu_count() or 1
@@ -172,6 +176,7 @@ class LocalChain:
         self._dir = tempfile.TemporaryDirectory(prefix="skippy-chain-")
         self.processes: list[asyncio.subprocess.Process] = []
         self.client: ChainClient | None = None
+        self.supervisor = None if max_restarts is None else Supervisor(self, max_restarts=max_restarts)
 
     def _plan(self) -> None:
         """Pick free loopback ports and build the topology and every stage's config."""
@@ -201,6 +206,8 @@ class LocalChain:
         except BaseException:
             await self.close()
             raise
+        if self.supervisor is not None:
+            self.supervisor.start()
         return self.client
 
     async def _connect(self) -> ChainClient:
@@ -223,6 +230,14 @@ class LocalChain:
             self.processes.append(await self._spawn(config_path, paths[0]))
         for config, process in zip(self.configs[1:], self.processes):
             await self._wait_ready(config, process)
+
+    async def restart_stage(self, index: int) -> None:
+        """Start stage `index` (1..N-1) again from its config, on its own port; returns once it
+        is ready. The lanes through it are broken and re-dialed by their next request."""
+        out = Path(self._dir.name)
+        process = await self._spawn(out / f"stage-{index}.json", out / "topology.json")
+        self.processes[index - 1] = process
+        await self._wait_ready(self.configs[index], process)
 
     async def _spawn(self, config_path: Path, topology_path: Path):
         command = [sys.executable, "-m", "skippy.cli", "--log-level", self.log_level, "stage",
@@ -248,6 +263,8 @@ class LocalChain:
                                f"{STARTUP_TIMEOUT_S:g} s") from None
 
     async def close(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.close()  # first: a stage stopped below is not a failure
         if self.client is not None:
             await self.client.close()
             self.client = None

@@ -51,6 +51,7 @@ class ServeConfig:
     repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
     activation_dtype: str = "f32"
     threads: int | None = None  # torch threads in every stage process, this one included
+    max_restarts: int = 5  # restarts of each local stage process that dies or hangs (0: none)
     otlp_endpoint: str | None = None  # every stage's span export (OTLP/HTTP); None = no spans
     admission_timeout_s: float = 60.0
     backend_timeout_s: float = 600.0
@@ -70,6 +71,8 @@ class ServeConfig:
             raise ValueError(f"Expected --stages >= 1, got {self.num_stages}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"Expected a port in [0, 65535], got {self.port}")
+        if self.max_restarts < 0:
+            raise ValueError(f"Expected --max-restarts >= 0, got {self.max_restarts}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"Expected --concurrency >= 1, got {self.concurrency}")
         if self.speculative == "draft" and self.draft_model is None:
@@ -146,6 +149,7 @@ async def build_backend(config: ServeConfig):
         return tokenizer, ChainBackend(client, None)
     chain = LocalChain(config.model, config.num_stages, threads=config.threads, lane_count=config.num_lanes,
                        log_level=config.log_level, kv_cache=config.kv_cache(config.num_stages),
+                       max_restarts=config.max_restarts,
                        **every_stage, **options)  # fmt: skip
     description = f"Starting {config.num_stages} stages of {Path(config.model).name}"
     with progress_bar(description, config.num_stages) as advance:
@@ -155,8 +159,8 @@ async def build_backend(config: ServeConfig):
         finally:
             watcher.cancel()
         advance()  # stage 0, here, loads last
-    backend = ChainBackend(client, chain.topology, auth_token=chain.auth_token,
-                           on_close=chain.close)  # fmt: skip
+    backend = ChainBackend(client, chain.topology, auth_token=chain.auth_token, on_close=chain.close,
+                           health=chain.supervisor.health)  # fmt: skip
     return tokenizer, backend
 
 

@@ -40,8 +40,9 @@ class LinkBroken(ConnectionError):
 
 
 async def open_connection(endpoint: str, *, auth_token: str | None,
-                          timeout_s: float = CONNECT_TIMEOUT_S):
-    """Dial `endpoint`, handshake (auth + READY), return (reader, writer) with TCP_NODELAY."""
+                          timeout_s: float = CONNECT_TIMEOUT_S, handshake_timeout_s: float | None = None):
+    """Dial `endpoint`, handshake (auth + READY), return (reader, writer) with TCP_NODELAY.
+    The READY wait defaults to at least 5 s (a stage busy loading answers late)."""
     host, port = parse_endpoint(endpoint)
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
@@ -52,7 +53,8 @@ async def open_connection(endpoint: str, *, auth_token: str | None,
     if sock is not None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
-        await client_handshake(reader, writer, auth_token, timeout=max(timeout_s, 5.0))
+        await client_handshake(reader, writer, auth_token,
+                               timeout=max(timeout_s, 5.0) if handshake_timeout_s is None else handshake_timeout_s)
     except (ProtocolError, OSError) as error:
         writer.close()
         raise LinkBroken(f"handshake with stage at {endpoint} failed: {error}") from error
