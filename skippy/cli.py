@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=None, help="torch threads in every stage (this one too)")
     serve.add_argument("--max-restarts", type=int, default=5,
                        help="restart a local stage process that dies or hangs at most this often (0 = never)")
+    serve.add_argument("--recovery-timeout", type=float, default=30.0,
+                       help="seconds a request waits for a broken chain to be whole again, then replays "
+                            "itself onto it (0 = fail at once)")
     serve.add_argument("--otlp-endpoint", default=None,
                        help="every stage exports spans over OTLP/HTTP, e.g. http://127.0.0.1:4318")
     serve.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
@@ -226,6 +229,7 @@ def run_serve(args: argparse.Namespace) -> int:
         threads=args.threads,
         otlp_endpoint=args.otlp_endpoint,
         max_restarts=args.max_restarts,
+        recovery_timeout_s=args.recovery_timeout,
         admission_timeout_s=args.admission_timeout,
         backend_timeout_s=args.backend_timeout,
         log_level=args.log_level,

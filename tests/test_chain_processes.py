@@ -60,7 +60,8 @@ def test_killing_a_middle_stage_fails_fast_and_a_restart_recovers(make_stage, gg
                      downstream=PeerEndpoint(stage_id="s2", stage_index=2,
                                              endpoint=final.endpoint)).save(config_path)
         middle = await _spawn_stage(config_path)
-        client = ChainClient(make_stage(0, 10), downstream=middle_endpoint)
+        # recovery off: this is the path of a chain that does not come back in time
+        client = ChainClient(make_stage(0, 10), downstream=middle_endpoint, recovery_timeout_s=0)
         try:
             await client.start()
             final.returns.driver_endpoint = client.return_endpoint
@@ -97,6 +98,66 @@ def test_killing_a_middle_stage_fails_fast_and_a_restart_recovers(make_stage, gg
             if middle.returncode is None:
                 middle.kill()
                 await middle.wait()
+            await client.close()
+            await final.close()
+
+    run(main(), timeout=900)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_generation_survives_its_middle_stage_dying_and_coming_back(make_stage, gguf_path, tmp_path,
+                                                                       speculative):
+    """The middle stage is killed twice mid-decode and started again a moment later: the
+    generation pauses, replays its prompt and committed tokens on a fresh lane, and ends with
+    exactly the tokens of an uninterrupted run (greedy; speculation on or off)."""
+    from skippy.runtime.speculation import SpeculativeSettings
+
+    prompt = PROMPTS[1]
+    expected = reference_greedy(make_stage(), prompt, 40)[0]
+    settings = SpeculativeSettings("ngram-suffix" if speculative else "off")
+
+    async def main():
+        final = StageServer(stage_config(2, (20, 30), str(gguf_path)),
+                            StageRuntime(make_stage(20, 30), name="stage2"))
+        await final.start()
+        middle_endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+        config_path = tmp_path / "stage-1.json"
+        stage_config(1, (10, 20), str(gguf_path), bind_addr=middle_endpoint, weight_dtype="f32",
+                     downstream=PeerEndpoint(stage_id="s2", stage_index=2,
+                                             endpoint=final.endpoint)).save(config_path)
+        middle = [await _spawn_stage(config_path)]
+        client = ChainClient(make_stage(0, 10), downstream=middle_endpoint, recovery_timeout_s=60,
+                             speculative=settings)
+        restarts: list[asyncio.Task] = []
+
+        async def restart_soon() -> None:
+            await middle[0].wait()
+            await asyncio.sleep(0.5)
+            middle[0] = await _spawn_stage(config_path)
+
+        def kill_at(token: int) -> None:
+            seen.append(token)
+            if len(seen) in (5, 20):
+                middle[0].kill()
+                restarts.append(asyncio.get_running_loop().create_task(restart_soon()))
+
+        seen: list[int] = []
+        try:
+            await client.start()
+            final.returns.driver_endpoint = client.return_endpoint
+            result = await client.generate(prompt, max_tokens=40, on_token=kill_at)
+            assert result.tokens == expected
+            assert len(restarts) == 2 and client.telemetry.counters["stage0.recoveries"] == 2
+            await asyncio.gather(*restarts)
+            for _ in range(100):  # nothing left behind on any stage
+                if not len(final.runtime.sessions):
+                    break
+                await asyncio.sleep(0.05)
+            assert len(final.runtime.sessions) == 0 and len(client.runtime.sessions) == 0
+        finally:
+            if middle[0].returncode is None:
+                middle[0].kill()
+                await middle[0].wait()
             await client.close()
             await final.close()
 

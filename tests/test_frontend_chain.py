@@ -1,6 +1,6 @@
 """A real `skippy serve` (2 stages: stage 0 in the serve process, stage 1 a child process on
 loopback), driven with the `openai` package and httpx. One server for the module; the stage-kill
-test runs last because it replaces the stage process with one of its own.
+test runs last (its stage comes back as a new process).
 """
 
 from __future__ import annotations
@@ -150,34 +150,42 @@ def test_client_disconnect_stops_the_session_on_every_stage(served, model_id):
     assert "ended without Stop" not in served.log_text()
 
 
-def test_killing_a_stage_mid_stream_then_recovering(served, client, model_id):
-    (stage_pid,) = child_pids(served.process.pid)
-    command = open(f"/proc/{stage_pid}/cmdline").read().split("\0")[:-1]
-    body = {"model": model_id, "messages": [{"role": "user", "content": "Write a long essay."}],
-            "max_tokens": 500, "temperature": 0, "stream": True, "logit_bias": NO_EOS}  # fmt: skip
-    with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=30) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
-        killed_at = time.monotonic()
-        subprocess.run(["kill", "-9", str(stage_pid)], check=True)
-        events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
-        error_after_s = time.monotonic() - killed_at
-    assert events[-1] == "[DONE]"
-    error = json.loads(events[-2])["error"]
-    assert error_after_s < 5, error_after_s
-    assert error["code"] == "stage_unavailable" and "stage-1" in error["message"], error
-    ready = httpx.get(served.url + "/readyz")
-    assert ready.status_code == 503 and "stage-1" in ready.json()["error"]["message"]
-    with pytest.raises(openai.InternalServerError, match="stage-1"):
-        chat(client, model_id, max_tokens=4)
+def stream_text(served, body: dict, on_event=lambda count: None) -> tuple[str, list[str]]:
+    """(the streamed content, every `data:` payload) of one streamed chat completion;
+    `on_event(n)` runs after the n-th payload arrives."""
+    events = []
+    with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                on_event(len(events))
+    pieces = [choices[0]["delta"].get("content") or "" for event in events[:-1]
+              if (choices := json.loads(event).get("choices"))]
+    return "".join(pieces), events
 
-    restarted = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        assert "stage ready" in restarted.stdout.readline()
-        assert httpx.get(served.url + "/readyz").status_code == 200
-        response = chat(client, model_id, temperature=0, max_tokens=24)  # no restart of skippy serve
-        assert response.choices[0].message.content == served.reference["text"]
-    finally:
-        restarted.terminate()
-        restarted.wait(timeout=30)
+
+def test_killing_a_stage_mid_stream_the_stream_goes_on(served, client, model_id):
+    """The supervisor restarts the killed stage; stage 0 replays the session onto it and
+    the client sees a pause, then the rest of the same text: no error event."""
+    body = {"model": model_id, "messages": [{"role": "user", "content": "Write a long essay."}],
+            "max_tokens": 80, "temperature": 0, "stream": True, "logit_bias": NO_EOS}  # fmt: skip
+    uninterrupted, _ = stream_text(served, body)
+    (stage_pid,) = child_pids(served.process.pid)
+
+    def kill_at_ten(count: int) -> None:
+        if count == 10:
+            subprocess.run(["kill", "-9", str(stage_pid)], check=True)
+
+    text, events = stream_text(served, body, kill_at_ten)
+    assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+    assert text == uninterrupted
     assert not is_alive(stage_pid)
+    (restarted,) = child_pids(served.process.pid)
+    assert restarted != stage_pid
+    stage1 = stages(served)[1]
+    assert stage1["restarts"] == 1 and stage1["state"] == "ready" and "SIGKILL" in stage1["last_failure"]
+    # a request after the recovery answers as before, with no restart of skippy serve
+    response = chat(client, model_id, temperature=0, max_tokens=24)
+    assert response.choices[0].message.content == served.reference["text"]
+    metrics = httpx.get(served.url + "/metrics").text
+    assert 'skippy_stage_restarts{stage="stage-1"} 1.0' in metrics and "skippy_chain_recoveries_total 1.0" in metrics

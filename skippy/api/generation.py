@@ -162,6 +162,7 @@ class Generation:
         metrics.completion_tokens.inc(len(self.completion_ids))
         if self.finished is not None:
             metrics.observe_speculation(self.finished.extra)
+            metrics.recoveries.inc(self.finished.extra.get("chain_recoveries", 0))
 
     def usage(self) -> Usage:
         num_prompt, num_completion = len(self._job.request.prompt_ids), len(self.completion_ids)

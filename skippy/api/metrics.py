@@ -34,6 +34,9 @@ class Metrics:
             "skippy_stage_active_sessions", "Sessions open on each stage", ["stage"], registry=r
         )
         self.stage_up = Gauge("skippy_stage_up", "1 when the stage is ready", ["stage"], registry=r)
+        self.recoveries = Counter(
+            "skippy_chain_recoveries", "Generations replayed onto a chain made whole again", registry=r
+        )
         self.stage_restarts = Gauge(
             "skippy_stage_restarts", "Times the supervisor restarted the stage (it only grows)", ["stage"], registry=r
         )

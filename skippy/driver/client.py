@@ -38,6 +38,8 @@ from .chunking import ChunkPolicy, FixedChunks
 
 log = logging.getLogger("skippy.driver")
 STOP_TIMEOUT_S = 5.0  # an early Stop that takes longer is abandoned: the lane is closed instead
+RECOVERY_TIMEOUT_S = 30.0  # how long a request waits for a broken chain to be whole again
+RECOVERY_RETRY_S = 0.5     # between its tries to lease a lane through the whole chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +71,8 @@ class ChainClient:
                  batch_wait_s: float = 0.002, peer_wait_forwards: float = PEER_WAIT_FORWARDS,
                  prefix_cache: StagePrefixCache | None = None,
                  speculative: SpeculativeSettings = SpeculativeSettings(),
-                 draft_model: StageModel | None = None):
+                 draft_model: StageModel | None = None,
+                 recovery_timeout_s: float = RECOVERY_TIMEOUT_S):
         """`prefix_cache`: stage 0's prefix KV cache; with it a prompt first tries a chain
         restore (session.ChainSession.prefill). `speculative`: the default speculative
         decoding of a request (decoder.py); `draft_model`: the whole small model the
@@ -85,6 +88,9 @@ class ChainClient:
         self.chunk_policy = chunk_policy or FixedChunks(256)
         self.max_inflight, self.reply_credit_limit = max_inflight, reply_credit_limit
         self.reply_timeout_s, self.connect_timeout_s = reply_timeout_s, connect_timeout_s
+        self.recovery_timeout_s = recovery_timeout_s  # 0: a broken chain fails the request at once
+        # False once the chain cannot heal (a supervisor gave up on a stage): fail at once
+        self.can_recover: Callable[[], bool] = lambda: True
         self.telemetry = telemetry or Telemetry("skippy-stage0")
         self.runtime = StageRuntime(model, lane_count=concurrency, ctx_size=ctx_size,
                                     telemetry=self.telemetry, batch_wait_s=batch_wait_s,
@@ -200,43 +206,83 @@ class ChainClient:
         lane, prefill (through the prefix cache), decode until a stop id, `max_tokens` or the
         context end, Stop. The only orchestration of a request: the API and `generate` both
         consume it. A consumer that leaves early still gets the session stopped on every stage
-        (or, when Stop fails, the lane closed, so every stage reclaims it)."""
+        (or, when Stop fails, the lane closed, so every stage reclaims it).
+
+        When the chain breaks under the request (a stage gone, a reply timeout), it waits for
+        the chain to be whole again, for up to `recovery_timeout_s`: a fresh lane, the same
+        generation config, the prompt and every committed token replayed as a prefill
+        (through the prefix cache where it still holds them), and decoding goes on. The
+        consumer sees a pause. Greedy output is the same as without the break; a seeded
+        sampler starts its draws again (its state is not carried over)."""
         if not prompt_ids:
             raise ValueError("Expected a non-empty prompt")
         if len(prompt_ids) > self.ctx_size:
             raise ValueError(f"Expected a prompt of at most {self.ctx_size} tokens (the context "
                              f"size), got {len(prompt_ids)}. Fix: shorten it or raise ctx_size.")
         self.check_speculative(self.speculative if speculative is None else speculative)
-        async with self.session(sampling, len(prompt_ids), cache_namespace) as session:
-            decoder = self.decoder(session, max_tokens=max_tokens, stop_ids=stop_ids,
-                                   speculative=speculative)
+        decoder, timings, first_token_at = None, None, 0.0
+        num_tokens, recoveries, recover_by, waiting = 0, 0, None, False
+        while True:
             try:
-                first = await session.prefill(prompt_ids)
-                first_token_at = time.perf_counter()
-                timings = session.timings  # the one clock: usage, `timings`, metrics and logs read it
-                yield PrefillDone(len(prompt_ids), timings.restored_tokens, timings.first_token_s * 1e3,
-                                  timings.restore_decision, session.stats.kv_hit_stage_mask)
-                num_tokens = 0
-                async with contextlib.aclosing(decoder.tokens(prompt_ids, first)) as tokens:
-                    async for token in tokens:
-                        num_tokens += 1
-                        yield Token(token)
-                timings.decode_s = time.perf_counter() - first_token_at  # first token to last
-                stop_started = time.perf_counter()
-                stats = await session.stop()
-                self.telemetry.summary(
-                    "stage0.generation_summary", prompt_tokens=len(prompt_ids),
-                    completion_tokens=num_tokens, finish_reason=decoder.finish_reason,
-                    prefill_ms=timings.prefill_s * 1e3, first_token_ms=timings.first_token_s * 1e3,
-                    decode_ms=timings.decode_s * 1e3, stop_ms=(time.perf_counter() - stop_started) * 1e3)
-                speculation = decoder.report(self.telemetry)
-                yield Finished("stop" if decoder.finish_reason == "stop" else "length", num_tokens,
-                               timings.decode_s * 1e3, {**_timing_extras(stats, timings), **speculation},
-                               decoder.finish_reason, stats, timings, speculation)
-            finally:
-                if not session.stopped:  # the consumer left early: its figures still go out
-                    decoder.report(self.telemetry)
-                    await _stop_quietly(session)
+                async with self.session(sampling, len(prompt_ids), cache_namespace) as session:
+                    if decoder is None or not decoder.is_started:
+                        decoder = self.decoder(session, max_tokens=max_tokens, stop_ids=stop_ids,
+                                               speculative=speculative)
+                        first = await session.prefill(prompt_ids)
+                        first_token_at = time.perf_counter()
+                        timings = session.timings  # the one clock: usage, `timings`, metrics, logs
+                        yield PrefillDone(len(prompt_ids), timings.restored_tokens, timings.first_token_s * 1e3,
+                                          timings.restore_decision, session.stats.kv_hit_stage_mask)
+                        tokens = decoder.tokens(prompt_ids, first)
+                    else:
+                        tokens = decoder.resume(session, await session.prefill(decoder.replay_tokens()))
+                        log.warning("request %d: resumed on a fresh lane after %d token(s)",
+                                    session.request_id, num_tokens)
+                    if waiting:  # through a whole chain again, and prefilled: one break survived
+                        waiting, recover_by, recoveries = False, None, recoveries + 1
+                        self.telemetry.count("stage0.recoveries")
+                    try:
+                        async with contextlib.aclosing(tokens) as stream:
+                            async for token in stream:
+                                num_tokens += 1
+                                yield Token(token)
+                        timings.decode_s = time.perf_counter() - first_token_at  # first token to last
+                        stop_started = time.perf_counter()
+                        try:
+                            stats = await session.stop()
+                        except ChainError as error:  # every token is out: the answer stands
+                            log.warning("request %d: Stop failed (%s); the stages reclaim the session",
+                                        session.request_id, error)
+                            stats = session.stats
+                        self.telemetry.summary(
+                            "stage0.generation_summary", prompt_tokens=len(prompt_ids),
+                            completion_tokens=num_tokens, finish_reason=decoder.finish_reason,
+                            prefill_ms=timings.prefill_s * 1e3, first_token_ms=timings.first_token_s * 1e3,
+                            decode_ms=timings.decode_s * 1e3, recoveries=recoveries,
+                            stop_ms=(time.perf_counter() - stop_started) * 1e3)
+                        speculation = decoder.report(self.telemetry)
+                        extra = {**_timing_extras(stats, timings), **speculation, "chain_recoveries": recoveries}
+                        yield Finished("stop" if decoder.finish_reason == "stop" else "length", num_tokens,
+                                       timings.decode_s * 1e3, extra, decoder.finish_reason, stats, timings,
+                                       speculation)
+                        return
+                    finally:
+                        if not session.stopped:  # left early, or broken: its figures still go out
+                            decoder.report(self.telemetry)
+                            await _stop_quietly(session)
+            except ChainError as error:
+                now = time.monotonic()
+                recover_by = recover_by or now + self.recovery_timeout_s
+                if not self.can_recover():
+                    raise ChainError(f"{error} (a stage is down for good)") from error
+                if now >= recover_by:
+                    if self.recovery_timeout_s > 0:
+                        raise ChainError(f"{error} (not whole again within {self.recovery_timeout_s:g} s)") from error
+                    raise
+                if not waiting:
+                    waiting = True
+                    log.warning("the chain broke under a request (%s); waiting for it to be whole again", error)
+                await asyncio.sleep(RECOVERY_RETRY_S)
 
     async def generate(self, prompt_ids: Sequence[int], *, on_token: Callable[[int], None] | None = None,
                        **options) -> GenerationResult:

@@ -82,6 +82,27 @@ class ChainDecoder:
             yield token
         self.finish_reason = self.finish_reason or self.spec.finish_reason
 
+    @property
+    def is_started(self) -> bool:
+        """The prefill's token is in: there is a committed history to continue from."""
+        return bool(self.spec.history) or self.spec.is_finished
+
+    def replay_tokens(self) -> list[int]:
+        """What a fresh session prefills to continue where a broken one stopped: the prompt
+        and every committed token, ending with the current one (its prediction is the next
+        token, as the interrupted step would have returned)."""
+        return list(self.spec.history)
+
+    async def resume(self, session: ChainSession, next_token: int) -> AsyncIterator[int]:
+        """Go on decoding on `session`, which has prefilled `replay_tokens()` and predicted
+        `next_token`. Windows that were in flight are gone; the proposer proposes again."""
+        self.session = session
+        for token in self.spec.settle([], [next_token]).tokens:
+            yield token
+        async for token in self._steps():
+            yield token
+        self.finish_reason = self.finish_reason or self.spec.finish_reason
+
     async def _steps(self) -> AsyncIterator[int]:
         """The one decode loop: a verify window whenever the proposer has drafts (none without
         speculation), else one plain step of the current token."""

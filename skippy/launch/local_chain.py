@@ -208,6 +208,7 @@ class LocalChain:
             raise
         if self.supervisor is not None:
             self.supervisor.start()
+            self.client.can_recover = self.supervisor.can_heal
         return self.client
 
     async def _connect(self) -> ChainClient:

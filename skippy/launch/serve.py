@@ -52,6 +52,7 @@ class ServeConfig:
     activation_dtype: str = "f32"
     threads: int | None = None  # torch threads in every stage process, this one included
     max_restarts: int = 5  # restarts of each local stage process that dies or hangs (0: none)
+    recovery_timeout_s: float = 30.0  # a request waits this long for a broken chain (0: fails at once)
     otlp_endpoint: str | None = None  # every stage's span export (OTLP/HTTP); None = no spans
     admission_timeout_s: float = 60.0
     backend_timeout_s: float = 600.0
@@ -71,6 +72,8 @@ class ServeConfig:
             raise ValueError(f"Expected --stages >= 1, got {self.num_stages}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"Expected a port in [0, 65535], got {self.port}")
+        if self.recovery_timeout_s < 0:
+            raise ValueError(f"Expected --recovery-timeout >= 0, got {self.recovery_timeout_s}")
         if self.max_restarts < 0:
             raise ValueError(f"Expected --max-restarts >= 0, got {self.max_restarts}")
         if self.concurrency is not None and self.concurrency < 1:
@@ -137,6 +140,7 @@ async def build_backend(config: ServeConfig):
     every_stage = dict(dtype=config.dtype, device=config.device, repack=config.repack,
                    otlp_endpoint=config.otlp_endpoint)
     options = dict(concurrency=config.num_lanes, ctx_size=ctx_size, activation_dtype=config.activation_dtype,
+                   recovery_timeout_s=config.recovery_timeout_s,
                    speculative=config.speculative_settings(), draft_model=await _load_draft_model(config))
     if config.topology is not None:
         topology = Topology.load(config.topology)

@@ -50,6 +50,10 @@ class Supervisor:
         self.health = [StageHealth() for _ in range(chain.num_stages)]  # index 0: stage 0, never down
         self._tasks: list[asyncio.Task] = []
 
+    def can_heal(self) -> bool:
+        """False once a stage is down for good: a request waiting for the chain gives up."""
+        return all(health.state != "failed" for health in self.health)
+
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._watch(index), name=f"skippy-supervise-{index}")
                        for index in range(1, self.chain.num_stages)]

@@ -1,0 +1,75 @@
+"""Transparent recovery through `skippy serve --stages 3`: a stage killed under running
+requests is restarted by the supervisor, each request replays its prompt and committed tokens
+onto the whole chain, and every answer equals its uninterrupted run (greedy)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from frontend_support import ServeProcess, wait_until
+from prefix_chain_support import system_text
+from test_serve_supervision import stage, stage_pid
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+NO_EOS = {"0": -100, "2": -100}
+
+
+def complete(url: str, prompt, max_tokens: int = 120, cache_key: str | None = None) -> str:
+    response = httpx.post(url + "/v1/completions", timeout=300, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logit_bias": NO_EOS,
+        "prompt_cache_key": cache_key})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def run_while_killing(url: str, server: ServeProcess, prompts: list, stage_index: int, after_s: float,
+                      cache_key: str | None = None) -> list:
+    """Answers to `prompts`, sent at once, with stage `stage_index` SIGKILLed `after_s` in."""
+    answers: list = [None] * len(prompts)
+
+    def ask(i: int) -> None:
+        answers[i] = complete(url, prompts[i], cache_key=cache_key)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    time.sleep(after_s)
+    os.kill(stage_pid(server, stage_index), signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=300)
+    return answers
+
+
+def test_requests_survive_killed_stages(tmp_path, tokenizer):
+    server = ServeProcess(["--stages", "3", "--ctx-size", "2048", "--concurrency", "8"], tmp_path / "serve.log")
+    try:
+        url = server.url
+        long_prompt = tokenizer.encode(system_text(60))[:1500]  # its prefill takes a while
+        prompts = [f"Story {i}: once upon a time, in a village by the sea," for i in range(8)]
+        expected = {p if isinstance(p, str) else "long": complete(url, p) for p in [*prompts, long_prompt]}
+
+        # killed during the prefill of a long prompt (the middle stage; a cache namespace of its own,
+        # so nothing restores it), then mid-decode (the final one)
+        assert run_while_killing(url, server, [long_prompt], 1, 0.3, cache_key="cold") == [expected["long"]]
+        wait_until(lambda: stage(url, "stage-1")["state"] == "ready", 30)
+        assert run_while_killing(url, server, [prompts[0]], 2, 0.6) == [expected[prompts[0]]]
+        wait_until(lambda: stage(url, "stage-2")["state"] == "ready", 30)
+        # eight concurrent streams while the middle stage dies
+        assert run_while_killing(url, server, prompts, 1, 0.8) == [expected[p] for p in prompts]
+
+        assert stage(url, "stage-1")["restarts"] == 2 and stage(url, "stage-2")["restarts"] == 1
+        assert wait_until(lambda: all(s["active_sessions"] == 0
+                                      for s in httpx.get(url + "/v1/stages").json()["data"]), timeout_s=10)
+        recoveries = re.search(r"^skippy_chain_recoveries_total (\S+)$", httpx.get(url + "/metrics").text, re.M)
+        assert float(recoveries.group(1)) >= 10  # every request under a kill replayed itself
+    finally:
+        assert server.stop() == 0
