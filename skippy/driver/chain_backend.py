@@ -137,7 +137,7 @@ class ChainBackend:
             health = None if self._health is None else self._health[index]
             if health is not None and health.state == "failed":
                 return Readiness(False, stage.stage_id, f"it {health.last_failure} and was not restarted "
-                                 f"again after {health.restarts} restart(s)")
+                                 f"again after {health.in_a_row} restart(s) in a row")
             if report is None:
                 detail = f"no status answer from {stage.endpoint}"
                 if health is not None and health.state == "restarting":

@@ -3,9 +3,10 @@
 Each child stage has a watcher: it waits for the process to exit and asks it for its status
 (`GetStageStatus`, the protocol's own health query) every `probe_interval_s`. A stage that
 exits, or misses `probe_failures` answers in a row (it is then killed), is started again from
-its config on its own port, after a backoff that doubles with each restart. Past
-`max_restarts` the watcher gives up: the stage stays down, marked "failed" with its last
-failure, and the API's /readyz and every request answer 503 naming it.
+its config on its own port, after a backoff that doubles with each restart in a row (a stage
+that stayed up `STABLE_S` starts the count again). Past `max_restarts` in a row the watcher
+gives up: the stage stays down, marked "failed" with its last failure, and the API's /readyz
+and every request answer 503 naming it.
 
 While a stage is down, requests fail fast with 503 (a lane to it is broken); once it is back,
 the next request re-dials its lane. Stage 0 runs in the serving process and is not supervised.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,12 +33,14 @@ PROBE_INTERVAL_S = 1.0
 PROBE_FAILURES = 3
 BACKOFF_S = 0.5
 MAX_BACKOFF_S = 8.0
+STABLE_S = 10.0  # up this long, a stage's next failure is a first one again (backoff and budget)
 
 
 @dataclass(slots=True)
 class StageHealth:
     state: str = "ready"    # "ready", "restarting" or "failed" (the restart budget is spent)
-    restarts: int = 0
+    restarts: int = 0       # in all
+    in_a_row: int = 0       # restarts since it last stayed up STABLE_S
     last_failure: str = ""  # why it last went down ("" while it never has)
 
 
@@ -67,18 +71,22 @@ class Supervisor:
     async def _watch(self, index: int) -> None:
         health = self.health[index]
         while True:
+            up_since = time.monotonic()
             health.last_failure = await self._failure(index)
-            if health.restarts >= self.max_restarts:
+            if time.monotonic() - up_since >= STABLE_S:
+                health.in_a_row = 0
+            if health.in_a_row >= self.max_restarts:
                 health.state = "failed"
-                log.error("stage %d %s; gave up after %d restart(s). Fix: see its log above, then "
-                          "restart skippy serve", index, health.last_failure, health.restarts)
+                log.error("stage %d %s; gave up after %d restart(s) in a row. Fix: see its log above, "
+                          "then restart skippy serve", index, health.last_failure, health.in_a_row)
                 return
             health.state = "restarting"
-            delay = min(self.max_backoff_s, self.backoff_s * 2 ** health.restarts)
-            log.warning("stage %d %s; restarting it in %.1f s (restart %d of %d)", index,
-                        health.last_failure, delay, health.restarts + 1, self.max_restarts)
+            delay = min(self.max_backoff_s, self.backoff_s * 2 ** health.in_a_row)
+            log.warning("stage %d %s; restarting it in %.1f s (restart %d of %d in a row)", index,
+                        health.last_failure, delay, health.in_a_row + 1, self.max_restarts)
             await asyncio.sleep(delay)
             health.restarts += 1
+            health.in_a_row += 1
             try:
                 await self.chain.restart_stage(index)
             except Exception as error:  # noqa: BLE001 - a failed restart is one more failure
