@@ -104,17 +104,17 @@ def test_killing_a_middle_stage_fails_fast_and_a_restart_recovers(make_stage, gg
     run(main(), timeout=900)
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_a_generation_survives_its_middle_stage_dying_and_coming_back(make_stage, gguf_path, tmp_path,
-                                                                       speculative):
+@pytest.mark.parametrize("mode", ["greedy", "speculative", "seeded"])
+def test_a_generation_survives_its_middle_stage_dying_and_coming_back(make_stage, gguf_path, tmp_path, mode):
     """The middle stage is killed twice mid-decode and started again a moment later: the
     generation pauses, replays its prompt and committed tokens on a fresh lane, and ends with
-    exactly the tokens of an uninterrupted run (greedy; speculation on or off)."""
+    exactly the tokens of an uninterrupted run (greedy, with speculation, or seeded sampling)."""
+    from skippy.protocol import SamplingConfig
     from skippy.runtime.speculation import SpeculativeSettings
 
     prompt = PROMPTS[1]
-    expected = reference_greedy(make_stage(), prompt, 40)[0]
-    settings = SpeculativeSettings("ngram-suffix" if speculative else "off")
+    settings = SpeculativeSettings("ngram-suffix" if mode == "speculative" else "off")
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=11) if mode == "seeded" else SamplingConfig()
 
     async def main():
         final = StageServer(stage_config(2, (20, 30), str(gguf_path)),
@@ -145,7 +145,8 @@ def test_a_generation_survives_its_middle_stage_dying_and_coming_back(make_stage
         try:
             await client.start()
             final.returns.driver_endpoint = client.return_endpoint
-            result = await client.generate(prompt, max_tokens=40, on_token=kill_at)
+            expected = (await client.generate(prompt, max_tokens=40, sampling=sampling)).tokens
+            result = await client.generate(prompt, max_tokens=40, sampling=sampling, on_token=kill_at)
             assert result.tokens == expected
             assert len(restarts) == 2 and client.telemetry.counters["stage0.recoveries"] == 2
             await asyncio.gather(*restarts)

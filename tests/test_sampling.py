@@ -362,3 +362,15 @@ def test_cuda_logits_sample_on_cuda_generator():
     assert RequestSampler(SamplingConfig(), "cuda").sample(logits, []) == int(logits.argmax())
     with pytest.raises(ValueError, match="Expected logits on cpu"):
         RequestSampler(config).sample(logits, [])
+
+
+def test_skipping_draws_resumes_the_seeded_stream():
+    """A replayed request's sampler skips the draws its first session made: the draws after
+    that are the ones an uninterrupted sampler makes."""
+    logits = random_logits(1, NUM_VOCAB, scale=1.0)
+    config = SamplingConfig(temperature=1.0, top_p=0.9, seed=5)
+    uninterrupted = draw_many(RequestSampler(config), logits, 30)
+    resumed = RequestSampler(config)
+    resumed.skip_draws(12)
+    assert draw_many(resumed, logits, 18) == uninterrupted[12:]
+    assert draw_many(RequestSampler(config), logits, 18) != uninterrupted[12:]  # not by chance

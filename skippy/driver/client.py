@@ -132,8 +132,8 @@ class ChainClient:
 
     @contextlib.asynccontextmanager
     async def session(self, sampling: SamplingConfig = SamplingConfig(),
-                      prompt_token_count: int = 0,
-                      cache_namespace: bytes | None = None) -> AsyncIterator[ChainSession]:
+                      prompt_token_count: int = 0, cache_namespace: bytes | None = None,
+                      skip_draws: int = 0) -> AsyncIterator[ChainSession]:
         """Lease a lane, configure generation, yield the session, Stop it (or drop the lane).
         `cache_namespace`: the prefix-cache namespace digest (protocol.cache_namespace_digest)."""
         lane = await self._lanes.get()
@@ -144,7 +144,7 @@ class ChainClient:
             request_id = next(self._ids)
             lane_id = 0 if self.downstream is None else lane.lane_id
             session = lane.session = ChainSession(self.env, lane.link, lane_id, request_id, request_id,
-                                                  sampling, prompt_token_count, cache_namespace)
+                                                  sampling, prompt_token_count, cache_namespace, skip_draws)
             self.hub.register(session.return_key, session.waiter)
             await session.configure()
             yield session
@@ -212,8 +212,8 @@ class ChainClient:
         the chain to be whole again, for up to `recovery_timeout_s`: a fresh lane, the same
         generation config, the prompt and every committed token replayed as a prefill
         (through the prefix cache where it still holds them), and decoding goes on. The
-        consumer sees a pause. Greedy output is the same as without the break; a seeded
-        sampler starts its draws again (its state is not carried over)."""
+        consumer sees a pause, and the output is the same as without the break: greedy, and
+        seeded sampling too (the new session's sampler skips the draws the old one made)."""
         if not prompt_ids:
             raise ValueError("Expected a non-empty prompt")
         if len(prompt_ids) > self.ctx_size:
@@ -221,10 +221,10 @@ class ChainClient:
                              f"size), got {len(prompt_ids)}. Fix: shorten it or raise ctx_size.")
         self.check_speculative(self.speculative if speculative is None else speculative)
         decoder, timings, first_token_at = None, None, 0.0
-        num_tokens, recoveries, recover_by, waiting = 0, 0, None, False
+        num_tokens, recoveries, recover_by, waiting, draws = 0, 0, None, False, 0
         while True:
             try:
-                async with self.session(sampling, len(prompt_ids), cache_namespace) as session:
+                async with self.session(sampling, len(prompt_ids), cache_namespace, draws) as session:
                     if decoder is None or not decoder.is_started:
                         decoder = self.decoder(session, max_tokens=max_tokens, stop_ids=stop_ids,
                                                speculative=speculative)
@@ -267,6 +267,7 @@ class ChainClient:
                                        speculation)
                         return
                     finally:
+                        draws = session.skip_draws + session.draws  # what a replay's sampler skips
                         if not session.stopped:  # left early, or broken: its figures still go out
                             decoder.report(self.telemetry)
                             await _stop_quietly(session)

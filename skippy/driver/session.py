@@ -92,13 +92,16 @@ class NoStagesBelow:
 class ChainSession:
     def __init__(self, env: SessionEnv, link: DownstreamLink | NoStagesBelow, lane_id: int, request_id: int,
                  session_id: int, sampling: SamplingConfig, prompt_token_count: int,
-                 cache_namespace: bytes | None = None):
-        """`link`: the lane to stage 1, or NoStagesBelow when stage 0 holds the whole model."""
+                 cache_namespace: bytes | None = None, skip_draws: int = 0):
+        """`link`: the lane to stage 1, or NoStagesBelow when stage 0 holds the whole model.
+        `skip_draws`: the sampler draws an earlier session of this request made (a replay)."""
         self.env, self.link = env, link
         self.request_id, self.session_id = request_id, session_id
         self.sampling = sampling
         self.prompt_token_count = prompt_token_count
         self.key = (lane_id, session_id)
+        self.skip_draws = skip_draws
+        self.draws = 0            # predictions received: one sampler draw each (a window: one a row)
         self.return_key = (request_id, session_id)
         self.position = 0         # the next position to write: what every stage holds
         self.decode_step = 0
@@ -169,15 +172,17 @@ class ChainSession:
                 wanted = item.kind == ReplyKind.PredictedTokens and item.window_id == window_id
             if wanted:
                 self.stats = merge(self.stats, item.stats)
+                self.draws += len(item.predicted_tokens)
                 return item
             # else: a late answer to a window that was discarded as stale; ignore it
 
     # -- the request's messages -------------------------------------------------------------
     async def configure(self) -> None:
         runtime = self.env.runtime
-        await runtime.configure(self.key, self.sampling, self.prompt_token_count)
+        await runtime.configure(self.key, self.sampling, self.prompt_token_count, self.skip_draws)
         await self._guard("ConfigureGeneration", self._control(self._message(
-            MessageKind.ConfigureGeneration, sampling=self.sampling, cache_namespace=self.cache_namespace)))
+            MessageKind.ConfigureGeneration, sampling=self.sampling, cache_namespace=self.cache_namespace,
+            decode_step=self.skip_draws)))
 
     async def prefill(self, tokens: Sequence[int]) -> int:
         """Prefill `tokens` at the current position, in chunks; returns the first prediction.

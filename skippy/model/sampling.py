@@ -158,6 +158,12 @@ class RequestSampler:
         )
         self._max_bias_id = max(config.logit_bias, default=-1)
 
+    def skip_draws(self, num_draws: int) -> None:
+        """Advance the generator past `num_draws` draws (one uniform each, see draw_token): a
+        request replayed onto a fresh chain continues its seeded stream where it was cut."""
+        if num_draws > 0:
+            torch.rand(num_draws, dtype=torch.float64, device=self.device, generator=self._generator)
+
     def sample(
         self,
         logits: Tensor,

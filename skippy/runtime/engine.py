@@ -111,10 +111,10 @@ class StageRuntime:
         return await self.scheduler.submit_prefill(step, step.session.key, step.num_rows)
 
     async def configure(self, key: SessionKey, sampling: SamplingConfig | None,
-                        prompt_token_count: int) -> Timed[None]:
+                        prompt_token_count: int, skip_draws: int = 0) -> Timed[None]:
         session = self.sessions.get(key)
         session.prompt_token_count = prompt_token_count
-        return await self.scheduler.submit_op(lambda: self.runner.configure(session, sampling))
+        return await self.scheduler.submit_op(lambda: self.runner.configure(session, sampling, skip_draws))
 
     async def trim(self, key: SessionKey, num_tokens: int) -> Timed[int]:
         session = self.sessions.get(key)

@@ -150,9 +150,12 @@ class Runner:
         return out
 
     # -- session operations ---------------------------------------------------------
-    def configure(self, session: Session, sampling: SamplingConfig | None) -> None:
+    def configure(self, session: Session, sampling: SamplingConfig | None, skip_draws: int = 0) -> None:
+        """`skip_draws`: the draws a replayed request's sampler already made (final stage)."""
         session.sampling = sampling
         session.sampler = self._new_sampler(session) if self.is_last else None
+        if session.sampler is not None:
+            session.sampler.skip_draws(skip_draws)
 
     def _new_sampler(self, session: Session) -> RequestSampler:
         session.sampler = RequestSampler(session.sampling or SamplingConfig(), self.model.device)

@@ -184,7 +184,9 @@ async def on_control(conn: StageConnection, msg: StageMessage, span: Span) -> No
         timed = await conn.runtime.trim(key, msg.token_count)
     else:
         conn.open_session(msg).cache_namespace = msg.cache_namespace
-        timed = await conn.runtime.configure(key, msg.sampling, msg.prompt_token_count)
+        # decode_step of a ConfigureGeneration: the draws a replayed request already made
+        timed = await conn.runtime.configure(key, msg.sampling, msg.prompt_token_count,
+                                             skip_draws=max(0, msg.decode_step))
         if link is None:  # the final stage opens the direct return stream (spec §2.7)
             span.set("direct_return", await conn.server.returns.open((msg.request_id,
                                                                         msg.session_id)))
