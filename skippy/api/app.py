@@ -26,11 +26,11 @@ from pydantic import ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 
+from ..driver.backend import BackendError, GenerationBackend
 from ..model.chat_template import ChatTemplateError
 from ..model.errors import ContextOverflowError
 from ..model.tokenizer import Tokenizer
 from .admission import Admission, AdmissionError, ContextTooLong
-from ..driver.backend import BackendError, GenerationBackend
 from .cache_metrics import PrefixCacheCollector
 from .completion import complete, prepare_chat, prepare_text, stream
 from .errors import ApiError, to_api_error

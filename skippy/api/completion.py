@@ -11,10 +11,10 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
+from ..driver.backend import GenerationRequest
 from ..protocol.sampling_config import SamplingConfig
 from ..runtime.speculation import SpeculativeSettings
 from .admission import Lease, check_fits
-from ..driver.backend import GenerationRequest
 from .errors import ApiError, to_api_error
 from .generation import Generation, Job, ServeContext, finish
 from .schemas import (

@@ -13,10 +13,10 @@ import logging
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from ..driver.backend import BackendError, BackendTimeout, StageUnavailable
 from ..model.chat_template import ChatTemplateError
 from ..model.errors import ContextOverflowError
 from .admission import AdmissionError, ContextTooLong
-from ..driver.backend import BackendError, BackendTimeout, StageUnavailable
 from .schemas import ErrorDetail, ErrorEnvelope
 
 log = logging.getLogger(__name__)

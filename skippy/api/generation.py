@@ -15,9 +15,11 @@ from typing import Literal
 
 import anyio
 
+from ..driver.backend import (
+    BackendError, BackendTimeout, Finished, GenerationBackend, GenerationRequest, PrefillDone, Token,
+)
 from ..model.tokenizer import Tokenizer
 from .admission import Admission, Lease
-from ..driver.backend import BackendError, BackendTimeout, Finished, GenerationBackend, GenerationRequest, PrefillDone, Token
 from .metrics import Metrics
 from .schemas import PromptTokensDetails, Timings, Usage
 from .streaming import StopTextStream

@@ -3,7 +3,9 @@
 It owns the first stage's layers in-process (a `StageRuntime`), a pool of
 persistent lanes to stage 1 (one leased per request; Stop resets the session,
 not the socket; a broken lane is replaced on its next lease), and the listener
-that the final stage dials to return predictions directly.
+that the final stage dials to return predictions directly. `run` is the one
+orchestration of a request (the API's backend and `generate` consume it), and
+lives through a chain that breaks and heals under it.
 
     client = ChainClient(first_stage_model, downstream="127.0.0.1:7001")
     await client.start()
@@ -32,9 +34,9 @@ from ..stage.downstream import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, DownstreamLin
 from ..stage.prediction_return import PredictionHub, ReturnListener
 from ..telemetry import Telemetry
 from .backend import Finished, GenerationEvent, PrefillDone, Token
+from .chunking import ChunkPolicy, FixedChunks
 from .decoder import ChainDecoder
 from .session import ChainError, ChainSession, NoStagesBelow, SessionEnv, SessionTimings
-from .chunking import ChunkPolicy, FixedChunks
 
 log = logging.getLogger("skippy.driver")
 STOP_TIMEOUT_S = 5.0  # an early Stop that takes longer is abandoned: the lane is closed instead

@@ -4,7 +4,8 @@
 its leased lane; the final stage's predictions come back on the direct return
 stream (or, relayed, on the lane). Every wait has a timeout, and any failure
 raises `ChainError` naming the stage and the phase. With a single stage (the
-driver holds the whole model) the same calls run locally.
+driver holds the whole model) the same calls run over `NoStagesBelow`: nothing goes on
+the wire, and stage 0's own samples arrive where the return stream's would.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+
 from ..protocol import (
-    ActivationDtype, MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply,
-    LOOKUP_ERROR, StageReplyStats, lookup_observation, merge, prefill_compute_observation, record_observation,
+    LOOKUP_ERROR, ActivationDtype, MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply,
+    StageReplyStats, lookup_observation, merge, prefill_compute_observation, record_observation,
     restore_missed_below,
 )
 from ..runtime import SampleMode, Step

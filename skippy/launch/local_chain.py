@@ -1,10 +1,11 @@
-"""Chains for `skippy generate` and `skippy plan`: plan the split, start or reach the stages.
+"""Chains for `skippy serve`, `generate` and `plan`: plan the split, start or reach the stages.
 
 * `plan_chain` splits the layers and builds every stage's config plus the topology.
 * `LocalChain` starts stages 1..N-1 as separate processes on free loopback ports
   and holds stage 0 in this process as a `ChainClient`.
 * `connect_topology` builds stage 0 for stages that are already running anywhere.
 * `start_stage0` is stage 0 in every case: for those two, or holding the whole model.
+* `LocalChain(max_restarts=...)` keeps its stage processes alive (supervisor.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from ..driver.client import ChainClient
 from ..model.args import ModelArgs
 from ..model.loader import load_stage, model_args
 from ..model.threads import CO_LOCATED_SPIN_COUNT
@@ -34,9 +36,8 @@ from ..runtime.stage_cache import StagePrefixCache
 from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX, WEIGHT_DTYPES
 from ..telemetry import Telemetry
 from .supervisor import Supervisor
-from ..driver.client import ChainClient
 
-log = logging.getLogger("skippy.driver")
+log = logging.getLogger("skippy.launch")
 STARTUP_TIMEOUT_S = 600.0
 START_ATTEMPTS = 3   # a free port can be taken by someone else before its stage binds it
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import uvicorn
 
-from ..console import progress_bar
 from ..api.app import DEFAULT_MAX_BODY_BYTES, ApiSettings, create_app
+from ..console import progress_bar
 from ..driver.backend import GenerationBackend, StageStatus
 
 GRACEFUL_SHUTDOWN_S = 5

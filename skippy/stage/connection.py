@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..model.errors import ContextOverflowError
 from ..protocol import (
     ActivationDtype, FrameError, MessageKind, ProtocolError, StageMessage, StageReply,
     StageReplyStats, merge, read_message, write_reply,
 )
-from ..model.errors import ContextOverflowError
 from ..runtime import LaneLimitError, SampleMode, Session, SessionError, SessionKey, Step
 from .downstream import DownstreamLink
 from .handlers import HANDLERS, StageError
