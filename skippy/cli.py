@@ -342,8 +342,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
-        print(f"skippy: error: {exc}", file=sys.stderr)
+        print(f"skippy: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: Exception) -> str:
+    """A config's validation errors as `field: what is wrong`, without pydantic's banner."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg'].removeprefix('Value error, ')}"
+                     for e in errors())
 
 
 if __name__ == "__main__":

@@ -20,10 +20,11 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import uvicorn
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..api.app import DEFAULT_MAX_BODY_BYTES, ApiSettings, create_app
 from ..console import progress_bar
@@ -34,53 +35,49 @@ DEFAULT_LANES = 8
 PROBE_INTERVAL_S = 0.25
 
 
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
+class ServeConfig(BaseModel):
+    """`skippy serve`'s whole configuration, validated once (the CLI builds it); stage 0 and
+    every local stage get their settings from it (LocalChain writes each stage's StageConfig)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
     model: Path
-    num_stages: int = 2
+    num_stages: int = Field(2, ge=1)
     host: str = "127.0.0.1"
-    port: int = 9337
+    port: int = Field(9337, ge=0, le=65535)
     topology: Path | None = None
-    ctx_size: int | None = None  # default: the model's
-    concurrency: int | None = None  # generation lanes; default 8
-    queue_size: int | None = None
-    auth_token: str | None = None  # API bearer token
-    chain_auth_token: str | None = None  # the stages' transport token (with --topology)
+    ctx_size: int | None = Field(None, ge=1)  # default: the model's
+    concurrency: int | None = Field(None, ge=1)  # generation lanes; default 8
+    queue_size: int | None = Field(None, ge=0)
+    auth_token: str | None = Field(None, repr=False)  # API bearer token
+    chain_auth_token: str | None = Field(None, repr=False)  # the stages' transport token (with --topology)
     dtype: str = "auto"
     device: str = "auto"
     repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
-    activation_dtype: str = "f32"
-    threads: int | None = None  # torch threads in every stage process, this one included
-    max_restarts: int = 5  # restarts of each local stage process that dies or hangs (0: none)
-    recovery_timeout_s: float = 30.0  # a request waits this long for a broken chain (0: fails at once)
+    activation_dtype: Literal["f32", "f16", "bf16"] = "f32"
+    threads: int | None = Field(None, ge=1)  # torch threads in every stage process, this one included
+    max_restarts: int = Field(5, ge=0)  # restarts in a row of a local stage that dies or hangs (0: none)
+    recovery_timeout_s: float = Field(30.0, ge=0)  # a request waits this long for a broken chain (0: none)
     otlp_endpoint: str | None = None  # every stage's span export (OTLP/HTTP); None = no spans
-    admission_timeout_s: float = 60.0
-    backend_timeout_s: float = 600.0
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    admission_timeout_s: float = Field(60.0, ge=0)
+    backend_timeout_s: float = Field(600.0, ge=0)
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)
     log_level: str = "WARNING"
-    kv_cache_bytes: int = 1 << 30  # prefix-cache memory, all stages together; 0 = no prefix cache
+    kv_cache_bytes: int = Field(1 << 30, ge=0)  # prefix-cache memory, all stages together; 0 = no prefix cache
     kv_disk_dir: Path | None = None  # prefix-cache disk tier: one subdirectory per stage
-    kv_disk_budget: int = 4 << 30  # disk bytes, all stages together
+    kv_disk_budget: int = Field(4 << 30, ge=0)  # disk bytes, all stages together
     speculative: str = "off"  # the default proposer: ngram-suffix, ngram-simple, draft or off
     draft_model: Path | None = None  # GGUF or HF directory of the "draft" proposer's model
     speculative_min_window: int = 1
     speculative_max_window: int = 8
     speculative_pipeline_depth: int = 1
 
-    def __post_init__(self) -> None:
-        if self.num_stages < 1:
-            raise ValueError(f"Expected --stages >= 1, got {self.num_stages}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"Expected a port in [0, 65535], got {self.port}")
-        if self.recovery_timeout_s < 0:
-            raise ValueError(f"Expected --recovery-timeout >= 0, got {self.recovery_timeout_s}")
-        if self.max_restarts < 0:
-            raise ValueError(f"Expected --max-restarts >= 0, got {self.max_restarts}")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"Expected --concurrency >= 1, got {self.concurrency}")
+    @model_validator(mode="after")
+    def _consistent(self) -> ServeConfig:
         if self.speculative == "draft" and self.draft_model is None:
             raise ValueError("Expected --draft-model PATH with --speculative draft")
-        self.speculative_settings()  # validates the window and depth
+        self.speculative_settings()  # validates the mode, the window and the depth
+        return self
 
     def speculative_settings(self):
         """The server's default SpeculativeSettings (a request may override them)."""
