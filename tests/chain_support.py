@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from dataclasses import dataclass, field
 
 import torch
@@ -87,3 +88,22 @@ def reference_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[in
 
 def run(coro, timeout: float = 300):
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def blocking_connect(server: StageServer, timeout_s: float = 10.0) -> socket.socket:
+    """A plain socket to `server`, past its handshake (READY read; no auth token)."""
+    host, port = server.endpoint.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    assert len(sock.recv(8, socket.MSG_WAITALL)) == 8  # READY
+    return sock
+
+
+def read_until_eof(sock: socket.socket) -> bytes:
+    """Everything the stage sends until it closes (a reset counts as the end)."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data

@@ -46,19 +46,26 @@ async def _spawn_stage(config_path) -> asyncio.subprocess.Process:
     raise AssertionError(f"stage exited with {await process.wait()} before it was ready")
 
 
+async def _final_stage_and_middle_config(make_stage, gguf_path, tmp_path):
+    """(the final stage [20, 30) in this process, started; the middle stage's endpoint and the
+    path of its config [10, 20), for `_spawn_stage`): stage 0 [0, 10) dials the endpoint."""
+    final = StageServer(stage_config(2, (20, 30), str(gguf_path)),
+                        StageRuntime(make_stage(20, 30), name="stage2"))
+    await final.start()
+    middle_endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    config_path = tmp_path / "stage-1.json"
+    stage_config(1, (10, 20), str(gguf_path), bind_addr=middle_endpoint, weight_dtype="f32",
+                 downstream=PeerEndpoint(stage_id="s2", stage_index=2,
+                                         endpoint=final.endpoint)).save(config_path)
+    return final, middle_endpoint, config_path
+
+
 def test_killing_a_middle_stage_fails_fast_and_a_restart_recovers(make_stage, gguf_path, tmp_path):
     prompt = PROMPTS[1]
     expected = reference_greedy(make_stage(), prompt, 6)[0]
 
     async def main():
-        final = StageServer(stage_config(2, (20, 30), str(gguf_path)),
-                            StageRuntime(make_stage(20, 30), name="stage2"))
-        await final.start()
-        middle_endpoint = f"127.0.0.1:{free_ports(1)[0]}"
-        config_path = tmp_path / "stage-1.json"
-        stage_config(1, (10, 20), str(gguf_path), bind_addr=middle_endpoint, weight_dtype="f32",
-                     downstream=PeerEndpoint(stage_id="s2", stage_index=2,
-                                             endpoint=final.endpoint)).save(config_path)
+        final, middle_endpoint, config_path = await _final_stage_and_middle_config(make_stage, gguf_path, tmp_path)
         middle = await _spawn_stage(config_path)
         # recovery off: this is the path of a chain that does not come back in time
         client = ChainClient(make_stage(0, 10), downstream=middle_endpoint, recovery_timeout_s=0)
@@ -117,14 +124,7 @@ def test_a_generation_survives_its_middle_stage_dying_and_coming_back(make_stage
     sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=11) if mode == "seeded" else SamplingConfig()
 
     async def main():
-        final = StageServer(stage_config(2, (20, 30), str(gguf_path)),
-                            StageRuntime(make_stage(20, 30), name="stage2"))
-        await final.start()
-        middle_endpoint = f"127.0.0.1:{free_ports(1)[0]}"
-        config_path = tmp_path / "stage-1.json"
-        stage_config(1, (10, 20), str(gguf_path), bind_addr=middle_endpoint, weight_dtype="f32",
-                     downstream=PeerEndpoint(stage_id="s2", stage_index=2,
-                                             endpoint=final.endpoint)).save(config_path)
+        final, middle_endpoint, config_path = await _final_stage_and_middle_config(make_stage, gguf_path, tmp_path)
         middle = [await _spawn_stage(config_path)]
         client = ChainClient(make_stage(0, 10), downstream=middle_endpoint, recovery_timeout_s=60,
                              speculative=settings)

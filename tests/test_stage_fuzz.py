@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from chain_support import stage_config
+from chain_support import blocking_connect, read_until_eof, stage_config
 from skippy.protocol import MessageKind, SamplingConfig, StageMessage, encode_message
 from skippy.protocol.constants import (
     MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, REPLY_HEADER, STATS_BLOCK, ReplyKind, header_offset,
@@ -127,22 +127,14 @@ def live_stage(make_stage):
 
 def send(server: StageServer, frames: list[bytes]) -> bytes:
     """Handshake, send `frames`, half-close, and read until the stage closes; its replies."""
-    host, port = server.endpoint.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        assert len(sock.recv(8, socket.MSG_WAITALL)) == 8  # READY: the handshake is done
+    with blocking_connect(server, timeout_s=30) as sock:
         try:
             for frame in frames:
                 sock.sendall(frame)
             sock.shutdown(socket.SHUT_WR)
-        except (BrokenPipeError, ConnectionResetError, OSError):
+        except OSError:
             pass  # the stage already closed (or reset) on an earlier frame
-        data = b""
-        try:
-            while chunk := sock.recv(65536):
-                data += chunk
-        except ConnectionResetError:
-            pass
-        return data
+        return read_until_eof(sock)
 
 
 def parse_replies(data: bytes) -> list:

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chain_support import run, stage_config
+from chain_support import blocking_connect, read_until_eof, run, stage_config
 from skippy.protocol import (
     FrameError, MessageKind, ReplyKind, StageMessage, StageReplyStats, client_handshake,
     encode_message,
@@ -135,23 +135,6 @@ def background_server(make_stage):
     thread.join(10)
 
 
-def _blocking_connect(server: StageServer) -> socket.socket:
-    host, port = server.endpoint.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    assert len(sock.recv(8, socket.MSG_WAITALL)) == 8  # READY
-    return sock
-
-
-def _read_until_eof(sock: socket.socket) -> bytes:
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, len(GOOD) - 1), st.integers(1, 255)), min_size=1,
                 max_size=4),
@@ -162,15 +145,15 @@ def test_mutated_or_cut_frames_never_take_the_stage_down(background_server, flip
     frame = bytearray(GOOD)
     for position, mask in flips:
         frame[position] ^= mask
-    with _blocking_connect(background_server) as sock:
+    with blocking_connect(background_server) as sock:
         sock.sendall(bytes(frame[:cut]))
         sock.shutdown(socket.SHUT_WR)
-        _read_until_eof(sock)
-    with _blocking_connect(background_server) as sock:   # the stage still serves
+        read_until_eof(sock)
+    with blocking_connect(background_server) as sock:   # the stage still serves
         sock.sendall(encode_message(prefill_final(session_id=7)))
         sock.sendall(encode_message(StageMessage(MessageKind.Stop, request_id=7, session_id=7)))
         sock.shutdown(socket.SHUT_WR)
-        replies = _read_until_eof(sock)
+        replies = read_until_eof(sock)
         assert replies.count(b"SRPY"[::-1]) == 2   # PredictedToken, then the Stop ACK
 
 
