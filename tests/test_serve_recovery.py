@@ -4,6 +4,7 @@ onto the whole chain, and every answer equals its uninterrupted run (greedy)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -23,21 +24,30 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 NO_EOS = {"0": -100, "2": -100}
 
 
-def complete(url: str, prompt, max_tokens: int = 120, cache_key: str | None = None) -> str:
-    response = httpx.post(url + "/v1/completions", timeout=300, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logit_bias": NO_EOS,
-        "prompt_cache_key": cache_key})
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["text"]
+def complete(url: str, prompt, max_tokens: int = 120, cache_key: str | None = None, stream: bool = False) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logit_bias": NO_EOS,
+            "prompt_cache_key": cache_key, "stream": stream}
+    if not stream:
+        response = httpx.post(url + "/v1/completions", timeout=300, json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+    pieces = []
+    with httpx.stream("POST", url + "/v1/completions", timeout=300, json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event  # a pause, never an error event
+                pieces.extend(choice["text"] for choice in event["choices"])
+    return "".join(pieces)
 
 
 def run_while_killing(url: str, server: ServeProcess, prompts: list, stage_index: int, after_s: float,
-                      cache_key: str | None = None) -> list:
+                      cache_key: str | None = None, stream: bool = False) -> list:
     """Answers to `prompts`, sent at once, with stage `stage_index` SIGKILLed `after_s` in."""
     answers: list = [None] * len(prompts)
 
     def ask(i: int) -> None:
-        answers[i] = complete(url, prompts[i], cache_key=cache_key)
+        answers[i] = complete(url, prompts[i], cache_key=cache_key, stream=stream)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
@@ -64,12 +74,23 @@ def test_requests_survive_killed_stages(tmp_path, tokenizer):
         assert run_while_killing(url, server, [prompts[0]], 2, 0.6) == [expected[prompts[0]]]
         wait_until(lambda: stage(url, "stage-2")["state"] == "ready", 30)
         # eight concurrent streams while the middle stage dies
-        assert run_while_killing(url, server, prompts, 1, 0.8) == [expected[p] for p in prompts]
+        assert run_while_killing(url, server, prompts, 1, 0.8, stream=True) == [expected[p] for p in prompts]
 
         assert stage(url, "stage-1")["restarts"] == 2 and stage(url, "stage-2")["restarts"] == 1
         assert wait_until(lambda: all(s["active_sessions"] == 0
                                       for s in httpx.get(url + "/v1/stages").json()["data"]), timeout_s=10)
         recoveries = re.search(r"^skippy_chain_recoveries_total (\S+)$", httpx.get(url + "/metrics").text, re.M)
         assert float(recoveries.group(1)) >= 10  # every request under a kill replayed itself
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_speculative_request_survives_a_killed_stage(tmp_path):
+    server = ServeProcess(["--stages", "3", "--speculative", "ngram-suffix"], tmp_path / "serve.log")
+    try:
+        prompt = "List the days of the week, then list them again in the same order:"
+        expected = complete(server.url, prompt)
+        assert run_while_killing(server.url, server, [prompt], 1, 0.5, stream=True) == [expected]
+        assert stage(server.url, "stage-1")["restarts"] == 1
     finally:
         assert server.stop() == 0
