@@ -115,6 +115,8 @@ def merge(a: StageReplyStats, b: StageReplyStats) -> StageReplyStats:
       same size on every stage, this keeps the slowest per-token rate of the
       chain. Observation counts are summed.
     """
+    if b == _ZERO:  # most replies on a decode step carry nothing: skip the 60-field rebuild
+        return a
     merged: dict[str, int] = {}
     for name in _SUM:
         merged[name] = getattr(a, name) + getattr(b, name)
@@ -125,6 +127,9 @@ def merge(a: StageReplyStats, b: StageReplyStats) -> StageReplyStats:
     merged.update(_pick(a, b, _EDGE))
     merged.update(_pick(a, b, _COMPUTE))
     return StageReplyStats(**merged)
+
+
+_ZERO = StageReplyStats()  # merge's identity (for the non-negative values stats hold)
 
 
 def merge_all(stats: Iterable[StageReplyStats]) -> StageReplyStats:
