@@ -181,15 +181,16 @@ def main() -> None:
 
         spin_for_co_located_stages()
 
-    from skippy.launch.serve import load_tokenizer, model_id_for
+    from skippy.launch.serve import model_id_for
     from skippy.model.locate import bundled_model_path
+    from skippy.model.tokenizer import Tokenizer
 
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else bundled_model_path()
-    tokenizer = load_tokenizer(path)
+    tokenizer = Tokenizer.from_model(path)
     prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     body = {"model": model_id_for(path), "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
             "max_tokens": args.max_tokens, "logit_bias": {str(k): v for k, v in NO_EOS.items()}, "stream": True,

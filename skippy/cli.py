@@ -50,26 +50,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_options(generate)
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API (bundled SmolLM2, 2 local stages)")
-    serve.add_argument("--stages", type=int, default=2, help="local stage processes to start (1 = one process)")
+    serve.add_argument("--stages", dest="num_stages", type=int, default=2, help="local stage processes to start (1 = one process)")
     serve.add_argument("--topology", default=None, help="topology JSON: stage 0 here, other stages already running")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=9337)
     serve.add_argument("--concurrency", type=int, default=None, help="generations at once (default: the lanes)")
-    serve.add_argument("--queue", type=int, default=None, help="waiting requests (default: clamp(8 x lanes, 16, 256))")
-    serve.add_argument("--admission-timeout", type=float, default=60.0, help="seconds a request may wait (0 = no limit)")
-    serve.add_argument("--backend-timeout", type=float, default=600.0, help="seconds without a token before 504")
+    serve.add_argument("--queue", dest="queue_size", type=int, default=None, help="waiting requests (default: clamp(8 x lanes, 16, 256))")
+    serve.add_argument("--admission-timeout", dest="admission_timeout_s", type=float, default=60.0, help="seconds a request may wait (0 = no limit)")
+    serve.add_argument("--backend-timeout", dest="backend_timeout_s", type=float, default=600.0, help="seconds without a token before 504")
     serve.add_argument("--auth-token", default=None, help="require Authorization: Bearer TOKEN on /v1/*")
     serve.add_argument("--chain-auth-token", default=None, help="the stages' transport token (with --topology)")
     serve.add_argument("--threads", type=int, default=None, help="torch threads in every stage (this one too)")
     serve.add_argument("--max-restarts", type=int, default=5,
                        help="restart a local stage process that dies or hangs at most this often (0 = never)")
-    serve.add_argument("--recovery-timeout", type=float, default=30.0,
+    serve.add_argument("--recovery-timeout", dest="recovery_timeout_s", type=float, default=30.0,
                        help="seconds a request waits for a broken chain to be whole again, then replays "
                             "itself onto it (0 = fail at once)")
     serve.add_argument("--otlp-endpoint", default=None,
                        help="every stage exports spans over OTLP/HTTP, e.g. http://127.0.0.1:4318")
     serve.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
-    serve.add_argument("--kv-cache-mem", type=byte_size, default=1 << 30,
+    serve.add_argument("--kv-cache-mem", dest="kv_cache_bytes", type=byte_size, default=1 << 30,
                        help="prefix-cache memory, all stages together (e.g. 512MiB; 0 = no prefix cache)")
     add_kv_disk_options(serve, "all stages together, split evenly")
     add_model_options(serve)
@@ -80,22 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def byte_size(text: str) -> int:
-    """A size in bytes: a plain number or one with an IEC suffix (KiB, MiB, GiB, TiB)."""
-    units = {"TIB": 1 << 40, "GIB": 1 << 30, "MIB": 1 << 20, "KIB": 1 << 10, "B": 1}
-    value = text.strip().upper()
-    for suffix, scale in units.items():
-        if value.endswith(suffix):
-            value, multiplier = value[: -len(suffix)].strip(), scale
-            break
-    else:
-        multiplier = 1
+    """A size in bytes: a plain number or one with a unit (512MiB, 4GiB, 1.5GB), as pydantic's ByteSize."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
     try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"Expected a size like 512MiB or 4GiB, got {text!r}") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"Expected a size >= 0, got {text!r}")
-    return int(number * multiplier)
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"Expected a size >= 0 like 512MiB or 4GiB, got {text!r}") from None
 
 
 def add_kv_disk_options(parser: argparse.ArgumentParser, budget_scope: str) -> None:
@@ -115,28 +106,13 @@ def add_speculative_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-pipeline-depth", type=int, default=1, help="verify windows in flight")
 
 
-def speculative_settings(args: argparse.Namespace):
-    from .runtime.speculation import SpeculativeSettings
-
-    if args.speculative == "draft" and not args.draft_model:
-        raise ValueError("Expected --draft-model PATH with --speculative draft")
-    return SpeculativeSettings(args.speculative, args.speculative_min_window, args.speculative_max_window,
-                               args.speculative_pipeline_depth)  # fmt: skip
-
-
-def load_draft_model(args: argparse.Namespace):
-    from .model.loader import load_stage
-
-    if not args.draft_model:
-        return None
-    return load_stage(args.draft_model, dtype=args.dtype, device=args.device, progress=False)
-
-
 def add_chain_options(parser: argparse.ArgumentParser) -> None:
     """`generate` on a chain: --stages N starts local stage processes, --topology uses running ones."""
-    parser.add_argument("--stages", type=int, default=1, help="local stages (separate processes); 1 = one process")
+    parser.add_argument("--stages", dest="num_stages", type=int, default=1,
+                        help="local stages (separate processes); 1 = one process")
     parser.add_argument("--topology", default=None, help="topology JSON of running stages (stage 0 runs here)")
-    parser.add_argument("--auth-token", default=None, help="the chain's transport token (with --topology)")
+    parser.add_argument("--auth-token", dest="chain_auth_token", default=None,
+                        help="the chain's transport token (with --topology)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads in every stage process")
     parser.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
 
@@ -159,6 +135,9 @@ def add_stage_commands(commands) -> None:
     plan.add_argument("--stages", type=int, required=True)
     plan.add_argument("--hosts", required=True, help="host:port per stage, comma-separated; stage 0 first")
     plan.add_argument("--weights", default=None, help="relative share per stage, comma-separated")
+    plan.add_argument("--standby", action="append", default=[], metavar="N=HOST:PORT[,HOST:PORT]",
+                      help="standby stages for stage N's layers (repeatable): requests fail over to them "
+                           "when stage N is lost")
     plan.add_argument("--out", default=".", help="directory for topology.json and stage-N.json")
     plan.add_argument("--auth-token", default=None)
     plan.add_argument("--ctx-size", type=int, default=2048)
@@ -190,81 +169,52 @@ def prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    import asyncio
+
     from .model.threads import spin_for_co_located_stages
 
-    if args.stages > 1 and not args.topology:
+    if args.num_stages > 1 and not args.topology:
         spin_for_co_located_stages()  # before torch loads
-    from .model.tokenizer import Tokenizer
+    from .launch.serve import generate_once
+    from .model.tokenizer import IncrementalDecoder, Tokenizer
 
-    path = model_path(args)
-    tokenizer = Tokenizer.from_model(path)
+    tokenizer = Tokenizer.from_model(model_path(args))
     ids = prompt_ids(args, tokenizer)
-    return emit(args, tokenizer, ids, chain_tokens(args, path, ids, tokenizer, speculative_settings(args)))
+    decoder = IncrementalDecoder(tokenizer)
+
+    def show(token: int) -> None:  # text as it arrives, unless one JSON line is asked for
+        if not args.json:
+            sys.stdout.write(decoder.push(token))
+            sys.stdout.flush()
+
+    # one request: one lane, no prefix cache, a 2048-token context unless asked
+    config = serve_config(args, ctx_size=args.ctx_size or 2048, concurrency=1, kv_cache_bytes=0)
+    result = asyncio.run(generate_once(config, ids, on_token=show, max_tokens=args.max_tokens,
+                                       sampling=sampling_config(args), stop_ids=tokenizer.eog_ids))
+    if args.json:
+        print(json.dumps({"prompt_ids": ids, "completion_ids": result.tokens, "text": tokenizer.decode(result.tokens)}))
+    else:
+        sys.stdout.write(decoder.flush() + "\n")
+    return 0
+
+
+def serve_config(args: argparse.Namespace, **overrides):
+    """The ServeConfig of `serve`'s (or `generate`'s) options, which are named as its fields;
+    an option left out takes the field's default."""
+    from .launch.serve import ServeConfig
+
+    given = {name: value for name, value in vars(args).items() if name in ServeConfig.model_fields and value is not None}
+    return ServeConfig(**{**given, "model": model_path(args), **overrides})
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .model.threads import spin_for_co_located_stages
 
-    if args.stages > 1 and not args.topology:
+    if args.num_stages > 1 and not args.topology:
         spin_for_co_located_stages()  # before torch loads
-    from .launch.serve import ServeConfig, serve
+    from .launch.serve import serve
 
-    config = ServeConfig(
-        model=Path(model_path(args)),
-        num_stages=args.stages,
-        host=args.host,
-        port=args.port,
-        topology=Path(args.topology) if args.topology else None,
-        ctx_size=args.ctx_size,
-        concurrency=args.concurrency,
-        queue_size=args.queue,
-        auth_token=args.auth_token,
-        chain_auth_token=args.chain_auth_token,
-        dtype=args.dtype,
-        device=args.device,
-        repack=args.repack,
-        activation_dtype=args.activation_dtype,
-        threads=args.threads,
-        otlp_endpoint=args.otlp_endpoint,
-        max_restarts=args.max_restarts,
-        recovery_timeout_s=args.recovery_timeout,
-        admission_timeout_s=args.admission_timeout,
-        backend_timeout_s=args.backend_timeout,
-        log_level=args.log_level,
-        kv_cache_bytes=args.kv_cache_mem,
-        kv_disk_dir=Path(args.kv_disk_dir) if args.kv_disk_dir else None,
-        **({"kv_disk_budget": args.kv_disk_budget} if args.kv_disk_budget is not None else {}),
-        speculative=args.speculative,
-        draft_model=Path(args.draft_model) if args.draft_model else None,
-        speculative_min_window=args.speculative_min_window,
-        speculative_max_window=args.speculative_max_window,
-        speculative_pipeline_depth=args.speculative_pipeline_depth,
-    )
-    return serve(config)
-
-
-def chain_tokens(args: argparse.Namespace, path, ids: list[int], tokenizer, speculative):
-    from .launch.local_chain import generate_on_chain
-    from .protocol import Topology
-
-    options = {"activation_dtype": args.activation_dtype, "dtype": args.dtype, "device": args.device,
-               "repack": args.repack,
-               "ctx_size": args.ctx_size or 2048, "speculative": speculative,
-               "draft_model": load_draft_model(args)}
-    topology = Topology.load(args.topology) if args.topology else None
-    if topology is None and args.stages > 1:
-        options.update(threads=args.threads, log_level=args.log_level)
-    elif topology is None:  # the whole model here: every core, as `skippy serve --stages 1`
-        import os
-
-        import torch
-
-        torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    return generate_on_chain(ids, path, num_stages=args.stages, topology=topology, auth_token=args.auth_token,
-                             chain_options=options, max_tokens=args.max_tokens, sampling=sampling_config(args),
-                             stop_ids=tokenizer.eog_ids)
+    return serve(serve_config(args))
 
 
 def run_stage(args: argparse.Namespace) -> int:
@@ -308,29 +258,20 @@ def run_plan(args: argparse.Namespace) -> int:
     if len(hosts) != args.stages:
         raise ValueError(f"Expected {args.stages} host:port entries in --hosts, got {len(hosts)}")
     weights = [float(w) for w in args.weights.split(",")] if args.weights else None
-    topology, configs = plan_chain(model_path(args), hosts, weights=weights, auth_token=args.auth_token,
-                                   ctx_size=args.ctx_size, lane_count=args.lane_count,
+    standbys: dict[int, list[str]] = {}
+    for entry in args.standby:
+        index, sep, endpoints = entry.partition("=")
+        if not sep or not index.strip().isdigit():
+            raise ValueError(f"Expected --standby N=HOST:PORT[,HOST:PORT], got {entry!r}")
+        standbys.setdefault(int(index), []).extend(e.strip() for e in endpoints.split(",") if e.strip())
+    topology, configs = plan_chain(model_path(args), hosts, weights=weights, standbys=standbys,
+                                   auth_token=args.auth_token, ctx_size=args.ctx_size, lane_count=args.lane_count,
                                    activation_dtype=args.activation_dtype)
     for written in write_plan(topology, configs, args.out):
         print(written)
     for stage in topology.stages:
-        print(f"{stage.stage_id}: layers [{stage.layer_start}, {stage.layer_end}) @ {stage.endpoint}")
-    return 0
-
-
-def emit(args: argparse.Namespace, tokenizer, ids: list[int], tokens) -> int:
-    """Stream text to stdout, or print one JSON line with --json."""
-    from .model.tokenizer import IncrementalDecoder
-
-    if args.json:
-        completion = list(tokens)
-        print(json.dumps({"prompt_ids": ids, "completion_ids": completion, "text": tokenizer.decode(completion)}))
-        return 0
-    decoder = IncrementalDecoder(tokenizer)
-    for token in tokens:
-        sys.stdout.write(decoder.push(token))
-        sys.stdout.flush()
-    sys.stdout.write(decoder.flush() + "\n")
+        spares = f" (standbys: {', '.join(stage.standby_endpoints)})" if stage.standby_endpoints else ""
+        print(f"{stage.stage_id}: layers [{stage.layer_start}, {stage.layer_end}) @ {stage.endpoint}{spares}")
     return 0
 
 

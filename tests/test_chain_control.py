@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from chain_support import PROMPTS, reference_greedy, run, start_chain
-from skippy.driver.chunking import FixedChunks
 from skippy.protocol import (
     MessageKind, ReplyKind, SamplingConfig, StageMessage, client_handshake, read_reply,
     write_message,
@@ -125,7 +124,7 @@ def test_final_stage_skips_discarded_windows_middle_stages_run_them(make_stage, 
 
 def test_stop_ack_carries_merged_stats_from_every_stage(make_stage, greedy):
     async def main():
-        chain = await start_chain(make_stage, 4, chunk_policy=FixedChunks(16))  # 40 = 16+16+8
+        chain = await start_chain(make_stage, 4, prefill_chunk=16)  # 40 = 16+16+8
         try:
             async with chain.client.session(SamplingConfig(), P) as s:
                 assert await s.prefill(PROMPT) == greedy[0]
@@ -237,7 +236,7 @@ def test_relay_fallback_and_persistent_lanes(make_stage, greedy):
 def test_every_stage_reports_its_own_layers_and_open_sessions(make_stage, greedy):
     """GetStageStatus, asked of each stage on a connection of its own: the count is the
     stage's session table, so a session a stage failed to drop would show."""
-    from skippy.driver.chain_backend import query_stage_status
+    from skippy.stage.downstream import query_stage_status
 
     async def sessions_per_stage(chain) -> list[int]:
         reports = [await query_stage_status(server.endpoint, "t" * 16) for server in chain.servers]

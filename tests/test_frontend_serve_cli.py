@@ -18,8 +18,16 @@ pytestmark = pytest.mark.slow
 
 def test_serve_defaults():
     args = build_parser().parse_args(["serve"])
-    assert (args.stages, args.host, args.port, args.model) == (2, "127.0.0.1", 9337, None)
-    assert (args.concurrency, args.queue, args.auth_token, args.dtype) == (None, None, None, "auto")
+    assert (args.num_stages, args.host, args.port, args.model) == (2, "127.0.0.1", 9337, None)
+    assert (args.concurrency, args.queue_size, args.auth_token, args.dtype) == (None, None, None, "auto")
+
+
+def test_every_serve_option_is_a_config_field():
+    """run_serve hands the options to ServeConfig by name: one named otherwise would be lost."""
+    from skippy.launch.serve import ServeConfig
+
+    args = vars(build_parser().parse_args(["serve"]))
+    assert set(args) - {"command", "run"} <= set(ServeConfig.model_fields)
 
 
 def test_sigterm_while_loading_leaves_no_stage_behind():

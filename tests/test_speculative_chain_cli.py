@@ -37,7 +37,7 @@ def test_serve_one_stage_with_speculation_is_a_chain_of_one(gguf_path, tokenizer
     ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
 
     async def main():
-        _, backend = await build_backend(config)
+        backend = await build_backend(config)
         try:
             assert backend.speculative.mode == "ngram-simple"
             request = GenerationRequest("r", ids, 24, SamplingConfig(), tokenizer.eog_ids)

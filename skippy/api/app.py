@@ -14,6 +14,7 @@ Every error leaves as the OpenAI envelope, through errors.to_api_error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -107,7 +108,7 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
     @app.get("/metrics")
     async def prometheus():
         for stage in await backend.status():
-            metrics.stage_sessions.labels(stage.stage_id).set(stage.num_active_sessions)
+            metrics.stage_sessions.labels(stage.stage_id).set(stage.active_sessions)
             metrics.stage_up.labels(stage.stage_id).set(stage.state == "ready")
             metrics.stage_restarts.labels(stage.stage_id).set(stage.restarts)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -124,26 +125,19 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
 
     @app.get("/v1/stages")
     async def stages():
-        return StageList(data=[
-            StageInfo(id=s.stage_id, layer_start=s.layer_start, layer_end=s.layer_end, endpoint=s.endpoint,
-                      state=s.state, active_sessions=s.num_active_sessions, restarts=s.restarts,
-                      last_failure=s.last_failure)
-            for s in await backend.status()
-        ])  # fmt: skip
+        statuses = [dataclasses.asdict(status) for status in await backend.status()]
+        return StageList(data=[StageInfo(id=fields.pop("stage_id"), **fields) for fields in statuses])
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        received_at = time.perf_counter()
-        body = ChatCompletionRequest.model_validate_json(await request.body())
-        job = await prepare_chat(ctx, body, request.state.request_id, received_at)
-        return await _respond(ctx, job, request)
+    def completion_route(schema, prepare):
+        async def generate(request: Request):
+            received_at = time.perf_counter()
+            body = schema.model_validate_json(await request.body())
+            return await _respond(ctx, await prepare(ctx, body, request.state.request_id, received_at), request)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        received_at = time.perf_counter()
-        body = CompletionRequest.model_validate_json(await request.body())
-        job = await prepare_text(ctx, body, request.state.request_id, received_at)
-        return await _respond(ctx, job, request)
+        return generate
+
+    app.post("/v1/chat/completions")(completion_route(ChatCompletionRequest, prepare_chat))
+    app.post("/v1/completions")(completion_route(CompletionRequest, prepare_text))
 
     return app
 

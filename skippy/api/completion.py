@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -140,17 +139,11 @@ def _speculative(ctx: ServeContext, body: GenerationParams) -> SpeculativeSettin
     """The request's `speculative` extension over the server's default (None: the default)."""
     if body.speculative is None:
         return None
-    backend = ctx.backend
     fields = {name: value for name, value in body.speculative.model_dump().items() if value is not None}
-    default = backend.speculative
-    if "min_window" in fields and "max_window" not in fields:  # one bound moves the other if needed
-        fields["max_window"] = max(default.max_window, fields["min_window"])
-    if "max_window" in fields and "min_window" not in fields:
-        fields["min_window"] = min(default.min_window, fields["max_window"])
     try:
-        settings = dataclasses.replace(default, **fields)
+        settings = ctx.backend.speculative.override(**fields)
         if settings.is_enabled:
-            backend.check_speculative(settings)
+            ctx.backend.check_speculative(settings)
     except ValueError as exc:
         raise ApiError(400, f"speculative: {exc}", param="speculative") from None
     return settings

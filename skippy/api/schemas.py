@@ -179,15 +179,23 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
 
 
-class ChatCompletion(BaseModel):
+class _Response(BaseModel):
+    """What every completion response and chunk carries."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
-    choices: list[ChatChoice]
-    usage: Usage
+    choices: list
+    usage: Usage | None = Field(None, exclude_if=_omit_none)
     timings: Timings | None = Field(None, exclude_if=_omit_none)
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+
+
+class ChatCompletion(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
 
 
 class ChatDelta(BaseModel):
@@ -203,15 +211,9 @@ class ChatChunkChoice(BaseModel):
     token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = Field(None, exclude_if=_omit_none)
-    timings: Timings | None = Field(None, exclude_if=_omit_none)
-    prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
 
 
 class CompletionChoice(BaseModel):
@@ -222,17 +224,11 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
 
 
-class Completion(BaseModel):
+class Completion(_Response):
     """A text completion, or one chunk of a streamed one (same object, as in OpenAI's API)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = Field(None, exclude_if=_omit_none)
-    timings: Timings | None = Field(None, exclude_if=_omit_none)
-    prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
 
 
 class ModelCard(BaseModel):
@@ -249,6 +245,12 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class StandbyInfo(BaseModel):
+    endpoint: str
+    state: str  # ready, down
+    active_sessions: int
+
+
 class StageInfo(BaseModel):
     id: str
     layer_start: int
@@ -258,6 +260,7 @@ class StageInfo(BaseModel):
     active_sessions: int
     restarts: int = 0
     last_failure: str = ""
+    standbys: list[StandbyInfo] = []  # the same layers elsewhere; requests fail over to them
 
 
 class StageList(BaseModel):

@@ -72,15 +72,28 @@ GenerationEvent = PrefillDone | Token | Finished
 
 
 @dataclass(frozen=True, slots=True)
+class StandbyStatus:
+    endpoint: str
+    state: str  # "ready" or "down"
+    active_sessions: int
+
+
+@dataclass(frozen=True, slots=True)
 class StageStatus:
     stage_id: str
     layer_start: int
     layer_end: int
     endpoint: str
     state: str  # "ready", "down", "restarting" or "failed" (its restarts are spent)
-    num_active_sessions: int
+    active_sessions: int
     restarts: int = 0       # times a supervisor started it again
     last_failure: str = ""  # why it last went down
+    standbys: tuple[StandbyStatus, ...] = ()  # the same layers elsewhere (topology standby_endpoints)
+
+    @property
+    def is_serving(self) -> bool:
+        """It, or one of its standbys, answers: a request can pass this stage."""
+        return self.state == "ready" or any(standby.state == "ready" for standby in self.standbys)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ..model.llama import StageModel
 from ..protocol import ActivationDtype, SamplingConfig, StageReplyStats
 from ..runtime.engine import StageRuntime
-from ..runtime.proposers import Proposer, create_proposer
+from ..runtime.proposers import create_proposer
 from ..runtime.scheduler import PEER_WAIT_FORWARDS
 from ..runtime.speculation import SpeculativeSettings
 from ..runtime.stage_cache import StagePrefixCache
@@ -34,7 +34,6 @@ from ..stage.downstream import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, DownstreamLin
 from ..stage.prediction_return import PredictionHub, ReturnListener
 from ..telemetry import Telemetry
 from .backend import Finished, GenerationEvent, PrefillDone, Token
-from .chunking import ChunkPolicy, FixedChunks
 from .decoder import ChainDecoder
 from .session import ChainError, ChainSession, NoStagesBelow, SessionEnv, SessionTimings
 
@@ -62,10 +61,10 @@ class Lane:
 
 
 class ChainClient:
-    def __init__(self, model: StageModel, *, downstream: str | None = None,
+    def __init__(self, model: StageModel, *, downstream: str | Sequence[str] | None = None,
                  auth_token: str | None = None, return_bind: str = "127.0.0.1:0",
                  concurrency: int = 1, ctx_size: int | None = None,
-                 activation_dtype: str = "f32", chunk_policy: ChunkPolicy | None = None,
+                 activation_dtype: str = "f32", prefill_chunk: int = 256,
                  max_inflight: int = 4, reply_credit_limit: int = 3,
                  reply_timeout_s: float = REPLY_TIMEOUT_S,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S,
@@ -84,10 +83,11 @@ class ChainClient:
         if (downstream is None) != model.layers.is_last:
             raise ValueError("Expected a downstream stage exactly when the driver does not hold "
                              f"the last layer; got layers {model.layers}, downstream {downstream!r}")
-        self.downstream = downstream
+        self.downstream = downstream  # stage 1's endpoint, or it and its standbys in the order to try
         self.auth_token = auth_token
         self.activation_dtype = activation_dtype
-        self.chunk_policy = chunk_policy or FixedChunks(256)
+        if prefill_chunk < 1:
+            raise ValueError(f"Expected a prefill chunk of >= 1 tokens, got {prefill_chunk}")
         self.max_inflight, self.reply_credit_limit = max_inflight, reply_credit_limit
         self.reply_timeout_s, self.connect_timeout_s = reply_timeout_s, connect_timeout_s
         self.recovery_timeout_s = recovery_timeout_s  # 0: a broken chain fails the request at once
@@ -100,7 +100,7 @@ class ChainClient:
                                     record_logits=record_logits, name="skippy-stage0",
                                     prefix_cache=prefix_cache)
         self.ctx_size = self.runtime.runner.ctx_size
-        self.env = SessionEnv(self.runtime, self.telemetry, self.chunk_policy, reply_timeout_s,
+        self.env = SessionEnv(self.runtime, self.telemetry, prefill_chunk, reply_timeout_s,
                               ActivationDtype[activation_dtype])
         self.speculative, self.draft_model = speculative, draft_model
         self.check_speculative(speculative)
@@ -126,11 +126,11 @@ class ChainClient:
             if lane.session is not None:
                 lane.session.waiter.put_nowait(item)
 
-        lane.link = await DownstreamLink.connect(
+        link = lane.link = await DownstreamLink.connect(
             self.downstream, auth_token=self.auth_token, connect_timeout_s=self.connect_timeout_s,
             stage_index=0, max_inflight=self.max_inflight, max_deferred=self.reply_credit_limit,
             reply_timeout_s=self.reply_timeout_s, on_prediction=deliver,
-            on_broken=lambda reason: deliver(LinkBroken(f"stage at {self.downstream}: {reason}")))
+            on_broken=lambda reason: deliver(LinkBroken(f"stage at {link.endpoint}: {reason}")))
 
     @contextlib.asynccontextmanager
     async def session(self, sampling: SamplingConfig = SamplingConfig(),
@@ -183,22 +183,18 @@ class ChainClient:
             raise ValueError("Expected a draft model for speculative mode 'draft'; start with "
                              "--draft-model PATH, or pick an n-gram mode")
 
-    def new_proposer(self, settings: SpeculativeSettings) -> Proposer | None:
-        """A fresh proposer for one request (None when speculation is off)."""
-        if not settings.is_enabled:
-            return None
-        self.check_speculative(settings)
-        if settings.mode == "draft":
-            return create_proposer("draft", model=self.draft_model, ctx_size=self.ctx_size)
-        return create_proposer(settings.mode, **settings.proposer_options())
-
     def decoder(self, session: ChainSession, *, max_tokens: int, stop_ids: Sequence[int],
                 speculative: SpeculativeSettings | None = None) -> ChainDecoder:
-        """The decode loop for one request (`speculative` None: the client's default)."""
-        settings = self.speculative if speculative is None else speculative
+        """The decode loop for one request, with a fresh proposer when it speculates
+        (`speculative` None: the client's default)."""
+        settings, proposer = self.speculative if speculative is None else speculative, None
+        if settings.is_enabled:
+            self.check_speculative(settings)
+            options = (dict(model=self.draft_model, ctx_size=self.ctx_size) if settings.mode == "draft"
+                       else settings.proposer_options())
+            proposer = create_proposer(settings.mode, **options)
         return ChainDecoder(session, max_tokens=max_tokens, stop_ids=frozenset(stop_ids),
-                            ctx_size=self.ctx_size, proposer=self.new_proposer(settings),
-                            settings=settings)
+                            ctx_size=self.ctx_size, proposer=proposer, settings=settings)
 
     async def run(self, prompt_ids: Sequence[int], *, max_tokens: int = 256,
                   sampling: SamplingConfig = SamplingConfig(), stop_ids: Sequence[int] = (),

@@ -75,10 +75,7 @@ class ChainDecoder:
         """The tokens to emit, in order, starting with the prefill's `first_token`."""
         for token in self.spec.start(prompt, first_token):
             yield token
-        if self.spec.is_finished:
-            self.finish_reason = self.spec.finish_reason
-            return
-        async for token in self._steps():
+        async for token in self._steps():  # none when the first token already ended it
             yield token
         self.finish_reason = self.finish_reason or self.spec.finish_reason
 

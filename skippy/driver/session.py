@@ -26,7 +26,6 @@ from ..runtime.engine import StageRuntime
 from ..runtime.prefix_identity import cacheable_prefix_length
 from ..stage.downstream import DownstreamLink, LinkBroken
 from ..telemetry import Telemetry
-from .chunking import ChunkPolicy
 
 log = logging.getLogger("skippy.driver")
 
@@ -52,7 +51,7 @@ class SessionEnv:
     """What every session of one stage 0 shares (the ChainClient builds it once)."""
     runtime: StageRuntime          # stage 0's own layers
     telemetry: Telemetry
-    chunk_policy: ChunkPolicy      # prompt chunk sizes
+    prefill_chunk: int             # prompt tokens per PrefillEmbd chunk (spec §6.4: 256)
     reply_timeout_s: float         # the longest wait for any reply of the chain
     out_dtype: ActivationDtype     # the wire dtype of the rows sent to stage 1
 
@@ -139,11 +138,7 @@ class ChainSession:
                             prompt_token_count=self.prompt_token_count, **fields)
 
     def _with_rows(self, msg: StageMessage, rows) -> StageMessage:
-        if rows is None:  # sampled here: nothing to send down
-            return msg
-        return dataclasses.replace(msg, source_stage_index=0, activation_dtype=self.out_dtype,
-                                   activation_rows=rows.shape[0], activation_width=rows.shape[1],
-                                   activation=memoryview(rows).cast("B"))
+        return msg if rows is None else msg.with_activation(rows, self.out_dtype, 0)  # None: sampled here
 
     async def _guard(self, phase: str, coro):
         try:
@@ -201,7 +196,8 @@ class ChainSession:
                 return first
             tokens = tokens[restored:]
         self.timings.prefilled_tokens += len(tokens)
-        sizes = self.env.chunk_policy.chunk_sizes(len(tokens))
+        chunk_size = self.env.prefill_chunk
+        sizes = [min(chunk_size, len(tokens) - start) for start in range(0, len(tokens), chunk_size)]
         offset = 0
         for index, size in enumerate(sizes):
             chunk = list(tokens[offset:offset + size])
@@ -308,33 +304,26 @@ class ChainSession:
         """One decode step of `token` at `pos_start` (default: the current position)."""
         self.position = self.position if pos_start is None else pos_start
         self.decode_step += 1
-        predictions = await self._iterate(MessageKind.DecodeEmbd, [token], None)
+        await self._submit(MessageKind.DecodeEmbd, [token], None)
+        reply = await self._guard(f"DecodeEmbd step {self.decode_step}", self._prediction())
         self.timings.decode_steps += 1
-        return predictions[0]
-
-    async def verify(self, tokens: Sequence[int], window_id: int, *,
-                     pos_start: int | None = None) -> list[int]:
-        """A VerifyWindow of [current, draft...]: the target's prediction after every row.
-
-        The rows stay in every stage's KV provisionally; the next message's `pos_start`
-        (or a TrimSession) decides how many of them are kept.
-        """
-        await self.submit_verify(tokens, window_id, pos_start=pos_start)
-        return await self.wait_window(window_id)
+        return reply.predicted_tokens[0]
 
     async def submit_verify(self, tokens: Sequence[int], window_id: int, *,
                             pos_start: int | None = None) -> None:
-        """Send a VerifyWindow without waiting for its predictions (see `wait_window`)."""
+        """Send a VerifyWindow of [current, draft...] (its predictions: `wait_window`). The rows
+        stay in every stage's KV provisionally; the next message's `pos_start` (or a
+        TrimSession) decides how many of them are kept."""
         self.position = self.position if pos_start is None else pos_start
         await self._submit(MessageKind.VerifyWindow, list(tokens), window_id)
 
+    async def verify(self, tokens: Sequence[int], window_id: int, *, pos_start: int | None = None) -> list[int]:
+        """`submit_verify`, then `wait_window`: the target's prediction after every row."""
+        await self.submit_verify(tokens, window_id, pos_start=pos_start)
+        return await self.wait_window(window_id)
+
     async def wait_window(self, window_id: int) -> list[int]:
         reply = await self._guard(f"VerifyWindow {window_id}", self._prediction(window_id))
-        return reply.predicted_tokens
-
-    async def _iterate(self, kind: MessageKind, tokens: list[int], window_id: int | None):
-        await self._submit(kind, tokens, window_id)
-        reply = await self._guard(f"{kind.name} step {self.decode_step}", self._prediction())
         return reply.predicted_tokens
 
     async def _submit(self, kind: MessageKind, tokens: list[int], window_id: int | None) -> None:

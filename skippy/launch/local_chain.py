@@ -14,13 +14,10 @@ import asyncio
 import errno
 import logging
 import os
-import queue
 import secrets
 import socket
 import sys
 import tempfile
-import threading
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..driver.client import ChainClient
@@ -59,15 +56,22 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[float] | None = None,
-               args: ModelArgs | None = None, **stage_options) -> tuple[Topology, list[StageConfig]]:
+               args: ModelArgs | None = None, standbys: dict[int, list[str]] | None = None,
+               **stage_options) -> tuple[Topology, list[StageConfig]]:
     """Topology and stage configs for one stage per endpoint; endpoint 0 is the driver's
     return listener, the others are where stages 1..N-1 listen (their bind address).
     The split counts the output head's weights as layers of the last stage, so every
-    stage reads about as many bytes per token (with equal `weights`)."""
+    stage reads about as many bytes per token (with equal `weights`). `standbys`: stage
+    index (1..N-1) -> endpoints of standby stages for its layers (see `standby_configs`)."""
     args = args or model_args(model_path)
+    standbys = standbys or {}
+    if not set(standbys) <= set(range(1, len(endpoints))):
+        raise ValueError(f"Expected standbys for stages 1..{len(endpoints) - 1}, got stage(s) "
+                         f"{sorted(set(standbys) - set(range(1, len(endpoints))))}")
     ranges = plan_layer_split(args.num_layers, len(endpoints), weights, args.head_cost_in_layers)
     stages = [TopologyStage(stage_id=f"stage-{i}", stage_index=i, endpoint=endpoint,
-                            layer_start=start, layer_end=end, host=parse_endpoint(endpoint)[0])
+                            layer_start=start, layer_end=end, host=parse_endpoint(endpoint)[0],
+                            standby_endpoints=standbys.get(i, []))
               for i, (endpoint, (start, end)) in enumerate(zip(endpoints, ranges))]
     topology = Topology(topology_id=f"chain-{secrets.token_hex(4)}",
                         model_id=Path(model_path).stem, stages=stages)
@@ -75,7 +79,8 @@ def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[fl
     def peer(i: int) -> PeerEndpoint | None:
         if not 0 <= i < len(stages):
             return None
-        return PeerEndpoint(stage_id=stages[i].stage_id, stage_index=i, endpoint=stages[i].endpoint)
+        return PeerEndpoint(stage_id=stages[i].stage_id, stage_index=i, endpoint=stages[i].endpoint,
+                            standby_endpoints=stages[i].standby_endpoints)
 
     configs = [StageConfig(stage_id=s.stage_id, stage_index=s.stage_index,
                            layer_start=s.layer_start, layer_end=s.layer_end,
@@ -86,13 +91,22 @@ def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[fl
     return topology, configs
 
 
+def standby_configs(topology: Topology, configs: list[StageConfig]) -> dict[str, StageConfig]:
+    """File name -> config of every standby stage: its stage's config on its own address."""
+    return {f"stage-{stage.stage_index}-standby-{j}.json":
+            configs[stage.stage_index].model_copy(update={"bind_addr": endpoint})
+            for stage in topology.stages for j, endpoint in enumerate(stage.standby_endpoints, start=1)}
+
+
 def write_plan(topology: Topology, configs: list[StageConfig], out_dir: str | Path) -> list[Path]:
+    """topology.json, then stage-N.json per stage, then stage-N-standby-J.json per standby."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "topology.json"]
     topology.save(paths[0])
-    for config in configs:
-        paths.append(out / f"stage-{config.stage_index}.json")
+    named = {f"stage-{c.stage_index}.json": c for c in configs} | standby_configs(topology, configs)
+    for name, config in named.items():
+        paths.append(out / name)
         config.save(paths[-1])
     return paths
 
@@ -110,7 +124,7 @@ async def connect_topology(topology: Topology, model_path: str | Path, *,
     """Stage 0 for a running chain: load layers [0, k), listen on the topology's stage-0
     endpoint for the direct return, connect the lanes to stage 1."""
     first = topology.stages[0]
-    downstream = topology.stages[1].endpoint if len(topology.stages) > 1 else None
+    downstream = topology.stages[1].endpoints if len(topology.stages) > 1 else None
     return await start_stage0(model_path, (first.layer_start, first.layer_end), downstream=downstream,
                               auth_token=auth_token, return_bind=first.endpoint, **options)
 
@@ -162,16 +176,18 @@ class LocalChain:
             raise ValueError(f"Expected at least 2 stages for a chain, got {num_stages}")
         threads = threads or os.cpu_count() or 1
         self.model_path, self.num_stages, self.threads = Path(model_path), num_stages, threads
-        self.dtype, self.repack, self.concurrency, self.log_level = dtype, repack, concurrency, log_level
+        self.log_level, self.kv_cache = log_level, kv_cache
         self.device = device  # every stage's, stage 0's included ("auto": CUDA where present)
         self.auth_token = secrets.token_hex(16)  # loopback, but still not open to anyone
-        self.client_options = client_options
-        self.kv_cache = kv_cache
         self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
                                    ctx_size=ctx_size, lane_count=lane_count,
                                    weight_dtype=_WEIGHT_NAMES[dtype], repack_weights=repack, device=device,
                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, threads=threads,
                                    otlp_endpoint=otlp_endpoint)
+        self._stage0_options = dict(dtype=dtype, device=device, repack=repack, concurrency=concurrency,
+                                    ctx_size=ctx_size, activation_dtype=activation_dtype, kv_cache=kv_cache,
+                                    otlp_endpoint=otlp_endpoint, peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS,
+                                    **client_options)
         self._model_args = model_args(model_path)
         self._plan()
         self._dir = tempfile.TemporaryDirectory(prefix="skippy-chain-")
@@ -214,13 +230,8 @@ class LocalChain:
 
     async def _connect(self) -> ChainClient:
         try:
-            return await connect_topology(
-                self.topology, self.model_path, auth_token=self.auth_token, dtype=self.dtype, device=self.device,
-                repack=self.repack,
-                concurrency=self.concurrency, ctx_size=self.configs[0].ctx_size,
-                activation_dtype=self.configs[0].activation_dtype, kv_cache=self.kv_cache,
-                otlp_endpoint=self.configs[0].otlp_endpoint,
-                peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, **self.client_options)
+            return await connect_topology(self.topology, self.model_path, auth_token=self.auth_token,
+                                          **self._stage0_options)
         except OSError as error:
             if error.errno != errno.EADDRINUSE:
                 raise
@@ -293,50 +304,3 @@ class LocalChain:
 
 
 _WEIGHT_NAMES = {name: short for short, name in WEIGHT_DTYPES.items()}  # --dtype -> StageConfig.weight_dtype
-
-
-def generate_on_chain(prompt_ids: Sequence[int], model_path: str | Path, *,
-                      num_stages: int | None = None, topology: Topology | None = None,
-                      auth_token: str | None = None, chain_options: dict | None = None,
-                      **generate_options) -> Iterator[int]:
-    """Tokens of one generation, as they arrive, on a local chain of `num_stages` processes
-    (1: the whole model in this process) or on the running `topology`. The chain lives on
-    an event loop in a helper thread."""
-    tokens: queue.Queue = queue.Queue()
-    done = object()
-    options = chain_options or {}
-
-    async def run() -> None:
-        chain = None
-        try:
-            if topology is not None:
-                client = await connect_topology(topology, model_path, auth_token=auth_token,
-                                                **options)
-            elif num_stages == 1:
-                client = await start_stage0(model_path, **options)
-            else:
-                chain = LocalChain(model_path, num_stages, **options)
-                client = await chain.start()
-            try:
-                await client.generate(prompt_ids, on_token=tokens.put, **generate_options)
-            finally:
-                if chain is None:
-                    await client.close()
-        finally:
-            if chain is not None:
-                await chain.close()
-
-    def thread_main() -> None:
-        try:
-            asyncio.run(run())
-            tokens.put(done)
-        except BaseException as error:  # handed to the consuming thread
-            tokens.put(error)
-
-    thread = threading.Thread(target=thread_main, name="skippy-chain", daemon=True)
-    thread.start()
-    while (item := tokens.get()) is not done:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-    thread.join()

@@ -108,12 +108,6 @@ def model_id_for(path: Path) -> str:
     return path.name if path.is_dir() else path.stem
 
 
-def load_tokenizer(path: Path):
-    from ..model.tokenizer import Tokenizer
-
-    return Tokenizer.from_model(path)
-
-
 def set_one_process_threads(config: ServeConfig) -> None:
     """torch threads when the whole model shares this process with the HTTP server:
     --threads, else every core. Sharing cores with the event loop costs little once the
@@ -126,14 +120,14 @@ def set_one_process_threads(config: ServeConfig) -> None:
 
 
 async def build_backend(config: ServeConfig):
-    """(tokenizer, ChainBackend): stage 0 here, holding the whole model (--stages 1), the first
-    of `num_stages` local processes, or the first stage of a running topology."""
-    from ..protocol import Topology
+    """The ChainBackend: stage 0 here, holding the whole model (--stages 1), the first of
+    `num_stages` local processes, or the first stage of a running topology."""
     from ..driver.chain_backend import ChainBackend
+    from ..model.loader import model_args
+    from ..protocol import Topology
     from .local_chain import LocalChain, connect_topology, start_stage0
 
-    tokenizer = load_tokenizer(config.model)  # first: it shares the GGUF reader that loading releases
-    ctx_size = config.ctx_size or _model_context(config.model)
+    ctx_size = config.ctx_size or model_args(config.model).context_length
     every_stage = dict(dtype=config.dtype, device=config.device, repack=config.repack,
                    otlp_endpoint=config.otlp_endpoint)
     options = dict(concurrency=config.num_lanes, ctx_size=ctx_size, activation_dtype=config.activation_dtype,
@@ -143,11 +137,11 @@ async def build_backend(config: ServeConfig):
         topology = Topology.load(config.topology)
         client = await connect_topology(topology, config.model, auth_token=config.chain_auth_token,
                                         kv_cache=config.kv_cache(1), **every_stage, **options)
-        return tokenizer, ChainBackend(client, topology, auth_token=config.chain_auth_token)
+        return ChainBackend(client, topology, auth_token=config.chain_auth_token)
     if config.num_stages == 1:
         set_one_process_threads(config)
         client = await start_stage0(config.model, kv_cache=config.kv_cache(1), **every_stage, **options)
-        return tokenizer, ChainBackend(client, None)
+        return ChainBackend(client, None)
     chain = LocalChain(config.model, config.num_stages, threads=config.threads, lane_count=config.num_lanes,
                        log_level=config.log_level, kv_cache=config.kv_cache(config.num_stages),
                        max_restarts=config.max_restarts,
@@ -160,14 +154,23 @@ async def build_backend(config: ServeConfig):
         finally:
             watcher.cancel()
         advance()  # stage 0, here, loads last
-    backend = ChainBackend(client, chain.topology, auth_token=chain.auth_token, on_close=chain.close,
-                           health=chain.supervisor.health)  # fmt: skip
-    return tokenizer, backend
+    return ChainBackend(client, chain.topology, auth_token=chain.auth_token, on_close=chain.close,
+                        health=chain.supervisor.health)  # fmt: skip
+
+
+async def generate_once(config: ServeConfig, prompt_ids, **options):
+    """`skippy generate`: start the chain `config` describes, run one `ChainClient.generate`
+    (its `options`), stop the chain; returns its GenerationResult."""
+    backend = await build_backend(config)
+    try:
+        return await backend.client.generate(prompt_ids, **options)
+    finally:
+        await backend.close()
 
 
 async def _advance_as_stages_come_up(chain, advance) -> None:
     """Advance the bar as each child stage finishes loading and starts answering handshakes."""
-    from ..driver.chain_backend import query_stage_status
+    from ..stage.downstream import query_stage_status
 
     pending = list(chain.topology.stages[1:])
     while pending:
@@ -176,14 +179,6 @@ async def _advance_as_stages_come_up(chain, advance) -> None:
             if await query_stage_status(stage.endpoint, chain.auth_token) is not None:
                 pending.remove(stage)
                 advance()
-
-
-def _model_context(path: Path) -> int:
-    from ..model.gguf_loader import open_gguf, read_model_args
-    from ..model.hf_loader import read_hf_args
-
-    path = Path(path)
-    return (read_hf_args(path) if path.is_dir() else read_model_args(open_gguf(path))).context_length
 
 
 async def _load_draft_model(config: ServeConfig):
@@ -230,17 +225,14 @@ async def _main(config: ServeConfig) -> None:
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # while loading
     backend: GenerationBackend | None = None
     try:
-        tokenizer, backend = await build_backend(config)
+        from ..model.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_model(config.model)  # first: it shares the GGUF reader that loading releases
+        backend = await build_backend(config)
         loop.remove_signal_handler(signal.SIGTERM)  # uvicorn takes over SIGINT and SIGTERM
-        settings = ApiSettings(
-            model_id=model_id_for(config.model),
-            concurrency=config.concurrency,
-            queue_size=config.queue_size,
-            admission_timeout_s=config.admission_timeout_s,
-            backend_timeout_s=config.backend_timeout_s,
-            max_body_bytes=config.max_body_bytes,
-            auth_token=config.auth_token,
-        )
+        api_fields = ("concurrency", "queue_size", "admission_timeout_s", "backend_timeout_s", "max_body_bytes",
+                      "auth_token")
+        settings = ApiSettings(model_id_for(config.model), **{name: getattr(config, name) for name in api_fields})
         app = create_app(backend, tokenizer, settings)
         server = _Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level="warning", access_log=False,

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..driver.chain_backend import query_stage_status
+from ..stage.downstream import query_stage_status
 
 if TYPE_CHECKING:
     from .local_chain import LocalChain

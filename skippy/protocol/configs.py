@@ -47,18 +47,35 @@ class _Frozen(BaseModel):
         Path(path).write_text(self.model_dump_json(indent=2) + "\n", encoding="utf-8")
 
 
+def _endpoints_parse(values: list[str]) -> list[str]:
+    for value in values:
+        parse_endpoint(value)
+    if len(set(values)) != len(values):
+        raise ValueError(f"Expected distinct standby endpoints, got {values}")
+    return values
+
+
 class PeerEndpoint(_Frozen):
     """The stage on the other side of a data-plane connection."""
 
     stage_id: str
     stage_index: int = Field(ge=0)
     endpoint: str
+    # stages serving the same layers, dialed in turn when `endpoint` does not answer
+    standby_endpoints: list[str] = []
 
     @field_validator("endpoint")
     @classmethod
     def _endpoint_parses(cls, value: str) -> str:
         parse_endpoint(value)
         return value
+
+    _standbys_parse = field_validator("standby_endpoints")(_endpoints_parse)
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Where this stage can be reached: its own endpoint first, then its standbys."""
+        return [self.endpoint, *self.standby_endpoints]
 
     @property
     def host(self) -> str:
@@ -169,12 +186,21 @@ class TopologyStage(_Frozen):
     layer_start: int = Field(ge=0)
     layer_end: int = Field(ge=1)
     host: str | None = None
+    # standby stages (same layer range, started from this stage's config with their own
+    # bind address): stage 0 and the stage above fail over to them when this one is lost
+    standby_endpoints: list[str] = []
 
     @field_validator("endpoint")
     @classmethod
     def _endpoint_parses(cls, value: str) -> str:
         parse_endpoint(value)
         return value
+
+    _standbys_parse = field_validator("standby_endpoints")(_endpoints_parse)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [self.endpoint, *self.standby_endpoints]
 
 
 class Topology(_Frozen):

@@ -8,11 +8,13 @@ copies: keep the buffer alive (a view does) and do not mutate it while in use.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import math
 import struct
 from collections import namedtuple
-from dataclasses import astuple, dataclass, field, fields
+from dataclasses import astuple, dataclass, field, fields, replace
 from typing import NoReturn
 
 import numpy as np
@@ -143,6 +145,12 @@ class StageMessage:
         """The activation as a (rows, width) view; bf16 comes back as raw uint16 bits."""
         return np.frombuffer(self.activation, dtype=ACTIVATION_NUMPY_DTYPE[self.activation_dtype]
                              ).reshape(self.activation_rows, self.activation_width)
+
+    def with_activation(self, rows: np.ndarray, dtype: ActivationDtype, source_stage_index: int) -> StageMessage:
+        """This message carrying `rows` (wire-dtype array) from `source_stage_index` instead."""
+        return replace(self, source_stage_index=source_stage_index, activation_dtype=dtype,
+                       activation_rows=rows.shape[0], activation_width=rows.shape[1],
+                       activation=memoryview(rows).cast("B"))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StageMessage):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .proposers import Proposer, available_proposers, create_proposer  # noqa: F401  (re-exported)
 
@@ -207,6 +207,15 @@ class SpeculativeSettings:
     @property
     def is_enabled(self) -> bool:
         return self.mode != "off"
+
+    def override(self, **fields) -> SpeculativeSettings:
+        """These settings with a request's `fields` over them; one window bound given alone
+        moves the other when it must (ValueError for what cannot run)."""
+        if "min_window" in fields and "max_window" not in fields:
+            fields["max_window"] = max(self.max_window, fields["min_window"])
+        if "max_window" in fields and "min_window" not in fields:
+            fields["min_window"] = min(self.min_window, fields["max_window"])
+        return replace(self, **fields)
 
     def proposer_options(self) -> dict[str, int]:
         """Options for the n-gram proposers: a budget that can fill every window in flight."""

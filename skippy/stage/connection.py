@@ -11,7 +11,6 @@ connection that ends without Stop has its sessions reclaimed (spec §3.3).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -94,10 +93,7 @@ class StageConnection:
 
     def forwarded(self, msg: StageMessage, rows: np.ndarray) -> StageMessage:
         """`msg` with this stage's output activation in place of its input."""
-        return dataclasses.replace(
-            msg, source_stage_index=self.config.stage_index, activation_dtype=self.out_dtype,
-            activation_rows=rows.shape[0], activation_width=rows.shape[1],
-            activation=memoryview(rows).cast("B"))
+        return msg.with_activation(rows, self.out_dtype, self.config.stage_index)
 
     def summary(self, session_id: int) -> RequestSummary:
         return self.summaries.setdefault(session_id, RequestSummary())
@@ -110,7 +106,7 @@ class StageConnection:
         if self.link is None:
             config = self.config
             self.link = await DownstreamLink.connect(
-                config.downstream.endpoint, auth_token=config.auth_token,
+                config.downstream.endpoints, auth_token=config.auth_token,
                 stage_index=config.stage_index, max_inflight=config.max_inflight,
                 max_deferred=config.max_deferred_replies,
                 reply_timeout_s=self.server.reply_timeout_s,

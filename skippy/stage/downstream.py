@@ -21,18 +21,20 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from ..protocol import (
-    ProtocolError, ReplyKind, StageMessage, StageReply, StageReplyStats, client_handshake, merge,
-    parse_endpoint, prefill_edge_observation, read_reply, write_message,
+    MessageKind, ProtocolError, ReplyKind, StageMessage, StageReply, StageReplyStats, StageStatusReport,
+    client_handshake, merge, parse_endpoint, prefill_edge_observation, read_reply, write_message,
 )
 
 log = logging.getLogger("skippy.stage")
 
 CONNECT_TIMEOUT_S = 2.0     # spec §2.7
+PROBE_TIMEOUT_S = 1.0       # the longest a status query waits for its dial, handshake and answer, each
 REPLY_TIMEOUT_S = 30.0
 _BROKEN = object()          # sentinel in the ACK queue
+_failed_at: dict[str, float] = {}  # endpoint -> when a dial to it last failed (this process)
 
 
 class LinkBroken(ConnectionError):
@@ -61,6 +63,28 @@ async def open_connection(endpoint: str, *, auth_token: str | None,
     return reader, writer
 
 
+async def query_stage_status(endpoint: str, auth_token: str | None) -> StageStatusReport | None:
+    """The stage's own status, or None when it does not answer within PROBE_TIMEOUT_S. The
+    connection then closes cleanly, which a stage ends quietly (no sessions to reclaim)."""
+    try:
+        reader, writer = await open_connection(endpoint, auth_token=auth_token, timeout_s=PROBE_TIMEOUT_S,
+                                               handshake_timeout_s=PROBE_TIMEOUT_S)  # a hung stage: quickly None
+    except (LinkBroken, OSError, TimeoutError):
+        return None
+    try:
+        await write_message(writer, StageMessage(MessageKind.GetStageStatus))
+        reply = await asyncio.wait_for(read_reply(reader), PROBE_TIMEOUT_S)
+        return reply.status if reply is not None and reply.kind == ReplyKind.StageStatus else None
+    except (ProtocolError, OSError, TimeoutError, asyncio.IncompleteReadError):
+        return None
+    finally:
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+
+
 class DownstreamLink:
     stages_below = True  # a lane to real stages (driver/session.py NoStagesBelow: none)
 
@@ -86,11 +110,25 @@ class DownstreamLink:
         self._writer_task = asyncio.create_task(self._write_forwards())
 
     @classmethod
-    async def connect(cls, endpoint: str, *, auth_token: str | None = None,
+    async def connect(cls, endpoints: str | Sequence[str], *, auth_token: str | None = None,
                       connect_timeout_s: float = CONNECT_TIMEOUT_S, **options) -> DownstreamLink:
-        reader, writer = await open_connection(endpoint, auth_token=auth_token,
-                                               timeout_s=connect_timeout_s)
-        return cls(reader, writer, endpoint=endpoint, **options)
+        """A link to the first of `endpoints` that answers: a stage, then its standbys (the
+        same layers elsewhere). One that failed lately is tried after those that did not, so
+        once a stage is lost every new lane goes to its standby without waiting on it first."""
+        candidates = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        errors = []
+        for endpoint in sorted(candidates, key=lambda e: _failed_at.get(e, 0.0)):  # stable: config order
+            try:
+                reader, writer = await open_connection(endpoint, auth_token=auth_token,
+                                                       timeout_s=connect_timeout_s)
+            except LinkBroken as error:
+                _failed_at[endpoint] = time.monotonic()
+                errors.append(str(error))
+                continue
+            if endpoint != candidates[0]:
+                log.info("stage at %s does not answer; lane dialed its standby at %s", candidates[0], endpoint)
+            return cls(reader, writer, endpoint=endpoint, **options)
+        raise LinkBroken("; ".join(errors))
 
     # -- sending ------------------------------------------------------------------------
     async def forward_async(self, msg: StageMessage) -> None:
