@@ -37,7 +37,8 @@ NO_EOS = {"0": -100, "2": -100}  # logit_bias banning SmolLM2's end tokens: runs
 
 
 class FaultyBackend:
-    """Delegates to a real backend; `mode` = "down" fails before any output, "midstream" after 3 tokens."""
+    """Delegates to a real backend; `mode` = "down" fails before any output, "midstream" after 3 tokens,
+    "bug" raises what no handler knows (an internal failure)."""
 
     def __init__(self, inner):
         self.inner, self.mode = inner, None
@@ -48,6 +49,8 @@ class FaultyBackend:
     async def generate(self, request):
         if self.mode == "down":
             raise StageUnavailable("stage-1", "connection refused by 127.0.0.1:1")
+        if self.mode == "bug":
+            raise RuntimeError("an internal failure")
         num_tokens = 0
         async for event in self.inner.generate(request):
             yield event
@@ -419,6 +422,42 @@ def test_503_when_a_stage_is_down(stack):
     finally:
         faulty.mode = None
     assert httpx.get(stack["faulty"] + "/readyz").status_code == 200
+
+
+def local_port(response: httpx.Response) -> int:
+    return response.extensions["network_stream"].get_extra_info("socket").getsockname()[1]
+
+
+def test_an_internal_failure_is_a_500_envelope_on_a_connection_that_stays_open(stack):
+    faulty = stack["faulty_backend"]
+    body = {"model": stack["model"], "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4}
+    with httpx.Client(base_url=stack["faulty"], timeout=60) as http:
+        faulty.mode = "bug"
+        try:
+            failed = http.post("/v1/chat/completions", json=body)
+        finally:
+            faulty.mode = None
+        assert failed.status_code == 500 and envelope(failed)["code"] == "internal_error"
+        assert "RuntimeError" in envelope(failed)["message"] and failed.headers.get("connection") != "close"
+        after = http.post("/v1/chat/completions", json=body)  # the same keep-alive connection
+        assert after.status_code == 200 and local_port(after) == local_port(failed)
+
+
+def test_a_tool_call_history_with_null_content_is_answered(stack):
+    """An agent loop's history: the assistant's tool call has no content, then a tool result.
+    SmolLM2's template concatenates content (no tool support): the call's content is empty text."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"}]
+    with httpx.Client(base_url=stack["main"], timeout=60) as http:
+        first = http.post("/v1/chat/completions", json={"model": stack["model"], "messages": messages,
+                                                          "max_tokens": 8, "temperature": 0})
+        assert first.status_code == 200, first.text
+        assert first.json()["choices"][0]["message"]["content"]
+        second = http.post("/v1/chat/completions", json={"model": stack["model"], "max_tokens": 4,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+        assert second.status_code == 200 and local_port(second) == local_port(first)
 
 
 def test_stream_failing_midway_ends_with_error_then_done(stack):

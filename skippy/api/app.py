@@ -8,7 +8,7 @@
     GET  /readyz                   readiness: every stage reachable (503 names the one that is not)
     GET  /metrics                  Prometheus
 
-Every error leaves as the OpenAI envelope, through errors.to_api_error.
+Every error leaves as the OpenAI envelope, through errors.to_api_error (in HttpEdge).
 """
 
 from __future__ import annotations
@@ -16,22 +16,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import time
 import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 
-from ..driver.backend import BackendError, GenerationBackend
-from ..model.chat_template import ChatTemplateError
-from ..model.errors import ContextOverflowError
+from ..driver.backend import GenerationBackend
 from ..model.tokenizer import Tokenizer
-from .admission import Admission, AdmissionError, ContextTooLong
+from .admission import Admission
 from .cache_metrics import PrefixCacheCollector
 from .completion import complete, prepare_chat, prepare_text, stream
 from .errors import ApiError, to_api_error
@@ -89,9 +85,10 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
         error = to_api_error(exc)
         return JSONResponse(error.envelope(), status_code=error.status, headers=error.headers)
 
-    for cls in (ApiError, ValidationError, json.JSONDecodeError, HTTPException, ChatTemplateError,
-                ContextTooLong, ContextOverflowError, AdmissionError, BackendError, Exception):  # fmt: skip
-        app.add_exception_handler(cls, error_response)
+    # starlette's own 404/405 as envelopes; every other failure propagates to HttpEdge, which
+    # answers it (a handler for Exception would run in starlette's outermost middleware, which
+    # re-raises after answering and so drops the connection)
+    app.add_exception_handler(HTTPException, error_response)
 
     @app.get("/health")
     async def health():
@@ -177,7 +174,8 @@ def _model_card(ctx: ServeContext, created: int, num_stages: int) -> ModelCard:
 
 
 class HttpEdge:
-    """Pure ASGI middleware (streams pass through untouched): request id, auth, body limit, request metrics."""
+    """Pure ASGI middleware (streams pass through untouched): request id, auth, body limit, request
+    metrics, and the error envelope of whatever a route raises, on a connection that stays open."""
 
     def __init__(self, app, settings: ApiSettings, metrics: Metrics):
         self.app, self.settings, self.metrics = app, settings, metrics
@@ -188,22 +186,28 @@ class HttpEdge:
         headers = Headers(scope=scope)
         request_id = _request_id(headers.get("x-request-id"))
         scope.setdefault("state", {})["request_id"] = request_id
-        status = 500
+        status, started = 500, False
 
         async def send_with_id(message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
                 MutableHeaders(scope=message).append("x-request-id", request_id)
             await send(message)
 
         try:
             error = self._refusal(scope, headers)
-            if error is not None:
+            if error is None:
+                try:
+                    return await self.app(scope, self._limited(receive), send_with_id)
+                except Exception as exc:
+                    if started:  # a response is under way: nothing else can be sent
+                        raise
+                    error = to_api_error(exc)  # an unknown one is logged with its traceback
+            else:
                 await _drain(receive, int(headers.get("content-length") or 0))
-                response = JSONResponse(error.envelope(), status_code=error.status, headers=error.headers)
-                return await response(scope, receive, send_with_id)
-            await self.app(scope, self._limited(receive), send_with_id)
+            response = JSONResponse(error.envelope(), status_code=error.status, headers=error.headers)
+            await response(scope, receive, send_with_id)
         finally:
             route = scope.get("route")
             self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()

@@ -136,10 +136,21 @@ class ChatTemplate:
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
         """The prompt text for `messages`; `extra` reaches the template as variables (e.g. tools)."""
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra}
+        normalized = normalize_messages(messages)
         try:
-            return self._template.render(
-                messages=normalize_messages(messages), add_generation_prompt=add_generation_prompt, **variables
-            )
+            try:
+                return self._template.render(messages=normalized, add_generation_prompt=add_generation_prompt,
+                                             **variables)
+            except TypeError:
+                if all(m["content"] is not None for m in normalized):
+                    raise
+                # A template without tool-call support concatenates content: a tool call's absent
+                # content is then empty text (as llama.cpp's server sends it).
+                normalized = [dict(m, content=m["content"] or "") for m in normalized]
+                return self._template.render(messages=normalized, add_generation_prompt=add_generation_prompt,
+                                             **variables)
+        except TypeError as error:
+            raise ChatTemplateError(f"The chat template cannot render this conversation: {error}") from error
         except jinja2.exceptions.TemplateError as error:
             # raise_exception() lands here: the template's own words say what is wrong.
             raise ChatTemplateError(f"The chat template rejected the conversation: {error}") from error
