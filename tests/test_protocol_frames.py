@@ -16,12 +16,13 @@ from skippy.protocol import (
     decode_message, decode_reply, encode_message, encode_message_parts, encode_reply,
 )
 from skippy.protocol.constants import (
-    I32_MAX, I32_MIN, I64_MAX, I64_MIN, KIND_INFO, MAX_ACTIVATION_BYTES, MAX_LOGIT_BIAS_COUNT,
+    MAX_GRAMMAR_BYTES, GrammarKind, I32_MAX, I32_MIN, I64_MAX, I64_MIN, KIND_INFO, MAX_ACTIVATION_BYTES, MAX_LOGIT_BIAS_COUNT,
     MAX_METADATA_BYTES, MAX_PREDICTED_COUNT, MAX_SIDEBAND_COUNT, MESSAGE_HEADER,
     MESSAGE_HEADER_FIELDS, NAMESPACE_KINDS, REPLY_HEADER, REPLY_HEADER_FIELDS, U64_MAX,
     header_offset,
 )
 from skippy.protocol.frames import decode_sampling, encode_sampling, parse_message_header
+from skippy.protocol.sampling_config import GrammarSpec
 
 K = MessageKind
 
@@ -36,7 +37,7 @@ GOLDEN = [
     # PrefillEmbd: driver prefill chunk: token ids only, no activation (source -1)
     (StageMessage(K.PrefillEmbd, pos_start=0, token_count=3, request_id=7, session_id=11,
                   tokens=[1, 2, 3]),
-     "47534d53 02000000 07000000 00000000"
+     "47534d53 03000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "01000000 00000000 03000000 03000000"
      "00000000 00000000 01000000 00000000"
@@ -49,7 +50,7 @@ GOLDEN = [
                   decode_step=1, current_token=42, source_stage_index=0, prompt_token_count=5,
                   tokens=[42], activation_dtype=ActivationDtype.f16, activation_rows=1,
                   activation_width=2, activation=np.array([[1.0, -2.0]], "<f2").tobytes()),
-     "47534d53 02000000 07000000 00000000"
+     "47534d53 03000000 07000000 00000000"
      "0b000000 00000000 04000000 00000000"
      "02000000 05000000 01000000 01000000"
      "00000000 00000000 02000000 00000000"
@@ -59,7 +60,7 @@ GOLDEN = [
      "2a000000 003c00c0"),
     # Stop: end of session: header only
     (StageMessage(K.Stop, request_id=7, session_id=11),
-     "47534d53 02000000 07000000 00000000"
+     "47534d53 03000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "03000000 00000000 00000000 00000000"
      "00000000 00000000 02000000 00000000"
@@ -72,7 +73,7 @@ GOLDEN = [
                   source_stage_index=0, tokens=[4, 5], positions=[3, 4],
                   activation_dtype=ActivationDtype.bf16, activation_rows=2, activation_width=1,
                   activation=bytes.fromhex("803f0040")),
-     "47534d53 02000000 07000000 00000000"
+     "47534d53 03000000 07000000 00000000"
      "0b000000 00000000 04000000 00000000"
      "04000000 03000000 02000000 02000000"
      "02000000 00000000 01000000 01000000"
@@ -81,29 +82,31 @@ GOLDEN = [
      "00000000 00000000",
      "04000000 05000000 03000000 04000000"
      "803f0040"),
-    # ConfigureGeneration: sampling block (seed, one logit bias) and chat metadata
+    # ConfigureGeneration: sampling block (seed, one logit bias, a JSON Schema grammar "{}")
+    # and chat metadata
     (StageMessage(K.ConfigureGeneration, request_id=7, session_id=11, prompt_token_count=5,
                   sampling=SamplingConfig(temperature=0.5, top_k=40, logit_bias={50: -100.0},
-                                          seed=1234),
+                                          seed=1234, grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, "{}")),
                   chat_metadata=b'{"tools":[]}'),
-     "47534d53 02000000 07000000 00000000"
+     "47534d53 03000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "0e000000 00000000 00000000 00000000"
      "00000000 00000000 01000000 28000000"
      "00000000 05000000 00000000 00000000"
      "ffffffff 00000000 00000000 00000000"
-     "54000000 0c000000",
+     "5e000000 0c000000",
      "00000000 0000e03f 00000000 0000f03f"
      "00000000 00000000 00000000 0000f03f"
      "00000000 00000000 00000000 00000000"
      "d2040000 00000000 28000000 40000000"
-     "01000000 01000000 32000000 00000000"
-     "000059c0 7b22746f 6f6c7322 3a5b5d7d"),
+     "01000000 01000000 02000000 02000000"   # flags HAS_SEED, 1 bias entry, JSON_SCHEMA, 2 bytes
+     "32000000 00000000 000059c0 7b7d"        # token 50: -100.0, then the grammar text "{}"
+     "7b22746f 6f6c7322 3a5b5d7d"),
     # TryRestorePrefill: prefix to restore as the token sideband, no activation; the
     # CACHE_NAMESPACE flag (bit 16) and its 32-byte digest of prompt_cache_key "tenant-a"
     (StageMessage(K.TryRestorePrefill, token_count=4, request_id=7, session_id=11,
                   tokens=[1, 2, 3, 4], cache_namespace=cache_namespace_digest("tenant-a")),
-     "47534d53 02000000 07000000 00000000"
+     "47534d53 03000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "11000000 00000000 04000000 04000000"
      "00000000 00000000 01000000 00000100"
@@ -117,22 +120,22 @@ GOLDEN = [
     (StageMessage(K.TryRestorePrefillDecode, pos_start=3, token_count=1, request_id=7,
                   session_id=11, current_token=9, prompt_token_count=3, tokens=[1, 2, 3, 9],
                   sampling=SamplingConfig()),
-     "47534d53 02000000 07000000 00000000"
+     "47534d53 03000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "12000000 03000000 01000000 04000000"
      "00000000 00000000 01000000 08000000"
      "00000000 03000000 00000000 09000000"
      "ffffffff 00000000 00000000 00000000"
-     "48000000 00000000",
+     "50000000 00000000",
      "01000000 02000000 03000000 09000000"
      "00000000 00000000 00000000 0000f03f"
      "00000000 00000000 00000000 0000f03f"
      "00000000 00000000 00000000 00000000"
      "00000000 00000000 00000000 40000000"
-     "00000000 00000000"),
+     "00000000 00000000 00000000 00000000"),
     # TrimSession: truncate to token_count=12
     (StageMessage(K.TrimSession, token_count=12, request_id=7, session_id=11),
-     "47534d53 02000000 07000000 00000000"
+     "47534d53 03000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "13000000 00000000 0c000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -142,7 +145,7 @@ GOLDEN = [
      ""),
     # PredictionReturnOpen: first frame of a prediction-return stream
     (StageMessage(K.PredictionReturnOpen, request_id=7, session_id=11),
-     "47534d53 02000000 07000000 00000000"
+     "47534d53 03000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "14000000 00000000 00000000 00000000"
      "00000000 00000000 02000000 00000000"
@@ -155,7 +158,7 @@ GOLDEN = [
                   seq_id=5, decode_step=2, prompt_token_count=5, source_stage_index=0,
                   tokens=[9, 10, 11], activation_rows=3, activation_width=1,
                   activation=np.array([0.5, 1.5, -1.0], "<f4").tobytes()),
-     "47534d53 02000000 07000000 00000000"
+     "47534d53 03000000 07000000 00000000"
      "0b000000 00000000 0c000000 00000000"
      "15000000 08000000 03000000 03000000"
      "00000000 05000000 02000000 00000000"
@@ -166,7 +169,7 @@ GOLDEN = [
      "0000c03f 000080bf"),
     # RetireVerifyWindow: release verify checkpoints [8, 11)
     (StageMessage(K.RetireVerifyWindow, pos_start=8, token_count=3, request_id=7, session_id=11),
-     "47534d53 02000000 07000000 00000000"
+     "47534d53 03000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "16000000 08000000 03000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -176,7 +179,7 @@ GOLDEN = [
      ""),
     # DiscardStaleWindows: skip windows 2..4
     (StageMessage(K.DiscardStaleWindows, request_id=7, session_id=11, tokens=[2, 4]),
-     "47534d53 02000000 07000000 00000000"
+     "47534d53 03000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "17000000 00000000 00000000 02000000"
      "00000000 00000000 02000000 00000000"
@@ -186,7 +189,7 @@ GOLDEN = [
      "02000000 04000000"),
     # GetStageStatus: no session, no body; the stage answers with its own status
     (StageMessage(K.GetStageStatus),
-     "47534d53 02000000 00000000 00000000"
+     "47534d53 03000000 00000000 00000000"
      "00000000 00000000 00000000 00000000"
      "18000000 00000000 00000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -220,7 +223,7 @@ def test_header_layout_matches_the_documented_offsets():
                        decode_step=7, current_token=-1, source_stage_index=1, tokens=[5, 6],
                        activation_rows=2, activation_width=1,
                        activation=np.array([1.0, 2.0], "<f4").tobytes())
-    expected = (struct.pack("<I", 0x534D5347) + struct.pack("<i", 2)
+    expected = (struct.pack("<I", 0x534D5347) + struct.pack("<i", 3)
                 + struct.pack("<QQQ", 2**64 - 1, 3, 8)
                 + struct.pack("<5i", 21, 8, 2, 2, 0)
                 + struct.pack("<iiI", 9, 2, 0)
@@ -256,7 +259,7 @@ def test_derived_phase_and_flags():
     assert final.phase.name == "Prefill"
     assert final.flags == 0b101001  # FINAL_CHUNK | SAMPLING | CHAT_METADATA
     assert StageMessage(K.DecodeEmbd).flags == 0
-    assert StageMessage(K.Stop).version == 2
+    assert StageMessage(K.Stop).version == 3
     restore = StageMessage(K.TryRestorePrefill, cache_namespace=bytes(32))
     assert restore.flags == 1 << 16  # CACHE_NAMESPACE
 
@@ -287,6 +290,8 @@ samplings = st.builds(
     penalty_last_n=st.integers(-1, 1 << 20),
     logit_bias=st.dictionaries(i32, st.floats(allow_nan=False), max_size=8),
     seed=st.none() | st.integers(I64_MIN, I64_MAX),
+    grammar=st.none() | st.just(GrammarSpec(GrammarKind.JSON_OBJECT))
+    | st.builds(GrammarSpec, st.just(GrammarKind.JSON_SCHEMA), st.text(min_size=1, max_size=40)),
 )
 
 
@@ -352,7 +357,7 @@ HEADER_CASES = [
     # wrong frame magic (e.g. a reply read as a message)
     (DECODE_PREFILL, "magic", 0x53525059, FrameError, "magic"),
     # a peer of another protocol version fails closed
-    (DECODE_PREFILL, "version", 3, VersionMismatch, "version: expected 2, got 3"),
+    (DECODE_PREFILL, "version", 2, VersionMismatch, "version: expected 3, got 2"),
     # negative counts
     (DECODE_PREFILL, "token_count", -1, FrameError, "token_count: expected >= 0"),
     (DECODE_PREFILL, "pos_start", -5, FrameError, "pos_start"),
@@ -468,6 +473,43 @@ SAMPLING_CASES = [
 def test_sampling_block_validation(fields, fragment):
     with pytest.raises(FrameError, match=fragment):
         decode_message(_sampling_frame(**fields))
+
+
+def _grammar_block(kind: int, text: bytes) -> bytes:
+    """A sampling block (no bias entries) whose grammar fields say `kind` and len(text)."""
+    from skippy.protocol.constants import SAMPLING_BLOCK
+    return SAMPLING_BLOCK.pack(0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0, 0, 64, 0, 0, kind, len(text)) + text
+
+
+GRAMMAR_CASES = [
+    # (grammar kind on the wire, grammar bytes, message fragment)
+    (3, b"", "grammar_kind"),                   # an unknown kind
+    (0, b"{}", "grammar_bytes"),                # text without a kind
+    (int(GrammarKind.JSON_OBJECT), b"{}", "grammar text"),   # json_object carries no text
+    (int(GrammarKind.JSON_SCHEMA), b"", "grammar text"),     # a schema needs its text
+    (int(GrammarKind.JSON_SCHEMA), b"\xff{}", "utf-8"),     # not UTF-8
+]
+
+
+@pytest.mark.parametrize("kind, text, fragment", GRAMMAR_CASES)
+def test_grammar_validation(kind, text, fragment):
+    with pytest.raises(FrameError, match=fragment):
+        decode_sampling(_grammar_block(kind, text))
+
+
+def test_grammar_round_trips_and_its_length_is_checked():
+    cfg = SamplingConfig(logit_bias={4: 1.0}, grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "é"}'))
+    block = encode_sampling(cfg)
+    assert decode_sampling(block) == cfg
+    with pytest.raises(FrameError, match="sampling_bytes"):
+        decode_sampling(block[:-1])  # the grammar text cut short
+    with pytest.raises(FrameError, match="sampling_bytes"):
+        decode_sampling(block + b" ")
+    oversized = _grammar_block(int(GrammarKind.JSON_SCHEMA), b"x" * (MAX_GRAMMAR_BYTES + 1))
+    with pytest.raises(FrameError, match="grammar_bytes"):  # checked before the text is read
+        decode_sampling(oversized)
+    with pytest.raises(ValueError, match="at most"):
+        GrammarSpec(GrammarKind.JSON_SCHEMA, "x" * (MAX_GRAMMAR_BYTES + 1))
 
 
 def test_logit_bias_must_be_ascending():
@@ -593,14 +635,14 @@ def test_reply_round_trips(reply):
 def test_reply_golden_bytes():
     wire = encode_reply(StageReply.window([5, 6], 3, StageReplyStats(kv_lookup_hits=1)))
     assert wire[:REPLY_HEADER.size] == unhex(
-        "59505253 02000000 03000000 05000000"   # magic "SRPY", version 2, PredictedTokens, 5
+        "59505253 03000000 03000000 05000000"   # magic "SRPY", version 3, PredictedTokens, 5
         "03000000 02000000 00000000 00000000"   # window 3, 2 predictions, no draft, 0 draft
         "00000000 00000000")                    # draft_compute_us
     assert wire[REPLY_HEADER.size:REPLY_HEADER.size + 8] == unhex("01000000 00000000")
     assert wire[256:] == unhex("05000000 06000000")
     status = encode_reply(StageReply.of_status(StageStatusReport(1, 19, 30, 2, 8)))
     assert status[:REPLY_HEADER.size] == unhex(
-        "59505253 02000000 04000000 00000000"   # StageStatus, no prediction
+        "59505253 03000000 04000000 00000000"   # StageStatus, no prediction
         "00000000 05000000 00000000 00000000"   # 5 status values
         "00000000 00000000")
     assert status[256:] == unhex("01000000 13000000 1e000000 02000000 08000000")

@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 
 from ..driver.backend import GenerationRequest
-from ..protocol.sampling_config import SamplingConfig
+from ..protocol.constants import GrammarKind
+from ..protocol.sampling_config import GrammarSpec, SamplingConfig
 from ..runtime.speculation import SpeculativeSettings
 from .admission import Lease, check_fits
 from .errors import ApiError, to_api_error
@@ -28,6 +30,7 @@ from .schemas import (
     CompletionChoice,
     CompletionRequest,
     GenerationParams,
+    ResponseFormat,
     Usage,
 )
 from .streaming import DONE, sse
@@ -50,13 +53,7 @@ async def prepare_chat(ctx: ServeContext, body: ChatCompletionRequest, request_i
             else "the model's chat template has no tool support (it never reads `tools`)"
         )
         raise ApiError(400, f"tools cannot be honoured: {reason}. Send the request without tools.", param="tools")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ApiError(
-            400,
-            f"response_format {body.response_format.type!r} cannot be honoured: this server has no constrained "
-            f"decoding (JSON mode or schemas). Send response_format {{\"type\": \"text\"}} or leave it out.",
-            param="response_format",
-        )
+    grammar = await _grammar(ctx, body.response_format)
     messages = []
     for message in body.messages:
         fields = message.model_dump()
@@ -70,7 +67,7 @@ async def prepare_chat(ctx: ServeContext, body: ChatCompletionRequest, request_i
 
     prompt_ids = await asyncio.to_thread(tokenize)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _job(ctx, "chat", body, request_id, received_at, prompt_ids, max_tokens)
+    return _job(ctx, "chat", body, request_id, received_at, prompt_ids, max_tokens, grammar=grammar)
 
 
 async def prepare_text(ctx: ServeContext, body: CompletionRequest, request_id: str, received_at: float) -> Job:
@@ -95,7 +92,8 @@ async def prepare_text(ctx: ServeContext, body: CompletionRequest, request_id: s
     if not prompt_ids:
         raise ApiError(400, "Expected a non-empty prompt, got one that encodes to no tokens", param="prompt")
     echo = (prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt_ids)) if body.echo else ""
-    return _job(ctx, "text", body, request_id, received_at, prompt_ids, body.max_tokens, echo)
+    grammar = await _grammar(ctx, body.response_format)
+    return _job(ctx, "text", body, request_id, received_at, prompt_ids, body.max_tokens, echo, grammar)
 
 
 def _check_common(ctx: ServeContext, body: GenerationParams) -> None:
@@ -110,7 +108,26 @@ def _check_common(ctx: ServeContext, body: GenerationParams) -> None:
         raise ApiError(400, f"Expected logit_bias token ids < {vocab}, got {bad[0]}", param="logit_bias")
 
 
-def _job(ctx, kind, body: GenerationParams, request_id, received_at, prompt_ids, max_tokens, echo="") -> Job:
+async def _grammar(ctx: ServeContext, response_format: ResponseFormat | None) -> GrammarSpec | None:
+    """What `response_format` constrains the output to (None: text). Stage 0 compiles it now, so
+    a schema the grammar engine cannot handle is a 400 before the request runs, never a failure
+    midway; the compiled grammar stays cached for the sampler."""
+    if response_format is None or response_format.type == "text":
+        return None
+    try:
+        if response_format.type == "json_object":
+            grammar = GrammarSpec(GrammarKind.JSON_OBJECT)
+        else:  # json_schema; the key order of the client's schema is kept (it orders the output)
+            grammar = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(response_format.json_schema.json_schema))
+        await asyncio.to_thread(ctx.backend.check_grammar, grammar)
+    except ValueError as exc:
+        raise ApiError(400, f"response_format cannot be honoured: {exc}", param="response_format",
+                       code="invalid_response_format") from None
+    return grammar
+
+
+def _job(ctx, kind, body: GenerationParams, request_id, received_at, prompt_ids, max_tokens, echo="",
+         grammar: GrammarSpec | None = None) -> Job:
     max_tokens = check_fits(len(prompt_ids), max_tokens, ctx.backend.ctx_size)
     temperature = OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
     sampling = SamplingConfig(
@@ -123,6 +140,7 @@ def _job(ctx, kind, body: GenerationParams, request_id, received_at, prompt_ids,
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=dict(body.logit_bias or {}),
         seed=body.seed,
+        grammar=grammar,
     )
     request = GenerationRequest(request_id, prompt_ids, max_tokens, sampling, ctx.tokenizer.eog_ids,
                                 body.prompt_cache_key, _speculative(ctx, body))

@@ -26,9 +26,28 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format's `json_schema`: the schema the output must validate against."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")  # "schema" would shadow BaseModel.schema
+    strict: bool | None = None  # the output is constrained either way
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError(f"Expected json_schema exactly with type 'json_schema', got type {self.type!r} "
+                             f"{'with' if self.json_schema is not None else 'without'} it")
+        return self
 
 
 class SpeculativeOptions(BaseModel):
@@ -76,6 +95,8 @@ class GenerationParams(BaseModel):
     # OpenAI: partitions the prefix cache; requests share cached prefixes only under one key
     prompt_cache_key: str | None = Field(None, max_length=1024)
     speculative: SpeculativeOptions | None = None  # extension: see SpeculativeOptions
+    # constrained decoding (JSON mode, a JSON Schema); on /v1/completions an extension
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -123,7 +144,6 @@ class ChatCompletionRequest(GenerationParams):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from ..protocol.sampling_config import SamplingConfig
+from ..protocol.sampling_config import GrammarSpec, SamplingConfig
 from ..protocol.stats import StageReplyStats
 from ..runtime.speculation import SpeculativeSettings
 
@@ -137,6 +137,10 @@ class GenerationBackend(Protocol):
 
     def check_speculative(self, settings: SpeculativeSettings) -> None:
         """ValueError, saying why and what to change, when `settings` cannot run here."""
+
+    def check_grammar(self, grammar: GrammarSpec) -> None:
+        """ValueError, saying why, when `grammar` cannot constrain a request here. It may take
+        milliseconds (it compiles): call it off the event loop."""
 
     def cache_stats(self) -> list[tuple[str, dict[str, int]]]:
         """(stage id, prefix-cache counters) per stage, for /metrics."""

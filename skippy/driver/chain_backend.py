@@ -45,7 +45,7 @@ class ChainBackend:
         self._restores = [[0, 0] for _ in range(1 + len(self._remote))]
         # the client's, fixed for its life (GenerationBackend documents each)
         self.num_lanes, self.ctx_size, self.speculative = client.num_lanes, client.ctx_size, client.speculative
-        self.check_speculative = client.check_speculative
+        self.check_speculative, self.check_grammar = client.check_speculative, client.check_grammar
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         events = self.client.run(request.prompt_ids, max_tokens=request.max_tokens, sampling=request.sampling,

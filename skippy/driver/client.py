@@ -23,8 +23,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..model.grammar import GrammarCompiler
 from ..model.llama import StageModel
 from ..protocol import ActivationDtype, SamplingConfig, StageReplyStats
+from ..protocol.sampling_config import GrammarSpec
 from ..runtime.engine import StageRuntime
 from ..runtime.proposers import create_proposer
 from ..runtime.scheduler import PEER_WAIT_FORWARDS
@@ -73,11 +75,15 @@ class ChainClient:
                  prefix_cache: StagePrefixCache | None = None,
                  speculative: SpeculativeSettings = SpeculativeSettings(),
                  draft_model: StageModel | None = None,
-                 recovery_timeout_s: float = RECOVERY_TIMEOUT_S):
+                 recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
+                 grammars: GrammarCompiler | None = None):
         """`prefix_cache`: stage 0's prefix KV cache; with it a prompt first tries a chain
         restore (session.ChainSession.prefill). `speculative`: the default speculative
         decoding of a request (decoder.py); `draft_model`: the whole small model the
-        "draft" proposer runs in this process (shared by every request, each with its own KV)."""
+        "draft" proposer runs in this process (shared by every request, each with its own KV).
+        `grammars`: the grammar engine for response_format: stage 0 compiles each grammar
+        before its request runs (`check_grammar`), and samples with it when it holds the
+        head; the final stage compiles its own. None: requests with a grammar are refused."""
         if not model.layers.is_first:
             raise ValueError(f"Expected the first stage's layers [0, k), got {model.layers}")
         if (downstream is None) != model.layers.is_last:
@@ -98,7 +104,8 @@ class ChainClient:
                                     telemetry=self.telemetry, batch_wait_s=batch_wait_s,
                                     peer_wait_forwards=peer_wait_forwards,
                                     record_logits=record_logits, name="skippy-stage0",
-                                    prefix_cache=prefix_cache)
+                                    prefix_cache=prefix_cache, grammars=grammars)
+        self.grammars = grammars
         self.ctx_size = self.runtime.runner.ctx_size
         self.env = SessionEnv(self.runtime, self.telemetry, prefill_chunk, reply_timeout_s,
                               ActivationDtype[activation_dtype])
@@ -182,6 +189,13 @@ class ChainClient:
         if settings.mode == "draft" and self.draft_model is None:
             raise ValueError("Expected a draft model for speculative mode 'draft'; start with "
                              "--draft-model PATH, or pick an n-gram mode")
+
+    def check_grammar(self, grammar: GrammarSpec) -> None:
+        """ValueError (a GrammarError) saying why `grammar` cannot constrain a request here.
+        It compiles, so a request that passes finds its grammar cached on a one-stage chain."""
+        if self.grammars is None:
+            raise ValueError("this server has no grammar engine: constrained decoding is off")
+        self.grammars.check(grammar)
 
     def decoder(self, session: ChainSession, *, max_tokens: int, stop_ids: Sequence[int],
                 speculative: SpeculativeSettings | None = None) -> ChainDecoder:

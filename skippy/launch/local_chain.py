@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..driver.client import ChainClient
 from ..model.args import ModelArgs
+from ..model.grammar import GrammarCompiler
 from ..model.loader import load_stage, model_args
 from ..model.threads import CO_LOCATED_SPIN_COUNT
 from ..protocol import (
@@ -144,6 +145,7 @@ async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = 
             layer_end=model.layers.end, kv_dtype=model.kv_dtype, weights=model.weight_format,
             ctx_size=min(client_options.get("ctx_size") or model.args.context_length,
                          model.args.context_length))
+    client_options.setdefault("grammars", GrammarCompiler.for_model(model_path))
     client = ChainClient(model, prefix_cache=prefix_cache,
                          telemetry=Telemetry("skippy-stage0", otlp_endpoint), **client_options)
     try:

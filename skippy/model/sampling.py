@@ -12,11 +12,15 @@ import math
 import secrets
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from skippy.protocol.sampling_config import SamplingConfig
+
+if TYPE_CHECKING:
+    from .grammar import GrammarState
 
 
 def greedy(logits: Tensor) -> int | list[int]:
@@ -142,8 +146,15 @@ class RequestSampler:
     or interleaved with others.
     """
 
-    def __init__(self, config: SamplingConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: SamplingConfig, device: torch.device | str = "cpu",
+                 grammar: GrammarState | None = None) -> None:
+        """`grammar`: the request's grammar state (GrammarCompiler.state), exactly when
+        `config.grammar` is set: every row is then masked to the tokens it allows."""
+        if (config.grammar is None) != (grammar is None):
+            raise ValueError(f"Expected a grammar state exactly when the config has a grammar, got "
+                             f"{config.grammar!r} and {grammar!r}")
         self.config = config
+        self.grammar = grammar
         self.device = _resolve(torch.device(device))
         bad = [t for t in config.logit_bias if t < 0]
         if bad:
@@ -178,8 +189,8 @@ class RequestSampler:
         For [N, V] (a VerifyWindow with input tokens [c, d1, ..., d(N-1)]),
         `row_tokens` must be the drafts d1..d(N-1): the input tokens of rows 1..N-1.
         Row i is sampled as if history were `history + row_tokens[:i]`, so penalties
-        see the drafts the model saw, and rows draw from the generator in order,
-        which gives the same tokens as N one-row calls.
+        (and a grammar) see the drafts the model saw, and rows draw from the generator
+        in order, which gives the same tokens as N one-row calls.
         """
         if not _same_device(logits.device, self.device):
             raise ValueError(f"Expected logits on {self.device}, got {logits.device}")
@@ -193,6 +204,9 @@ class RequestSampler:
             raise ValueError(f"Expected logit_bias token ids < {logits.shape[-1]}, got {self._max_bias_id}")
 
         cfg = self.config
+        if self.grammar is not None:  # before the filters: top_k, top_p and min_p keep allowed tokens only
+            allowed = self.grammar.allowed(history, row_tokens, logits.shape[-1], logits.device)
+            logits = logits.masked_fill(~(allowed[0] if logits.dim() == 1 else allowed), -math.inf)
         if cfg.is_greedy and not cfg.has_penalties and not cfg.logit_bias:
             return greedy(logits)  # the common fast path: one argmax, one sync
         last_n = cfg.penalty_last_n

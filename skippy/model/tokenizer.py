@@ -238,6 +238,11 @@ class Tokenizer:
     def token_to_id(self, text: str) -> int | None:
         return self._backend.token_to_id(text)
 
+    def to_json(self) -> str:
+        """The `tokenizers` JSON of the backend (tokenizer.json's format): what the grammar
+        engine reads the vocabulary from."""
+        return self._backend.to_str()
+
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 # Version of this Python wire format. Frames, replies and READY carry it; any other
 # value fails closed (spec §2.11): peers must upgrade together.
-PROTOCOL_VERSION = 2   # 2: the CACHE_NAMESPACE section (prefix-cache namespaces)
+PROTOCOL_VERSION = 3   # 2: the CACHE_NAMESPACE section; 3: a grammar in the sampling block
 
 # Magics are u32 written little-endian; the ASCII spelling is the value read
 # most-significant byte first, as the spec writes READY's 0x53524459 ("SRDY").
@@ -82,6 +82,13 @@ class SamplingFlags(IntFlag):
     HAS_SEED = 1 << 0
 
 
+class GrammarKind(IntEnum):
+    """What constrains a request's output (ours, in the sampling block): 0 = nothing."""
+
+    JSON_OBJECT = 1  # any JSON object (OpenAI's response_format json_object); no grammar text
+    JSON_SCHEMA = 2  # the JSON Schema in the grammar text (response_format json_schema)
+
+
 class ActivationDtype(IntEnum):
     """Element type of the activation payload (spec §2.2 "version drift": f32, f16, bf16)."""
 
@@ -115,6 +122,7 @@ MAX_SIDEBAND_COUNT     = 1_048_576  # i32 values per token / position sideband  
 MAX_ACTIVATION_BYTES   = 512 * MiB  # activation payload, wire and decoded        (§2.2)
 MAX_METADATA_BYTES     = 8 * MiB    # chat-sampling metadata                      (§2.2 row 10)
 MAX_LOGIT_BIAS_COUNT   = 256        # logit-bias entries in a sampling block      (§2.3)
+MAX_GRAMMAR_BYTES      = 256 * 1024 # a grammar's UTF-8 text in a sampling block  (ours)
 MAX_PREDICTED_COUNT    = 262_144    # predicted tokens in one reply               (§2.5)
 MAX_DRAFT_COUNT        = 262_144    # native MTP draft tokens in one reply        (§2.5 row 5)
 NAMESPACE_BYTES        = 32         # prefix-cache namespace digest (ours, §4.2 item 7)
@@ -172,10 +180,13 @@ SAMPLING_FIELDS = (
     HeaderField("penalty_last_n",     "i"),  # 60
     HeaderField("sampling_flags",     "I"),  # 64   SamplingFlags
     HeaderField("logit_bias_count",   "I"),  # 68
+    HeaderField("grammar_kind",       "I"),  # 72   GrammarKind, 0 = none
+    HeaderField("grammar_bytes",      "I"),  # 76   UTF-8 grammar text after the bias entries
 )
-SAMPLING_BLOCK = struct.Struct("<" + "".join(f.fmt for f in SAMPLING_FIELDS))  # 72 bytes
+SAMPLING_BLOCK = struct.Struct("<" + "".join(f.fmt for f in SAMPLING_FIELDS))  # 80 bytes
 LOGIT_BIAS_ENTRY = struct.Struct("<id")  # token id, bias: 12 bytes, ascending token ids
-MAX_SAMPLING_BYTES = SAMPLING_BLOCK.size + MAX_LOGIT_BIAS_COUNT * LOGIT_BIAS_ENTRY.size
+MAX_SAMPLING_BYTES = (SAMPLING_BLOCK.size + MAX_LOGIT_BIAS_COUNT * LOGIT_BIAS_ENTRY.size
+                      + MAX_GRAMMAR_BYTES)
 
 # Reply fixed header (§2.5), followed by StageReplyStats (§2.6), then the token arrays.
 REPLY_HEADER_FIELDS = (

@@ -21,14 +21,14 @@ import numpy as np
 
 from .constants import (
     ACTIVATION_ITEMSIZE, ACTIVATION_NUMPY_DTYPE, I32_MAX, I32_MIN, KIND_INFO, KNOWN_STATE_FLAGS,
-    LOGIT_BIAS_ENTRY, MAX_ACTIVATION_BYTES, MAX_DRAFT_COUNT, MAX_LOGIT_BIAS_COUNT,
+    LOGIT_BIAS_ENTRY, MAX_ACTIVATION_BYTES, MAX_DRAFT_COUNT, MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS_COUNT,
     MAX_METADATA_BYTES, MAX_PREDICTED_COUNT, MAX_SAMPLING_BYTES, MAX_SIDEBAND_COUNT,
     MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, MESSAGE_MAGIC, NAMESPACE_BYTES, NAMESPACE_KINDS,
     PROTOCOL_VERSION, REPLY_HEADER, REPLY_HEADER_FIELDS, REPLY_MAGIC, SAMPLING_BLOCK, STATS_BLOCK,
-    ActivationDtype, MessageKind, Phase, ReplyKind, SamplingFlags, StateFlags,
+    ActivationDtype, GrammarKind, MessageKind, Phase, ReplyKind, SamplingFlags, StateFlags,
 )
 from .errors import FrameError, VersionMismatch
-from .sampling_config import SamplingConfig
+from .sampling_config import GrammarSpec, SamplingConfig
 from .stats import StageReplyStats, decode_stats, encode_stats
 
 _I32 = np.dtype("<i4")
@@ -251,12 +251,10 @@ def check_message_header(h: MessageHeader) -> None:
     if kind == MessageKind.DiscardStaleWindows and h.token_sideband_count != 2:
         _fail("token_sideband_count", "2 ([min_window_id, max_window_id]) for DiscardStaleWindows",
               h.token_sideband_count)
-    # Section lengths.
+    # Section lengths (the sampling block's exact length needs its own counts: decode_sampling).
     if h.flags & _SAMPLING:
-        if (h.sampling_bytes < SAMPLING_BLOCK.size
-                or (h.sampling_bytes - SAMPLING_BLOCK.size) % LOGIT_BIAS_ENTRY.size):
-            _fail("sampling_bytes", f"{SAMPLING_BLOCK.size} + n * {LOGIT_BIAS_ENTRY.size}",
-                  h.sampling_bytes)
+        if h.sampling_bytes < SAMPLING_BLOCK.size:
+            _fail("sampling_bytes", f">= {SAMPLING_BLOCK.size} with the SAMPLING flag", h.sampling_bytes)
     elif h.sampling_bytes:
         _fail("sampling_bytes", "0 without the SAMPLING flag", h.sampling_bytes)
     if h.metadata_bytes and not h.flags & _METADATA:
@@ -299,28 +297,34 @@ def encode_sampling(cfg: SamplingConfig) -> bytes:
     _require(len(entries) <= MAX_LOGIT_BIAS_COUNT, "sampling.logit_bias",
              f"<= {MAX_LOGIT_BIAS_COUNT} entries", len(entries))
     flags = SamplingFlags.HAS_SEED if cfg.seed is not None else SamplingFlags(0)
+    grammar = cfg.grammar
+    text = b"" if grammar is None else grammar.text.encode("utf-8")
     try:
         parts = [SAMPLING_BLOCK.pack(
             cfg.temperature, cfg.top_p, cfg.min_p, cfg.repetition_penalty, cfg.presence_penalty,
             cfg.frequency_penalty, 0 if cfg.seed is None else cfg.seed, cfg.top_k,
-            cfg.penalty_last_n, int(flags), len(entries))]
+            cfg.penalty_last_n, int(flags), len(entries), 0 if grammar is None else int(grammar.kind),
+            len(text))]
         parts += [LOGIT_BIAS_ENTRY.pack(token, bias) for token, bias in entries]
     except struct.error as error:
         raise FrameError(f"sampling block: a value does not fit its wire type ({error}); "
                          "seed is i64, top_k, penalty_last_n and token ids are i32") from error
-    return b"".join(parts)
+    return b"".join([*parts, text])
 
 
 def decode_sampling(buf: Buffer) -> SamplingConfig:
     _require(len(buf) >= SAMPLING_BLOCK.size, "sampling block", f">= {SAMPLING_BLOCK.size} bytes",
              len(buf))
     (temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed,
-     top_k, penalty_last_n, flags, bias_count) = SAMPLING_BLOCK.unpack_from(buf, 0)
+     top_k, penalty_last_n, flags, bias_count, grammar_kind, grammar_bytes) = SAMPLING_BLOCK.unpack_from(buf, 0)
     _require(bias_count <= MAX_LOGIT_BIAS_COUNT, "sampling.logit_bias_count",
              f"<= {MAX_LOGIT_BIAS_COUNT}", bias_count)
-    expected = SAMPLING_BLOCK.size + bias_count * LOGIT_BIAS_ENTRY.size
+    _require(grammar_bytes <= MAX_GRAMMAR_BYTES, "sampling.grammar_bytes", f"<= {MAX_GRAMMAR_BYTES}",
+             grammar_bytes)
+    grammar_at = SAMPLING_BLOCK.size + bias_count * LOGIT_BIAS_ENTRY.size
+    expected = grammar_at + grammar_bytes
     _require(len(buf) == expected, "sampling_bytes",
-             f"{expected} for {bias_count} logit-bias entries", len(buf))
+             f"{expected} for {bias_count} logit-bias entries and {grammar_bytes} grammar bytes", len(buf))
     _require(flags & ~int(SamplingFlags.HAS_SEED) == 0, "sampling.flags",
              f"only bits {int(SamplingFlags.HAS_SEED):#x}", f"{flags:#x}")
     has_seed = bool(flags & SamplingFlags.HAS_SEED)
@@ -339,11 +343,24 @@ def decode_sampling(buf: Buffer) -> SamplingConfig:
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
-            logit_bias=logit_bias, seed=seed if has_seed else None)
-    except ValueError as error:
+            logit_bias=logit_bias, seed=seed if has_seed else None,
+            grammar=_decode_grammar(grammar_kind, buf[grammar_at:expected]))
+    except ValueError as error:  # UnicodeDecodeError included
         raise FrameError(f"sampling block: {error}") from error
     _check_sampling_values(cfg)
     return cfg
+
+
+def _decode_grammar(kind: int, text: Buffer) -> GrammarSpec | None:
+    if kind == 0:
+        _require(len(text) == 0, "sampling.grammar_bytes", "0 without a grammar_kind", len(text))
+        return None
+    _require(kind in _GRAMMAR_KIND_CODES, "sampling.grammar_kind",
+             f"0 or one of {sorted(int(k) for k in GrammarKind)}", kind)
+    return GrammarSpec(GrammarKind(kind), bytes(text).decode("utf-8"))  # strict: a bad byte is an error
+
+
+_GRAMMAR_KIND_CODES = frozenset(GrammarKind)
 
 
 # ---------------------------------------------------------------------------

@@ -4,6 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .constants import MAX_GRAMMAR_BYTES, GrammarKind
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What the output must match (constrained decoding): the final stage masks every
+    token the grammar does not allow, and compiles `text` itself (model/grammar.py).
+
+    `text` is the JSON Schema for JSON_SCHEMA, exactly as the client sent it (it keys
+    each stage's compile cache), and empty for JSON_OBJECT.
+    """
+
+    kind: GrammarKind
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", GrammarKind(self.kind))
+        if (self.kind == GrammarKind.JSON_SCHEMA) != bool(self.text):
+            raise ValueError(f"Expected grammar text exactly for {GrammarKind.JSON_SCHEMA.name}, got "
+                             f"{len(self.text)} characters for {self.kind.name}")
+        if len(self.text.encode("utf-8")) > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"Expected a grammar of at most {MAX_GRAMMAR_BYTES} bytes, got "
+                             f"{len(self.text.encode('utf-8'))}")
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingConfig:
@@ -25,6 +49,7 @@ class SamplingConfig:
     penalty_last_n: int = 64  # -1 = whole history
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
+    grammar: GrammarSpec | None = None  # None: any token may follow
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):

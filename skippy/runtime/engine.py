@@ -12,6 +12,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Callable, TypeVar
 
+from ..model.grammar import GrammarCompiler
 from ..model.llama import StageModel
 from ..protocol.sampling_config import SamplingConfig
 from ..telemetry import Telemetry
@@ -36,14 +37,15 @@ class StageRuntime:
                  telemetry: Telemetry | None = None, batch_wait_s: float = 0.002,
                  peer_wait_forwards: float = PEER_WAIT_FORWARDS,
                  record_logits: bool = False, name: str = "skippy-runtime",
-                 prefix_cache: StagePrefixCache | None = None):
-        """`prefix_cache`: this stage's prefix KV cache (None: every restore is a miss)."""
+                 prefix_cache: StagePrefixCache | None = None, grammars: GrammarCompiler | None = None):
+        """`prefix_cache`: this stage's prefix KV cache (None: every restore is a miss).
+        `grammars`: the grammar engine of the stage that samples (None: no constrained decoding)."""
         self.model = model
         self.prefix_cache = prefix_cache
         self.telemetry = telemetry or Telemetry()
         self.sessions = SessionTable(lane_count)
         self.runner = Runner(model, ctx_size or model.args.context_length,
-                             record_logits=record_logits)
+                             record_logits=record_logits, grammars=grammars)
         self.scheduler = IterationScheduler(self.runner.run_batch, capacity=64 + lane_count,
                                             batch_wait_s=batch_wait_s, peer_wait_forwards=peer_wait_forwards,
                                             on_batch=self._count_batch,

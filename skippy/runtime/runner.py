@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..model.errors import ContextOverflowError
+from ..model.grammar import GrammarCompiler
 from ..model.llama import Segment, StageModel
 from ..model.sampling import RequestSampler
 from ..protocol.constants import ActivationDtype
@@ -36,8 +37,12 @@ def tensor_to_rows(hidden: torch.Tensor, dtype: ActivationDtype) -> np.ndarray:
 
 
 class Runner:
-    def __init__(self, model: StageModel, ctx_size: int, *, record_logits: bool = False):
+    def __init__(self, model: StageModel, ctx_size: int, *, record_logits: bool = False,
+                 grammars: GrammarCompiler | None = None):
+        """`grammars`: compiles the grammars of requests that constrain their output (the
+        stage that samples needs it for them; None: such a request fails its configure)."""
         self.model = model
+        self.grammars = grammars
         self.ctx_size = min(ctx_size, model.args.context_length)
         self.is_first, self.is_last = model.layers.is_first, model.layers.is_last
         self.record_logits = record_logits
@@ -158,7 +163,14 @@ class Runner:
             session.sampler.skip_draws(skip_draws)
 
     def _new_sampler(self, session: Session) -> RequestSampler:
-        session.sampler = RequestSampler(session.sampling or SamplingConfig(), self.model.device)
+        sampling, grammar = session.sampling or SamplingConfig(), None
+        if sampling.grammar is not None:
+            if self.grammars is None:
+                raise ValueError(f"stage {self.model.layers} has no grammar engine for a request "
+                                 "with a response_format grammar")
+            # the output starts after the prompt; the state follows the ledger from there
+            grammar = self.grammars.state(sampling.grammar, session.prompt_token_count)
+        session.sampler = RequestSampler(sampling, self.model.device, grammar)
         return session.sampler
 
     @staticmethod

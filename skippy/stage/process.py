@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from ..model.grammar import GrammarCompiler
 from ..model.loader import load_stage
 from ..protocol import StageConfig, Topology
 from ..runtime.engine import StageRuntime
@@ -47,9 +48,11 @@ def load_stage_runtime(config: StageConfig, telemetry: Telemetry) -> StageRuntim
     model = load_stage(config.model_path, (config.layer_start, config.layer_end),
                        dtype=WEIGHT_DTYPES[config.weight_dtype], device=config.device,
                        progress=False, repack=config.repack_weights)
+    # the final stage samples, so it compiles each request's grammar (lazily: the first one)
+    grammars = GrammarCompiler.for_model(config.model_path) if model.layers.is_last else None
     runtime = StageRuntime(model, lane_count=config.lane_count, ctx_size=config.ctx_size,
                            telemetry=telemetry, peer_wait_forwards=config.peer_wait_forwards,
-                           name=f"skippy-stage{config.stage_index}")
+                           name=f"skippy-stage{config.stage_index}", grammars=grammars)
     runtime.prefix_cache = StagePrefixCache.build(
         config.kv_cache, model_path=config.model_path, layer_start=config.layer_start,
         layer_end=config.layer_end, kv_dtype=model.kv_dtype, ctx_size=runtime.runner.ctx_size,
