@@ -44,6 +44,7 @@ class FaultyBackend:
         self.inner, self.mode = inner, None
         self.num_lanes, self.ctx_size = inner.num_lanes, inner.ctx_size
         self.speculative, self.check_speculative = inner.speculative, inner.check_speculative
+        self.check_grammar = inner.check_grammar
         self.cache_stats = inner.cache_stats
 
     async def generate(self, request):
@@ -354,8 +355,9 @@ def test_unhonourable_features_are_400s_that_say_so(client, stack):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     with pytest.raises(openai.BadRequestError, match="tools"):
         chat(client, stack, tools=tools)
-    with pytest.raises(openai.BadRequestError, match="json_object"):
-        chat(client, stack, response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="response_format cannot be honoured: .*Invalid type"):
+        chat(client, stack, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "strin"}}})
     with pytest.raises(openai.BadRequestError, match="n=1"):
         chat(client, stack, n=2)
     with pytest.raises(openai.BadRequestError, match="over the context"):

@@ -18,7 +18,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -146,7 +146,7 @@ class GrammarState:
         self.completion_start = completion_start
         self.tokens: list[int] = []  # the output tokens the matcher has consumed
 
-    def allowed(self, history: Sequence[int], drafts: Sequence[int], width: int,
+    def allowed(self, history: list[int], drafts: list[int], width: int,
                 device: torch.device | str = "cpu") -> torch.Tensor:
         """Bool [1 + len(drafts), width]: the tokens row i may take, after the committed
         `history` (prompt and output, ending with row 0's input) and drafts d1..di."""
@@ -173,17 +173,17 @@ class GrammarState:
         allowed = _fit(allowed, width)
         return torch.from_numpy(allowed).to(device)
 
-    def _follow(self, committed: Sequence[int]) -> bool:
+    def _follow(self, committed: list[int]) -> bool:
         """Bring the matcher to `committed`; False when it holds tokens the grammar rejects."""
         tokens = self.tokens
         num_kept = len(tokens)
-        if list(committed[:num_kept]) != tokens:  # the ledger was cut back: find where they part
+        if committed[:num_kept] != tokens:  # the ledger was cut back: find where they part
             num_kept = 0
             while num_kept < min(len(tokens), len(committed)) and tokens[num_kept] == committed[num_kept]:
                 num_kept += 1
             self._matcher.rollback(len(tokens) - num_kept)
             del tokens[num_kept:]
-        new = list(committed[num_kept:])
+        new = committed[num_kept:]
         if not new:
             return True
         num_consumed = self._matcher.try_consume_tokens(new)  # a refused token leaves no error state

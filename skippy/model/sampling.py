@@ -205,8 +205,8 @@ class RequestSampler:
 
         cfg = self.config
         if self.grammar is not None:  # before the filters: top_k, top_p and min_p keep allowed tokens only
-            allowed = self.grammar.allowed(history, row_tokens, logits.shape[-1], logits.device)
-            logits = logits.masked_fill(~(allowed[0] if logits.dim() == 1 else allowed), -math.inf)
+            allowed = self.grammar.allowed(list(history), row_tokens, logits.shape[-1], logits.device)
+            logits = torch.where(allowed[0] if logits.dim() == 1 else allowed, logits, -math.inf)
         if cfg.is_greedy and not cfg.has_penalties and not cfg.logit_bias:
             return greedy(logits)  # the common fast path: one argmax, one sync
         last_n = cfg.penalty_last_n
