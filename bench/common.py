@@ -9,10 +9,23 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 READY = re.compile(r"skippy: ready: (http://\S+)/v1 ")  # the line `skippy serve` prints when it answers
+
+
+def start_serve(arguments: list[str]) -> tuple[subprocess.Popen, str, str]:
+    """`skippy serve --port 0 ARGUMENTS` as a subprocess, once it answers: (the process, its
+    base URL, its ready line). The caller terminates the process."""
+    process = subprocess.Popen([sys.executable, "-m", "skippy.cli", "serve", "--port", "0", *arguments],
+                               stdout=subprocess.PIPE, text=True)
+    for line in process.stdout:
+        if match := READY.search(line):
+            return process, match.group(1), line.strip()
+    raise RuntimeError(f"skippy serve exited with {process.wait()} before it was ready")
 
 CODE = """def total_price(items, tax_rate):
     subtotal = 0

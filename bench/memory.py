@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import psutil
-from common import READY, resident
+from common import resident, start_serve
 
 MIB = 2**20
 LLAMA_CPP = """
@@ -43,16 +43,9 @@ async def eight_requests(url: str, model: str) -> None:
 
 
 def measure_serve(stages: int, dtype: str, model: str | None) -> list[tuple[str, int, int]]:
-    command = [sys.executable, "-m", "skippy.cli", "serve", "--port", "0", "--stages", str(stages),
-               "--dtype", dtype, "--concurrency", "8"] + (["--model", model] if model else [])
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    process, url, _ = start_serve(["--stages", str(stages), "--dtype", dtype, "--concurrency", "8"]
+                                  + (["--model", model] if model else []))
     try:
-        for line in process.stdout:
-            if match := READY.search(line):
-                url = match.group(1)
-                break
-        else:
-            raise RuntimeError(f"skippy serve exited with {process.wait()} before it was ready")
         model_id = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(eight_requests(url, model_id))
         serve = psutil.Process(process.pid)

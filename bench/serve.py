@@ -24,14 +24,12 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from common import READY, resident
+from common import resident, start_serve
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -84,8 +82,7 @@ async def http_round(client: httpx.AsyncClient, url: str, body: dict, concurrenc
 
 class Server:
     def __init__(self, args: argparse.Namespace):
-        command = [sys.executable, "-m", "skippy.cli", "serve", "--port", "0", "--stages", str(args.stages),
-                   "--ctx-size", "2048", "--concurrency", str(max(args.concurrency)),
+        command = ["--stages", str(args.stages), "--ctx-size", "2048", "--concurrency", str(max(args.concurrency)),
                    "--kv-cache-mem", "0"]  # every request repeats the prompt: measure cold prefills  # fmt: skip
         if args.model:
             command += ["--model", args.model]
@@ -94,12 +91,7 @@ class Server:
         if not args.repack:
             command += ["--no-repack"]
         command += ["--dtype", args.dtype]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-        for line in self.process.stdout:
-            if match := READY.search(line):
-                self.url, self.ready_line = match.group(1), line.strip()
-                return
-        raise RuntimeError(f"skippy serve exited with {self.process.wait()} before it was ready")
+        self.process, self.url, self.ready_line = start_serve(command)
 
     def memory(self) -> list[tuple[str, int, int]]:
         """(process, resident bytes now, peak resident bytes) for `skippy serve` and each stage it started."""

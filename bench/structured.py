@@ -18,11 +18,9 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
 
 import httpx
-from common import READY
+from common import start_serve
 
 PROMPT = "List six people with their name and age as JSON."
 NO_EOS = {"0": -100.0, "2": -100.0}  # SmolLM2's end tokens: the plain arm runs to max_tokens
@@ -85,19 +83,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 4])
     parser.add_argument("--speculative", default=None, help="a speculative mode for both arms (ngram-suffix...)")
     args = parser.parse_args()
-    command = [sys.executable, "-m", "skippy.cli", "serve", "--port", "0", "--stages", str(args.stages),
-               "--ctx-size", "2048", "--concurrency", str(max(args.concurrency)), "--kv-cache-mem", "0"]
-    if args.model:
-        command += ["--model", args.model]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    command = ["--stages", str(args.stages), "--ctx-size", "2048", "--concurrency", str(max(args.concurrency)),
+               "--kv-cache-mem", "0"]
+    server, url, ready_line = start_serve(command + (["--model", args.model] if args.model else []))
     try:
-        for line in server.stdout:
-            if match := READY.search(line):
-                url = match.group(1)
-                break
-        else:
-            raise RuntimeError(f"skippy serve exited with {server.wait()} before it was ready")
-        print(line.strip(), flush=True)
+        print(ready_line, flush=True)
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         print(f"schema: {json.dumps(SCHEMA)}")
         asyncio.run(run(args, url, model))

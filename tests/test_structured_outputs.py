@@ -66,12 +66,14 @@ def schema_format(name: str, schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
-def ask(url: str, content: str, response_format: dict, *, stream: bool, speculative: bool,
+def ask(url: str, content: str, response_format: dict, *, stream: bool, speculative: bool | int,
         route: str = "chat", on_chunk=lambda num_chunks: None) -> tuple[str, str, dict]:
-    """(text, finish_reason, timings) of one greedy request, streamed or not; a stream calls
-    `on_chunk` with the number of chunks read so far."""
+    """(text, finish_reason, timings) of one greedy request, streamed or not; `speculative` is
+    False or the verify windows in flight (ngram-suffix proposals). A stream calls `on_chunk`
+    with the number of chunks read so far."""
     body = {"model": MODEL, "temperature": 0, "max_tokens": MAX_TOKENS, "response_format": response_format,
-            "speculative": "ngram-suffix" if speculative else False, "stream": stream}
+            "speculative": {"mode": "ngram-suffix", "pipeline_depth": int(speculative)} if speculative else False,
+            "stream": stream}
     if route == "chat":
         body["messages"] = [{"role": "user", "content": content}]
     else:
@@ -106,12 +108,15 @@ def prompt_for(name: str) -> str:
 
 def test_fifty_schemas_validate_on_one_and_three_stages(one_stage, three_stages):
     # Each schema is asked on both topologies; streaming and speculation take turns over the
-    # schemas (each topology sees all four combinations a dozen times).
+    # schemas (each topology sees all four combinations a dozen times). On 3 stages every other
+    # speculative request keeps two verify windows in flight: a run-ahead window is masked over
+    # the provisional tokens of the one before it.
     assert len(SCHEMAS) >= 50
     jobs = []
     for index, (name, schema) in enumerate(SCHEMAS):
         for url, turn in ((one_stage, index), (three_stages, index + 1)):
-            jobs.append((name, schema, url, bool(turn % 2), bool(turn // 2 % 2)))
+            depth = 2 if url == three_stages and index % 8 < 4 else 1
+            jobs.append((name, schema, url, bool(turn % 2), depth if turn // 2 % 2 else 0))
 
     def run(job):
         name, schema, url, stream, speculative = job
