@@ -7,9 +7,6 @@ The state follows the request's committed output (the session's token ledger, wh
 auto-align keeps authoritative), so it needs no message of its own: a rejected verify
 row, a stale window or a replay onto a fresh session all come out right by re-reading
 the ledger.
-
-Torch is imported inside the functions that build masks: stage 0's HTTP layer compiles
-through this module to answer a bad schema with a 400 and imports no torch.
 """
 
 from __future__ import annotations
@@ -20,18 +17,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import llguidance
 import numpy as np
+import torch
 
 from ..protocol.constants import GrammarKind
 from ..protocol.sampling_config import GrammarSpec
-
-if TYPE_CHECKING:
-    import torch
-
-    from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer
 
 log = logging.getLogger("skippy.model")
 
@@ -71,12 +63,7 @@ class GrammarCompiler:
     def for_model(cls, path: str | Path) -> GrammarCompiler:
         """For the model at `path`; its tokenizer (and the engine's ~0.4 s vocabulary index)
         load on the first grammar, so a server that never sees one pays nothing."""
-        def load() -> Tokenizer:
-            from .tokenizer import Tokenizer
-
-            return Tokenizer.from_model(path)
-
-        return cls(load)
+        return cls(lambda: Tokenizer.from_model(path))
 
     def check(self, spec: GrammarSpec) -> None:
         """Compile `spec` (or find it compiled); GrammarError says why it cannot be."""
@@ -91,7 +78,7 @@ class GrammarCompiler:
     def _tokenizer_engine(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._engine is None:
-                tokenizer = self._tokenizer if not callable(self._tokenizer) else self._tokenizer()
+                tokenizer = self._tokenizer if isinstance(self._tokenizer, Tokenizer) else self._tokenizer()
                 self._stop_ids = tokenizer.eog_ids
                 # The end-of-generation ids are the engine's EOS: once the grammar is complete
                 # they are the only tokens its mask allows.
@@ -150,28 +137,27 @@ class GrammarState:
                 device: torch.device | str = "cpu") -> torch.Tensor:
         """Bool [1 + len(drafts), width]: the tokens row i may take, after the committed
         `history` (prompt and output, ending with row 0's input) and drafts d1..di."""
-        import torch
-
         num_rows = 1 + len(drafts)
         words = (self._vocab_size + 31) // 32
         bits = np.zeros((num_rows, words), dtype=np.int32)  # llguidance's layout: bit j of word w = token 32w + j
-        is_free = [False] * num_rows
+        first_free = num_rows  # the rows from here on take any token (stage 0 accepts none of them)
         if not self._follow(history[self.completion_start:]):
-            is_free = [True] * num_rows  # the history itself left the grammar (a stale window)
+            first_free = 0  # the history itself left the grammar: a stale run-ahead window
         num_drafts = 0
-        for row in range(num_rows):
-            if row > 0 and not is_free[row - 1] and self._matcher.try_consume_tokens([drafts[row - 1]]) == 1:
+        for row in range(first_free):
+            if row > 0:
+                if self._matcher.try_consume_tokens([drafts[row - 1]]) != 1:
+                    first_free = row  # the grammar rejects this row's draft: acceptance ends before it
+                    break
                 num_drafts += 1
-            elif row > 0:
-                is_free[row:] = [True] * (num_rows - row)
-            if not is_free[row]:
-                is_free[row] = not self._fill(bits[row])
+            if not self._fill(bits[row]):
+                first_free = row  # an empty mask: no token continues the grammar here
+                break
         if num_drafts:
             self._matcher.rollback(num_drafts)
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little").view(np.bool_)
-        allowed[is_free] = True
-        allowed = _fit(allowed, width)
-        return torch.from_numpy(allowed).to(device)
+        allowed[first_free:] = True
+        return torch.from_numpy(_fit(allowed, width)).to(device)
 
     def _follow(self, committed: list[int]) -> bool:
         """Bring the matcher to `committed`; False when it holds tokens the grammar rejects."""
