@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--admission-timeout", dest="admission_timeout_s", type=float, default=60.0, help="seconds a request may wait (0 = no limit)")
     serve.add_argument("--backend-timeout", dest="backend_timeout_s", type=float, default=600.0, help="seconds without a token before 504")
     serve.add_argument("--auth-token", default=None, help="require Authorization: Bearer TOKEN on /v1/*")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model names clients send (the first is listed first; default: the file's name)")
+    serve.add_argument("--allowed-origins", type=lambda text: [o.strip() for o in text.split(",") if o.strip()],
+                       default=None, help="CORS: comma-separated browser origins allowed to call the API, or * "
+                                          "(default: none; same-origin and non-browser clients need none)")
     serve.add_argument("--chain-auth-token", default=None, help="the stages' transport token (with --topology)")
     serve.add_argument("--threads", type=int, default=None, help="torch threads in every stage (this one too)")
     serve.add_argument("--max-restarts", type=int, default=5,

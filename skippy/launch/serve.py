@@ -63,6 +63,8 @@ class ServeConfig(BaseModel):
     backend_timeout_s: float = Field(600.0, ge=0)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)
     log_level: str = "WARNING"
+    served_model_name: list[str] = []  # the names clients send as `model` (default: the file's stem)
+    allowed_origins: list[str] = []  # CORS origins (e.g. http://localhost:3000, or *); none by default
     kv_cache_bytes: int = Field(1 << 30, ge=0)  # prefix-cache memory, all stages together; 0 = no prefix cache
     kv_disk_dir: Path | None = None  # prefix-cache disk tier: one subdirectory per stage
     kv_disk_budget: int = Field(4 << 30, ge=0)  # disk bytes, all stages together
@@ -232,7 +234,9 @@ async def _main(config: ServeConfig) -> None:
         loop.remove_signal_handler(signal.SIGTERM)  # uvicorn takes over SIGINT and SIGTERM
         api_fields = ("concurrency", "queue_size", "admission_timeout_s", "backend_timeout_s", "max_body_bytes",
                       "auth_token")
-        settings = ApiSettings(model_id_for(config.model), **{name: getattr(config, name) for name in api_fields})
+        model_id, *aliases = config.served_model_name or [model_id_for(config.model)]
+        settings = ApiSettings(model_id, tuple(aliases), tuple(config.allowed_origins),
+                               **{name: getattr(config, name) for name in api_fields})
         app = create_app(backend, tokenizer, settings)
         server = _Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level="warning", access_log=False,
