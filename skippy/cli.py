@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-origins", type=lambda text: [o.strip() for o in text.split(",") if o.strip()],
                        default=None, help="CORS: comma-separated browser origins allowed to call the API, or * "
                                           "(default: none; same-origin and non-browser clients need none)")
-    serve.add_argument("--chain-auth-token", default=None, help="the stages' transport token (with --topology)")
+    serve.add_argument("--chain-auth-token", default=None,
+                       help="the stages' transport token (with --topology; default: the plan's stage-0.json)")
+    serve.add_argument("--insecure", action="store_true", default=None,
+                       help="with --topology: listen off loopback without a chain token or TLS anyway (warned)")
     serve.add_argument("--threads", type=int, default=None, help="torch threads in every stage (this one too)")
     serve.add_argument("--max-restarts", type=int, default=5,
                        help="restart a local stage process that dies or hangs at most this often (0 = never)")
@@ -128,6 +131,8 @@ def add_stage_commands(commands) -> None:
     stage.add_argument("--topology", default=None, help="topology JSON (for the direct prediction return)")
     stage.add_argument("--threads", type=int, default=None, help="torch threads")
     stage.add_argument("--otlp-endpoint", default=None, help="export spans over OTLP/HTTP, e.g. http://127.0.0.1:4318")
+    stage.add_argument("--insecure", action="store_true", default=None,
+                       help="listen off loopback without an auth token or TLS anyway (warned at every start)")
     stage.add_argument("--max-inflight", type=int, default=None, help="async forwarder depth (overrides the config)")
     stage.add_argument("--reply-credit-limit", type=int, default=None, help="deferred ACKs before a credit wait")
     stage.add_argument("--no-repack", action="store_true",
@@ -144,7 +149,9 @@ def add_stage_commands(commands) -> None:
                       help="standby stages for stage N's layers (repeatable): requests fail over to them "
                            "when stage N is lost")
     plan.add_argument("--out", default=".", help="directory for topology.json and stage-N.json")
-    plan.add_argument("--auth-token", default=None)
+    plan.add_argument("--auth-token", default=None, help="the chain's token (default: a fresh random one)")
+    plan.add_argument("--tls", action="store_true", help="TLS certificates even if every host is loopback "
+                                                           "(they are written whenever one is not)")
     plan.add_argument("--ctx-size", type=int, default=2048)
     plan.add_argument("--lane-count", type=int, default=4)
     plan.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
@@ -241,9 +248,11 @@ def stage_config(args: argparse.Namespace):
     from .protocol import StageConfig
 
     config = StageConfig.load(args.config)
+    if config.tls is not None:  # its files sit beside the config (the plan's tls/)
+        config = config.model_copy(update={"tls": config.tls.resolved(Path(args.config).parent)})
     overrides = {"max_inflight": args.max_inflight, "reply_credit_limit": args.reply_credit_limit,
                  "repack_weights": False if args.no_repack else None, "threads": args.threads,
-                 "otlp_endpoint": args.otlp_endpoint}
+                 "otlp_endpoint": args.otlp_endpoint, "insecure": args.insecure}
     overrides = {key: value for key, value in overrides.items() if value is not None}
     kv_overrides = {"disk_budget_bytes": args.kv_disk_budget}
     if args.kv_disk_dir is not None:  # this stage's own subdirectory, as `skippy serve` does
@@ -257,7 +266,10 @@ def stage_config(args: argparse.Namespace):
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    import secrets
+
     from .launch.local_chain import plan_chain, write_plan
+    from .protocol import is_loopback, parse_endpoint
 
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
     if len(hosts) != args.stages:
@@ -270,9 +282,11 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"Expected --standby N=HOST:PORT[,HOST:PORT], got {entry!r}")
         standbys.setdefault(int(index), []).extend(e.strip() for e in endpoints.split(",") if e.strip())
     topology, configs = plan_chain(model_path(args), hosts, weights=weights, standbys=standbys,
-                                   auth_token=args.auth_token, ctx_size=args.ctx_size, lane_count=args.lane_count,
+                                   auth_token=args.auth_token or secrets.token_urlsafe(32),
+                                   ctx_size=args.ctx_size, lane_count=args.lane_count,
                                    activation_dtype=args.activation_dtype)
-    for written in write_plan(topology, configs, args.out):
+    off_loopback = not all(is_loopback(parse_endpoint(e)[0]) for s in topology.stages for e in s.endpoints)
+    for written in write_plan(topology, configs, args.out, tls=args.tls or off_loopback):
         print(written)
     for stage in topology.stages:
         spares = f" (standbys: {', '.join(stage.standby_endpoints)})" if stage.standby_endpoints else ""

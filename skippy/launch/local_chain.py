@@ -31,6 +31,7 @@ from ..protocol import (
 from ..runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX, WEIGHT_DTYPES
+from ..stage.tls import issue_certificates
 from ..telemetry import Telemetry
 from .supervisor import Supervisor
 
@@ -98,15 +99,22 @@ def standby_configs(topology: Topology, configs: list[StageConfig]) -> dict[str,
             for stage in topology.stages for j, endpoint in enumerate(stage.standby_endpoints, start=1)}
 
 
-def write_plan(topology: Topology, configs: list[StageConfig], out_dir: str | Path) -> list[Path]:
-    """topology.json, then stage-N.json per stage, then stage-N-standby-J.json per standby."""
+def write_plan(topology: Topology, configs: list[StageConfig], out_dir: str | Path, *,
+               tls: bool = False) -> list[Path]:
+    """topology.json, then stage-N.json per stage, then stage-N-standby-J.json per standby,
+    owner-only (they hold the chain token). `tls`: a chain CA and a certificate per stage for
+    its host under tls/ (stage/tls.py), named in each config."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "topology.json"]
     topology.save(paths[0])
     named = {f"stage-{c.stage_index}.json": c for c in configs} | standby_configs(topology, configs)
+    if tls:
+        issued = issue_certificates(out / "tls", {name.removesuffix(".json"): c.bind_host for name, c in named.items()})
+        named = {name: c.model_copy(update={"tls": issued[name.removesuffix(".json")]}) for name, c in named.items()}
     for name, config in named.items():
         paths.append(out / name)
+        paths[-1].touch(mode=0o600)
         config.save(paths[-1])
     return paths
 

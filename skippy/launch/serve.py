@@ -51,6 +51,7 @@ class ServeConfig(BaseModel):
     queue_size: int | None = Field(None, ge=0)
     auth_token: str | None = Field(None, repr=False)  # API bearer token
     chain_auth_token: str | None = Field(None, repr=False)  # the stages' transport token (with --topology)
+    insecure: bool = False  # with --topology: listen off loopback without a chain token or TLS (warned)
     dtype: str = "auto"
     device: str = "auto"
     repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
@@ -126,7 +127,8 @@ async def build_backend(config: ServeConfig):
     `num_stages` local processes, or the first stage of a running topology."""
     from ..driver.chain_backend import ChainBackend
     from ..model.loader import model_args
-    from ..protocol import Topology
+    from ..protocol import StageConfig, Topology, parse_endpoint
+    from ..stage import tls
     from .local_chain import LocalChain, connect_topology, start_stage0
 
     ctx_size = config.ctx_size or model_args(config.model).context_length
@@ -136,10 +138,17 @@ async def build_backend(config: ServeConfig):
                    recovery_timeout_s=config.recovery_timeout_s,
                    speculative=config.speculative_settings(), draft_model=await _load_draft_model(config))
     if config.topology is not None:
-        topology = Topology.load(config.topology)
-        client = await connect_topology(topology, config.model, auth_token=config.chain_auth_token,
+        topology, token = Topology.load(config.topology), config.chain_auth_token
+        plan = config.topology.with_name("stage-0.json")  # `skippy plan` writes stage 0's token and TLS there
+        stage0 = StageConfig.load(plan) if plan.is_file() else None
+        token = token or (stage0 and stage0.auth_token)
+        tls_files = stage0.tls.resolved(plan.parent) if stage0 and stage0.tls else None
+        tls.check_exposure("stage 0's return listener", parse_endpoint(topology.driver_endpoint)[0],
+                           auth_token=token, tls=tls_files, insecure=config.insecure)
+        tls.use(tls_files)
+        client = await connect_topology(topology, config.model, auth_token=token,
                                         kv_cache=config.kv_cache(1), **every_stage, **options)
-        return ChainBackend(client, topology, auth_token=config.chain_auth_token)
+        return ChainBackend(client, topology, auth_token=token)
     if config.num_stages == 1:
         set_one_process_threads(config)
         client = await start_stage0(config.model, kv_cache=config.kv_cache(1), **every_stage, **options)

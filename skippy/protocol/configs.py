@@ -6,6 +6,7 @@ pydantic models, frozen and strict about unknown keys, validated once on load.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from pathlib import Path
 from typing import Literal, Self, Sequence
@@ -33,6 +34,16 @@ def parse_endpoint(endpoint: str, *, allow_port_zero: bool = False) -> tuple[str
     if not lowest <= port <= 65535:
         raise ValueError(f"Expected a port in {lowest}..65535 in {endpoint!r}, got {port}")
     return host, port
+
+
+def is_loopback(host: str) -> bool:
+    """A host only this machine can reach: localhost, 127.0.0.0/8, ::1."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it resolves to whatever the network says
 
 
 class _Frozen(BaseModel):
@@ -101,6 +112,19 @@ class KvCacheConfig(_Frozen):
     disk_policy: Literal["evict", "record"] = "evict"
 
 
+class TlsConfig(_Frozen):
+    """Mutual TLS for a stage's links off loopback (`skippy plan` writes the files): the chain's
+    CA, and this stage's certificate (its host in the subject alternative names) and key.
+    Relative paths are relative to the config file that holds them."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+
+    def resolved(self, base: Path) -> TlsConfig:
+        return TlsConfig(**{name: str(base / value) for name, value in self.model_dump().items()})
+
+
 class StageConfig(_Frozen):
     """One stage process: its identity, layer range, peers and runtime settings (spec §9.1)."""
 
@@ -127,6 +151,8 @@ class StageConfig(_Frozen):
     peer_wait_forwards: float = Field(0.25, ge=0.0)
     threads: int | None = Field(None, ge=1)    # torch threads; None = torch's default
     otlp_endpoint: str | None = None           # export spans over OTLP/HTTP; None = no spans
+    tls: TlsConfig | None = None               # required (with auth_token) to listen off loopback
+    insecure: bool = False                     # listen off loopback without them anyway (warned)
 
     @field_validator("bind_addr")
     @classmethod
