@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch  # first: the kernel links libgomp.so.1 and so shares the pool torch loaded
 
+from .locate import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("kernels") / name for name in ("qmatmul.c", "rows.c")]
@@ -52,8 +54,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SKIPPY_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "skippy"
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _writable(directory: Path) -> Path:
