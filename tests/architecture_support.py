@@ -156,6 +156,18 @@ def write_gguf(case: Case, model: torch.nn.Module, path: Path,
     return path
 
 
+def write_other_gguf(path: Path, arch: str) -> Path:
+    """A GGUF that says it is of architecture `arch`, with one tensor and one key."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def prompts(seed: int = 1) -> list[list[int]]:
     """Three prompts: shorter than the window, longer (verify-sized rows attend one by one),
     and past ROWS_ONE_BY_ONE (the masked kernel)."""

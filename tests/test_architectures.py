@@ -14,19 +14,19 @@ process token for token.
 from __future__ import annotations
 
 import asyncio
-import json
 import dataclasses
+import json
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
-from architecture_support import CASES, SLIDING_WINDOW, VOCAB, Case, build_reference, prompts, reference_greedy, save_hf_dir, write_gguf
+from architecture_support import (CASES, SLIDING_WINDOW, VOCAB, Case, build_reference, prompts, reference_greedy,
+                                  save_hf_dir, write_gguf, write_other_gguf)
 from chain_support import reference_greedy as our_greedy
 from chain_support import run
-from prefix_chain_support import start_cached_chain
 from numerics import record, relative_error
+from prefix_chain_support import start_cached_chain
 from skippy.model import gguf_loader, layers
 from skippy.model.args import LayerRange
 from skippy.model.errors import ModelLoadError
@@ -219,17 +219,6 @@ def test_gemma_query_scalar_comes_from_the_config(tmp_path):
 
 def test_the_window_is_smaller_than_the_long_prompts():
     assert SLIDING_WINDOW < min(len(p) for p in prompts()[1:])
-
-
-def write_other_gguf(path, arch: str):
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def test_an_unsupported_architecture_names_itself_and_the_supported_ones(tmp_path):

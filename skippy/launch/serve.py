@@ -133,7 +133,7 @@ async def build_backend(config: ServeConfig):
     from .local_chain import LocalChain, connect_topology, start_stage0
 
     tokenizer = load_tokenizer(config.model)  # first: it shares the GGUF reader that loading releases
-    ctx_size = config.ctx_size or _model_context(config.model)
+    ctx_size = config.ctx_size or model_args(config.model).context_length
     every_stage = dict(dtype=config.dtype, device=config.device, repack=config.repack,
                    otlp_endpoint=config.otlp_endpoint)
     options = dict(concurrency=config.num_lanes, ctx_size=ctx_size, activation_dtype=config.activation_dtype,
@@ -178,12 +178,13 @@ async def _advance_as_stages_come_up(chain, advance) -> None:
                 advance()
 
 
-def _model_context(path: Path) -> int:
+def model_args(path: Path):
+    """The model's hyperparameters (its GGUF reader is cached: the tokenizer shares it)."""
     from ..model.gguf_loader import open_gguf, read_model_args
     from ..model.hf_loader import read_hf_args
 
     path = Path(path)
-    return (read_hf_args(path) if path.is_dir() else read_model_args(open_gguf(path))).context_length
+    return read_hf_args(path) if path.is_dir() else read_model_args(open_gguf(path))
 
 
 async def _load_draft_model(config: ServeConfig):
@@ -230,6 +231,7 @@ async def _main(config: ServeConfig) -> None:
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # while loading
     backend: GenerationBackend | None = None
     try:
+        architecture = model_args(config.model).architecture  # first: an unsupported one fails before any stage starts
         tokenizer, backend = await build_backend(config)
         loop.remove_signal_handler(signal.SIGTERM)  # uvicorn takes over SIGINT and SIGTERM
         settings = ApiSettings(
@@ -246,20 +248,21 @@ async def _main(config: ServeConfig) -> None:
             app, host=config.host, port=config.port, log_level="warning", access_log=False,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off",
         ))  # fmt: skip
-        await _serve_until_signal(server, backend, settings.model_id)
+        await _serve_until_signal(server, backend, settings.model_id, architecture)
     finally:
         if backend is not None:
             await asyncio.shield(backend.close())
 
 
-async def _serve_until_signal(server: uvicorn.Server, backend: GenerationBackend, model_id: str) -> None:
+async def _serve_until_signal(server: uvicorn.Server, backend: GenerationBackend, model_id: str,
+                              architecture: str) -> None:
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         split = describe_split(await backend.status())
-        print(f"skippy: ready: http://{host}:{port}/v1 serving {model_id} ({split})", flush=True)
+        print(f"skippy: ready: http://{host}:{port}/v1 serving {model_id} ({architecture}, {split})", flush=True)
     await task
     if not server.started:
         sys.exit(f"skippy: error: could not start the API on {server.config.host}:{server.config.port}")
