@@ -112,7 +112,7 @@ def hf_dir(tmp_path_factory, full_weights, tokenizer) -> Path:
 
 @pytest.fixture(scope="module")
 def prompt_ids(tokenizer) -> list[int]:
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
+    return tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
 
 
 def run(model: StageModel, x: torch.Tensor) -> torch.Tensor:
