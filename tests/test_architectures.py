@@ -59,7 +59,8 @@ def built(request, tmp_path_factory) -> Built:
     case = CASES[request.param]
     directory = tmp_path_factory.mktemp(case.name)
     reference = build_reference(case)
-    paths = {"hf": save_hf_dir(reference, directory / "hf"), "gguf": write_gguf(case, reference, directory / "model.gguf")}
+    paths = {"hf": save_hf_dir(reference, directory / "hf"),
+             "gguf": write_gguf(case, reference, directory / "model.gguf")}
     texts = prompts()
     with torch.no_grad():
         logits = [reference(torch.tensor([p])).logits[0] for p in texts]

@@ -67,7 +67,8 @@ def read_model_args(reader: GGUFFile) -> ModelArgs:
             raise ModelLoadError(f"GGUF metadata is missing {name}.{key}")
         return value
 
-    num_heads, hidden, num_layers = int(get("attention.head_count")), int(get("embedding_length")), int(get("block_count"))
+    num_heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
+    num_layers = int(get("block_count"))
     head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // num_heads)))
     tensors = {t.name: t for t in reader.tensors}
     vocab = metadata_value(reader, f"{name}.vocab_size")

@@ -71,6 +71,8 @@ def read_hf_args(directory: Path) -> ModelArgs:
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     global_rope, sliding_rope = _rope_parameters(config, arch)
     theta = float(global_rope.get("rope_theta", 10000.0))
+    if sliding_rope and rope_frequency_factors(sliding_rope, theta, head_dim) is not None:
+        raise ModelLoadError(f"Scaled RoPE on sliding-window layers is not supported: {sliding_rope!r}.")
     layer_types = _layer_types(config, num_layers)
     window = config.get("sliding_window") if "sliding_attention" in layer_types else None
     return ModelArgs(

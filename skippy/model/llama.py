@@ -196,7 +196,8 @@ class StageModel:
         return self.embedding[ids].float()
 
     @staticmethod
-    def _rope_rows(segments: list[Segment], table: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_rows(segments: list[Segment], table: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin rows [T, head_dim] at the segments' positions: slices of
         the table, so a one-segment call builds no index tensor."""
         cos_table, sin_table = table

@@ -23,8 +23,8 @@ class ModelNotFoundError(FileNotFoundError):
 
 def cache_root() -> Path:
     """skippy's cache: $SKIPPY_CACHE_DIR, else $XDG_CACHE_HOME/skippy or ~/.cache/skippy."""
-    root = os.environ.get("SKIPPY_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "skippy"
-    return Path(root)
+    xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return Path(os.environ.get("SKIPPY_CACHE_DIR") or xdg / "skippy")
 
 
 def bundled_model_path() -> Path:
