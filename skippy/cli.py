@@ -177,7 +177,7 @@ def prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
         return tokenizer.encode(args.prompt)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": args.prompt})
-    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return tokenizer.encode_chat(messages, add_generation_prompt=True)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -64,11 +64,7 @@ async def prepare_chat(ctx: ServeContext, body: ChatCompletionRequest, request_i
             fields["role"] = "system"
         messages.append(fields)
 
-    def tokenize() -> list[int]:
-        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return ctx.tokenizer.encode(text)
-
-    prompt_ids = await asyncio.to_thread(tokenize)
+    prompt_ids = await asyncio.to_thread(ctx.tokenizer.encode_chat, messages, add_generation_prompt=True)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return _job(ctx, "chat", body, request_id, received_at, prompt_ids, max_tokens)
 

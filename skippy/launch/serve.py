@@ -236,9 +236,11 @@ async def _main(config: ServeConfig) -> None:
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # while loading
     backend: GenerationBackend | None = None
     try:
+        from ..model.loader import model_args
         from ..model.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_model(config.model)  # first: it shares the GGUF reader that loading releases
+        architecture = model_args(config.model).architecture  # first: an unsupported one fails before any stage starts
+        tokenizer = Tokenizer.from_model(config.model)  # it shares the GGUF reader that loading releases
         backend = await build_backend(config)
         loop.remove_signal_handler(signal.SIGTERM)  # uvicorn takes over SIGINT and SIGTERM
         api_fields = ("concurrency", "queue_size", "admission_timeout_s", "backend_timeout_s", "max_body_bytes",
@@ -251,20 +253,21 @@ async def _main(config: ServeConfig) -> None:
             app, host=config.host, port=config.port, log_level="warning", access_log=False,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off",
         ))  # fmt: skip
-        await _serve_until_signal(server, backend, settings.model_id)
+        await _serve_until_signal(server, backend, settings.model_id, architecture)
     finally:
         if backend is not None:
             await asyncio.shield(backend.close())
 
 
-async def _serve_until_signal(server: uvicorn.Server, backend: GenerationBackend, model_id: str) -> None:
+async def _serve_until_signal(server: uvicorn.Server, backend: GenerationBackend, model_id: str,
+                              architecture: str) -> None:
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         split = describe_split(await backend.status())
-        print(f"skippy: ready: http://{host}:{port}/v1 serving {model_id} ({split})", flush=True)
+        print(f"skippy: ready: http://{host}:{port}/v1 serving {model_id} ({architecture}, {split})", flush=True)
     await task
     if not server.started:
         sys.exit(f"skippy: error: could not start the API on {server.config.host}:{server.config.port}")
