@@ -18,6 +18,7 @@ import secrets
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from ..driver.client import ChainClient
@@ -212,14 +213,15 @@ class LocalChain:
         self.configs = [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)})
                         for c in configs]
 
-    async def start(self) -> ChainClient:
+    async def start(self, on_stage_ready: Callable[[], None] = lambda: None) -> ChainClient:
+        """Start every stage and stage 0; `on_stage_ready` is called as each child stage is up."""
         import torch
 
         torch.set_num_threads(self.threads)
         try:
             for attempt in range(1, START_ATTEMPTS + 1):
                 try:
-                    await self._start_stages()
+                    await self._start_stages(on_stage_ready)
                     self.client = await self._connect()
                     break
                 except PortTaken as error:
@@ -245,12 +247,13 @@ class LocalChain:
                 raise
             raise PortTaken(f"stage 0's port {self.configs[0].bind_port} was taken") from error
 
-    async def _start_stages(self) -> None:
+    async def _start_stages(self, on_ready: Callable[[], None]) -> None:
         paths = write_plan(self.topology, self.configs, self._dir.name)
         for config_path in paths[2:]:
             self.processes.append(await self._spawn(config_path, paths[0]))
-        for config, process in zip(self.configs[1:], self.processes):
+        for config, process in zip(self.configs[1:], self.processes):  # they load at once; ready in turn
             await self._wait_ready(config, process)
+            on_ready()
 
     async def restart_stage(self, index: int) -> None:
         """Start stage `index` (1..N-1) again from its config, on its own port; returns once it

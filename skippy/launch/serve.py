@@ -32,7 +32,6 @@ from ..driver.backend import GenerationBackend, StageStatus
 
 GRACEFUL_SHUTDOWN_S = 5
 DEFAULT_LANES = 8
-PROBE_INTERVAL_S = 0.25
 
 
 class ServeConfig(BaseModel):
@@ -159,11 +158,7 @@ async def build_backend(config: ServeConfig):
                        **every_stage, **options)  # fmt: skip
     description = f"Starting {config.num_stages} stages of {Path(config.model).name}"
     with progress_bar(description, config.num_stages) as advance:
-        watcher = asyncio.create_task(_advance_as_stages_come_up(chain, advance))
-        try:
-            client = await chain.start()
-        finally:
-            watcher.cancel()
+        client = await chain.start(on_stage_ready=advance)
         advance()  # stage 0, here, loads last
     return ChainBackend(client, chain.topology, auth_token=chain.auth_token, on_close=chain.close,
                         health=chain.supervisor.health)  # fmt: skip
@@ -177,19 +172,6 @@ async def generate_once(config: ServeConfig, prompt_ids, **options):
         return await backend.client.generate(prompt_ids, **options)
     finally:
         await backend.close()
-
-
-async def _advance_as_stages_come_up(chain, advance) -> None:
-    """Advance the bar as each child stage finishes loading and starts answering handshakes."""
-    from ..stage.downstream import query_stage_status
-
-    pending = list(chain.topology.stages[1:])
-    while pending:
-        await asyncio.sleep(PROBE_INTERVAL_S)
-        for stage in list(pending):
-            if await query_stage_status(stage.endpoint, chain.auth_token) is not None:
-                pending.remove(stage)
-                advance()
 
 
 async def _load_draft_model(config: ServeConfig):
