@@ -130,6 +130,9 @@ def add_stage_commands(commands) -> None:
     stage.add_argument("--config", required=True, help="stage config JSON (see `skippy plan`)")
     stage.add_argument("--topology", default=None, help="topology JSON (for the direct prediction return)")
     stage.add_argument("--threads", type=int, default=None, help="torch threads")
+    stage.add_argument("--model", dest="model_path", default=None,
+                       help="this host's copy of the model (default: the config's model_path); it must be the file "
+                            "the chain was planned for")
     stage.add_argument("--otlp-endpoint", default=None, help="export spans over OTLP/HTTP, e.g. http://127.0.0.1:4318")
     stage.add_argument("--insecure", action="store_true", default=None,
                        help="listen off loopback without an auth token or TLS anyway (warned at every start)")
@@ -252,7 +255,7 @@ def stage_config(args: argparse.Namespace):
         config = config.model_copy(update={"tls": config.tls.resolved(Path(args.config).parent)})
     overrides = {"max_inflight": args.max_inflight, "reply_credit_limit": args.reply_credit_limit,
                  "repack_weights": False if args.no_repack else None, "threads": args.threads,
-                 "otlp_endpoint": args.otlp_endpoint, "insecure": args.insecure}
+                 "otlp_endpoint": args.otlp_endpoint, "insecure": args.insecure, "model_path": args.model_path}
     overrides = {key: value for key, value in overrides.items() if value is not None}
     kv_overrides = {"disk_budget_bytes": args.kv_disk_budget}
     if args.kv_disk_dir is not None:  # this stage's own subdirectory, as `skippy serve` does

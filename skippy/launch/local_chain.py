@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..driver.client import ChainClient
 from ..model.args import ModelArgs
+from ..model.fingerprint import check_model, model_fingerprint
 from ..model.loader import load_stage, model_args
 from ..model.threads import CO_LOCATED_SPIN_COUNT
 from ..protocol import (
@@ -75,8 +76,9 @@ def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[fl
                             layer_start=start, layer_end=end, host=parse_endpoint(endpoint)[0],
                             standby_endpoints=standbys.get(i, []))
               for i, (endpoint, (start, end)) in enumerate(zip(endpoints, ranges))]
-    topology = Topology(topology_id=f"chain-{secrets.token_hex(4)}",
-                        model_id=Path(model_path).stem, stages=stages)
+    fingerprint = model_fingerprint(model_path)
+    topology = Topology(topology_id=f"chain-{secrets.token_hex(4)}", model_id=Path(model_path).stem, stages=stages,
+                        model_fingerprint=fingerprint)
 
     def peer(i: int) -> PeerEndpoint | None:
         if not 0 <= i < len(stages):
@@ -86,7 +88,7 @@ def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[fl
 
     configs = [StageConfig(stage_id=s.stage_id, stage_index=s.stage_index,
                            layer_start=s.layer_start, layer_end=s.layer_end,
-                           model_path=str(model_path), bind_addr=s.endpoint,
+                           model_path=str(model_path), model_fingerprint=fingerprint, bind_addr=s.endpoint,
                            upstream=peer(s.stage_index - 1), downstream=peer(s.stage_index + 1),
                            **stage_options)
                for s in stages]
@@ -132,6 +134,7 @@ async def connect_topology(topology: Topology, model_path: str | Path, *,
                            auth_token: str | None = None, **options) -> ChainClient:
     """Stage 0 for a running chain: load layers [0, k), listen on the topology's stage-0
     endpoint for the direct return, connect the lanes to stage 1."""
+    check_model(model_path, topology.model_fingerprint, "stage 0")
     first = topology.stages[0]
     downstream = topology.stages[1].endpoints if len(topology.stages) > 1 else None
     return await start_stage0(model_path, (first.layer_start, first.layer_end), downstream=downstream,

@@ -133,6 +133,7 @@ class StageConfig(_Frozen):
     layer_start: int = Field(ge=0)
     layer_end: int = Field(ge=1)               # half-open
     model_path: str
+    model_fingerprint: str | None = None       # the planned model's (model/fingerprint.py); checked at start
     ctx_size: int = Field(2048, ge=1)
     lane_count: int = Field(4, ge=1)
     bind_addr: str = "127.0.0.1:0"             # loopback by default; port 0 = OS-chosen
@@ -235,6 +236,7 @@ class Topology(_Frozen):
     topology_id: str
     model_id: str
     stages: list[TopologyStage] = Field(min_length=1)
+    model_fingerprint: str | None = None  # of the file the chain was planned for: every stage's must match
 
     @model_validator(mode="after")
     def _chain(self) -> Topology:

@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from ..model.fingerprint import check_model
 from ..model.loader import load_stage
 from ..protocol import StageConfig, Topology
 from ..runtime.engine import StageRuntime
@@ -65,6 +66,7 @@ async def serve_stage(config: StageConfig, topology: Topology | None = None) -> 
     tls.check_exposure(f"stage {config.stage_index}", config.bind_host, auth_token=config.auth_token,
                        tls=config.tls, insecure=config.insecure)
     tls.use(config.tls)
+    check_model(config.model_path, config.model_fingerprint, f"stage {config.stage_index}")
     sock = bind_listener(config)
     telemetry = Telemetry(f"skippy-stage{config.stage_index}", config.otlp_endpoint)
     runtime = load_stage_runtime(config, telemetry)
