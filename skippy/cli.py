@@ -8,6 +8,8 @@ import sys
 
 from .console import configure_logging
 
+WIRE_FIELDS = ("delay_ms", "jitter_ms", "mbps", "stall_ms", "stall_p", "seed")  # protocol.LinkConditioning's
+
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="GGUF file or Hugging Face directory (default: the bundled SmolLM2)")
@@ -141,6 +143,10 @@ def add_stage_commands(commands) -> None:
     stage.add_argument("--no-repack", action="store_true",
                        help="no batch-friendly copy of float32 CPU weights (overrides the config)")
     add_kv_disk_options(stage, "this stage; overrides the config")
+    for field in WIRE_FIELDS:  # --downstream-wire-delay-ms, -jitter-ms, -mbps, -stall-ms, -stall-p, -seed
+        stage.add_argument(f"--downstream-wire-{field.replace('_', '-')}", dest=f"wire_{field}", default=None,
+                           type=int if field == "seed" else float,
+                           help="a test knob: what a WAN does to the frames this stage sends (docs/operations.md)")
     stage.set_defaults(run=run_stage)
 
     plan = commands.add_parser("plan", help="split the layers over hosts; write stage configs and topology")
@@ -257,6 +263,9 @@ def stage_config(args: argparse.Namespace):
                  "repack_weights": False if args.no_repack else None, "threads": args.threads,
                  "otlp_endpoint": args.otlp_endpoint, "insecure": args.insecure, "model_path": args.model_path}
     overrides = {key: value for key, value in overrides.items() if value is not None}
+    wire = {field: getattr(args, f"wire_{field}") for field in WIRE_FIELDS if getattr(args, f"wire_{field}") is not None}
+    if wire:
+        overrides["link_conditioning"] = wire
     kv_overrides = {"disk_budget_bytes": args.kv_disk_budget}
     if args.kv_disk_dir is not None:  # this stage's own subdirectory, as `skippy serve` does
         kv_overrides["disk_dir"] = str(Path(args.kv_disk_dir).resolve() / f"stage-{config.stage_index}")

@@ -27,12 +27,13 @@ from ..model.fingerprint import check_model, model_fingerprint
 from ..model.loader import load_stage, model_args
 from ..model.threads import CO_LOCATED_SPIN_COUNT
 from ..protocol import (
-    KvCacheConfig, PeerEndpoint, StageConfig, Topology, TopologyStage, parse_endpoint,
+    KvCacheConfig, LinkConditioning, PeerEndpoint, StageConfig, Topology, TopologyStage, parse_endpoint,
     plan_layer_split,
 )
 from ..runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX, WEIGHT_DTYPES
+from ..stage import link
 from ..stage.tls import issue_certificates
 from ..telemetry import Telemetry
 from .supervisor import Supervisor
@@ -175,7 +176,7 @@ class LocalChain:
                  dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
                  log_level: str = "WARNING", otlp_endpoint: str | None = None,
                  kv_cache: KvCacheConfig | None = None, max_restarts: int | None = None,
-                 **client_options):
+                 link_conditioning: LinkConditioning | None = None, **client_options):
         """`kv_cache`: every stage's prefix-cache settings (disk tier: one subdirectory per
         stage under `disk_dir`); None: no prefix cache anywhere. `threads`: torch threads in
         every stage; by default every core: a stream visits the stages in turn, so each may use
@@ -183,7 +184,8 @@ class LocalChain:
         71 with 1), provided a waiting stage's OpenMP workers stop spinning soon
         (model/threads.py: CO_LOCATED_SPIN_COUNT, given to the stage processes here).
         `max_restarts`: supervise the stage processes (supervisor.py), restarting each at most
-        this often; None: no supervision (a stage that dies stays down)."""
+        this often; None: no supervision (a stage that dies stays down). `link_conditioning`: a
+        test knob on every link of the chain, stage 0's lanes included (stage/link.py)."""
         if num_stages < 2:
             raise ValueError(f"Expected at least 2 stages for a chain, got {num_stages}")
         threads = threads or os.cpu_count() or 1
@@ -195,7 +197,8 @@ class LocalChain:
                                    ctx_size=ctx_size, lane_count=lane_count,
                                    weight_dtype=_WEIGHT_NAMES[dtype], repack_weights=repack, device=device,
                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, threads=threads,
-                                   otlp_endpoint=otlp_endpoint)
+                                   otlp_endpoint=otlp_endpoint, link_conditioning=link_conditioning)
+        self.link_conditioning = link_conditioning
         self._stage0_options = dict(dtype=dtype, device=device, repack=repack, concurrency=concurrency,
                                     ctx_size=ctx_size, activation_dtype=activation_dtype, kv_cache=kv_cache,
                                     otlp_endpoint=otlp_endpoint, peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS,
@@ -221,6 +224,7 @@ class LocalChain:
         import torch
 
         torch.set_num_threads(self.threads)
+        link.use(self.link_conditioning)  # stage 0 is this process
         try:
             for attempt in range(1, START_ATTEMPTS + 1):
                 try:
@@ -297,6 +301,7 @@ class LocalChain:
             self.client = None
         await self._stop_stages()
         self._dir.cleanup()
+        link.use(None)
 
     async def _stop_stages(self) -> None:
         for process in self.processes:

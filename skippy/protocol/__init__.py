@@ -4,7 +4,7 @@ No torch here; asyncio only in `stream`. See docs/protocol.md.
 """
 
 from .configs import (
-    KvCacheConfig, PeerEndpoint, StageConfig, TlsConfig, Topology, TopologyStage, is_loopback, parse_endpoint,
+    KvCacheConfig, LinkConditioning, PeerEndpoint, StageConfig, TlsConfig, Topology, TopologyStage, is_loopback, parse_endpoint,
     plan_layer_split,
 )
 from .constants import (
@@ -29,7 +29,7 @@ from .stream import (
 )
 
 __all__ = [
-    "ActivationDtype", "AuthError", "AuthPreamble", "FrameError", "KIND_INFO", "KvCacheConfig",
+    "ActivationDtype", "AuthError", "AuthPreamble", "FrameError", "KIND_INFO", "KvCacheConfig", "LinkConditioning",
     "MessageKind", "PROTOCOL_VERSION", "PeerEndpoint", "Phase", "ProtocolError", "Ready",
     "ReplyKind", "SamplingConfig", "StageConfig", "StageMessage", "StageReply", "StageReplyStats",
     "StageStatusReport", "StateFlags", "TlsConfig", "Topology", "TopologyStage", "VersionMismatch", "cache_namespace_digest",

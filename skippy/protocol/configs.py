@@ -125,6 +125,19 @@ class TlsConfig(_Frozen):
         return TlsConfig(**{name: str(base / value) for name, value in self.model_dump().items()})
 
 
+class LinkConditioning(_Frozen):
+    """A test knob (the original's --downstream-wire-* flags): what a WAN link would do to the
+    frames this process sends: a fixed delay, jitter, a bandwidth cap and random stalls,
+    from a seeded generator so a run repeats. Off unless a config sets it."""
+
+    delay_ms: float = Field(0.0, ge=0)    # one way, every frame
+    jitter_ms: float = Field(0.0, ge=0)   # plus uniform [0, jitter) per frame (order is kept)
+    mbps: float = Field(0.0, ge=0)        # the link's rate in Mbit/s; 0 = unlimited
+    stall_ms: float = Field(0.0, ge=0)    # a stall this long ...
+    stall_p: float = Field(0.0, ge=0, le=1)  # ... before a frame, with this probability
+    seed: int = 0
+
+
 class StageConfig(_Frozen):
     """One stage process: its identity, layer range, peers and runtime settings (spec §9.1)."""
 
@@ -154,6 +167,7 @@ class StageConfig(_Frozen):
     otlp_endpoint: str | None = None           # export spans over OTLP/HTTP; None = no spans
     tls: TlsConfig | None = None               # required (with auth_token) to listen off loopback
     insecure: bool = False                     # listen off loopback without them anyway (warned)
+    link_conditioning: LinkConditioning | None = None  # a test knob on the links this stage dials
 
     @field_validator("bind_addr")
     @classmethod

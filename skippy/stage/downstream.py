@@ -23,7 +23,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from . import tls
+from . import link, tls
 from ..protocol import (
     MessageKind, ProtocolError, ReplyKind, StageMessage, StageReply, StageReplyStats, StageStatusReport,
     client_handshake, merge, parse_endpoint, prefill_edge_observation, read_reply, write_message,
@@ -63,7 +63,7 @@ async def open_connection(endpoint: str, *, auth_token: str | None,
     except (ProtocolError, OSError) as error:
         writer.close()
         raise LinkBroken(f"handshake with stage at {endpoint} failed: {error}") from error
-    return reader, writer
+    return reader, link.conditioned(writer)  # as is, unless a test conditions this process's links
 
 
 async def query_stage_status(endpoint: str, auth_token: str | None) -> StageStatusReport | None:

@@ -17,7 +17,7 @@ from ..protocol import StageConfig, Topology
 from ..runtime.engine import StageRuntime
 from ..runtime.stage_cache import StagePrefixCache
 from ..telemetry import Telemetry
-from . import tls
+from . import link, tls
 from .server import StageServer
 
 log = logging.getLogger("skippy.stage")
@@ -66,6 +66,7 @@ async def serve_stage(config: StageConfig, topology: Topology | None = None) -> 
     tls.check_exposure(f"stage {config.stage_index}", config.bind_host, auth_token=config.auth_token,
                        tls=config.tls, insecure=config.insecure)
     tls.use(config.tls)
+    link.use(config.link_conditioning)
     check_model(config.model_path, config.model_fingerprint, f"stage {config.stage_index}")
     sock = bind_listener(config)
     telemetry = Telemetry(f"skippy-stage{config.stage_index}", config.otlp_endpoint)
