@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except KeyboardInterrupt:
         return 130
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:  # a bad file, a taken port, a refused chain
         print(f"skippy: error: {_one_line(exc)}", file=sys.stderr)
         return 2
 
