@@ -7,8 +7,7 @@ import json
 import sys
 
 from .console import configure_logging
-
-WIRE_FIELDS = ("delay_ms", "jitter_ms", "mbps", "stall_ms", "stall_p", "seed")  # protocol.LinkConditioning's
+from .protocol import LinkConditioning
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -140,10 +139,10 @@ def add_stage_commands(commands) -> None:
                        help="listen off loopback without an auth token or TLS anyway (warned at every start)")
     stage.add_argument("--max-inflight", type=int, default=None, help="async forwarder depth (overrides the config)")
     stage.add_argument("--reply-credit-limit", type=int, default=None, help="deferred ACKs before a credit wait")
-    stage.add_argument("--no-repack", action="store_true",
+    stage.add_argument("--no-repack", dest="repack_weights", action="store_false", default=None,
                        help="no batch-friendly copy of float32 CPU weights (overrides the config)")
     add_kv_disk_options(stage, "this stage; overrides the config")
-    for field in WIRE_FIELDS:  # --downstream-wire-delay-ms, -jitter-ms, -mbps, -stall-ms, -stall-p, -seed
+    for field in LinkConditioning.model_fields:  # --downstream-wire-delay-ms, -jitter-ms, -mbps, ...
         stage.add_argument(f"--downstream-wire-{field.replace('_', '-')}", dest=f"wire_{field}", default=None,
                            type=int if field == "seed" else float,
                            help="a test knob: what a WAN does to the frames this stage sends (docs/operations.md)")
@@ -251,30 +250,22 @@ def run_stage(args: argparse.Namespace) -> int:
 
 
 def stage_config(args: argparse.Namespace):
-    """`skippy stage`'s config file with the command line's overrides applied."""
+    """`skippy stage`'s config file with the command line's overrides (named as its fields)."""
     from pathlib import Path
 
-    from .protocol import StageConfig
+    from .protocol import LinkConditioning, StageConfig
 
     config = StageConfig.load(args.config)
+    given = {name: value for name, value in vars(args).items() if name in StageConfig.model_fields and value is not None}
     if config.tls is not None:  # its files sit beside the config (the plan's tls/)
-        config = config.model_copy(update={"tls": config.tls.resolved(Path(args.config).parent)})
-    overrides = {"max_inflight": args.max_inflight, "reply_credit_limit": args.reply_credit_limit,
-                 "repack_weights": False if args.no_repack else None, "threads": args.threads,
-                 "otlp_endpoint": args.otlp_endpoint, "insecure": args.insecure, "model_path": args.model_path}
-    overrides = {key: value for key, value in overrides.items() if value is not None}
-    wire = {field: getattr(args, f"wire_{field}") for field in WIRE_FIELDS if getattr(args, f"wire_{field}") is not None}
-    if wire:
-        overrides["link_conditioning"] = wire
-    kv_overrides = {"disk_budget_bytes": args.kv_disk_budget}
-    if args.kv_disk_dir is not None:  # this stage's own subdirectory, as `skippy serve` does
-        kv_overrides["disk_dir"] = str(Path(args.kv_disk_dir).resolve() / f"stage-{config.stage_index}")
-    kv_overrides = {key: value for key, value in kv_overrides.items() if value is not None}
-    if kv_overrides:
-        overrides["kv_cache"] = {**config.kv_cache.model_dump(), **kv_overrides}
-    if overrides:
-        config = StageConfig.model_validate({**config.model_dump(), **overrides})
-    return config
+        given["tls"] = config.tls.resolved(Path(args.config).parent)
+    if wire := {f: getattr(args, f"wire_{f}") for f in LinkConditioning.model_fields if getattr(args, f"wire_{f}") is not None}:
+        given["link_conditioning"] = wire
+    kv = {"disk_budget_bytes": args.kv_disk_budget, "disk_dir": args.kv_disk_dir and str(  # its own subdirectory
+        Path(args.kv_disk_dir).resolve() / f"stage-{config.stage_index}")}
+    if kv := {key: value for key, value in kv.items() if value is not None}:
+        given["kv_cache"] = {**config.kv_cache.model_dump(), **kv}
+    return StageConfig.model_validate({**config.model_dump(), **given})
 
 
 def run_plan(args: argparse.Namespace) -> int:

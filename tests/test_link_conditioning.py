@@ -10,9 +10,9 @@ import time
 import pytest
 
 from chain_support import run
-from skippy.cli import WIRE_FIELDS
+from skippy.cli import build_parser, stage_config
 from skippy.launch.local_chain import LocalChain
-from skippy.protocol import LinkConditioning
+from skippy.protocol import LinkConditioning, StageConfig
 from skippy.stage.link import ConditionedWriter
 
 
@@ -57,8 +57,13 @@ def test_jitter_is_seeded_and_keeps_order():
     assert [round(a, 2) for a, _ in first] == pytest.approx([round(a, 2) for a, _ in second], abs=0.02)
 
 
-def test_the_cli_flags_cover_every_field():
-    assert set(WIRE_FIELDS) == set(LinkConditioning.model_fields)
+def test_the_stage_command_sets_each_field(tmp_path):
+    StageConfig(stage_id="s1", stage_index=1, layer_start=0, layer_end=1, model_path="m.gguf").save(tmp_path / "s.json")
+    flags = ["--downstream-wire-delay-ms", "20", "--downstream-wire-jitter-ms", "3", "--downstream-wire-mbps", "100",
+             "--downstream-wire-stall-ms", "50", "--downstream-wire-stall-p", "0.1", "--downstream-wire-seed", "4"]
+    config = stage_config(build_parser().parse_args(["stage", "--config", str(tmp_path / "s.json"), *flags]))
+    assert config.link_conditioning == LinkConditioning(delay_ms=20, jitter_ms=3, mbps=100, stall_ms=50,
+                                                        stall_p=0.1, seed=4)
 
 
 @pytest.mark.slow
