@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 TOKEN_TYPE_CONTROL = 3  # gguf TokenType.CONTROL, e.g. <|im_start|>
@@ -25,6 +25,15 @@ TOKEN_TYPE_USER_DEFINED = 4  # gguf TokenType.USER_DEFINED, e.g. <think>
 # where whitespace runs into a digit ("  1": llama.cpp ĠĠ,1; transformers Ġ,Ġ,1).
 # We follow transformers, the reference the tests compare against.
 GPT2_REGEX_PRE_TOKENIZERS = frozenset({"default", "gpt2", "smollm", "starcoder", "refact"})
+
+# How these families' byte-level BPE splits text before merging: the regex of their
+# tokenizer.json, which llama.cpp names by `tokenizer.ggml.pre` (and applies for it).
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # digits in threes
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # every digit alone
+PRE_TOKENIZER_SPLITS = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT,
+                        "smaug-bpe": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT}
 
 # Architectures whose "llama" (SentencePiece) vocabulary we rebuild, as transformers does for them.
 SENTENCEPIECE_ARCHITECTURES = ("gemma3",)
@@ -41,9 +50,10 @@ def backend_from_gguf(fields: Mapping[str, Any]) -> Backend:
     token_types: list[int] = fields.get("tokenizer.ggml.token_type", [])
     if model == "gpt2":
         pre = fields.get("tokenizer.ggml.pre", "default")
-        if pre not in GPT2_REGEX_PRE_TOKENIZERS:
+        if pre not in GPT2_REGEX_PRE_TOKENIZERS | PRE_TOKENIZER_SPLITS.keys():
             warnings.warn(f"GGUF pre-tokenizer {pre!r} is unknown here; splitting with the GPT-2 regex.", stacklevel=3)
-        return _byte_level_bpe(tokens, token_types, fields.get("tokenizer.ggml.merges", []))
+        return _byte_level_bpe(tokens, token_types, fields.get("tokenizer.ggml.merges", []),
+                               PRE_TOKENIZER_SPLITS.get(pre))
     if model == "llama" and arch in SENTENCEPIECE_ARCHITECTURES:
         unk = fields.get("tokenizer.ggml.unknown_token_id")
         return _gemma_bpe(tokens, token_types, None if unk is None else tokens[unk])
@@ -86,8 +96,10 @@ def _byte_alphabet() -> dict[int, str]:
     return {byte: chr(char) for byte, char in zip(printable, chars)}
 
 
-def _byte_level_bpe(tokens: list[str], token_types: Sequence[int], merges: list[str]) -> Backend:
-    """GPT-2 style BPE over the GGUF vocabulary, with control tokens kept whole."""
+def _byte_level_bpe(tokens: list[str], token_types: Sequence[int], merges: list[str],
+                    split: str | None = None) -> Backend:
+    """GPT-2 style BPE over the GGUF vocabulary, with control tokens kept whole; text is
+    split by `split` (a regex) before the byte mapping, else by GPT-2's own regex."""
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
 
@@ -105,7 +117,9 @@ def _byte_level_bpe(tokens: list[str], token_types: Sequence[int], merges: list[
             fuse_unk=False,
         )
     )
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
+    backend.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
     backend.decoder = decoders.ByteLevel()
     # A control token spelled outside the byte alphabet is a llama.cpp mislabel; transformers skips it too.
     return _added_tokens(backend, tokens, token_types, vocab, is_spelled=lambda token: set(token) <= alphabet)
