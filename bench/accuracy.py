@@ -139,7 +139,7 @@ def main() -> None:
 
     with console.status("transformers float32: loading (converts the GGUF, ~30 s) and continuing the prompts"):
         reference = Transformers(path)
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
+        prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
         sequences = [(p, reference.greedy(p, options.tokens)) for p in prompts]
 
     engines = {"transformers float32": lambda: reference}

@@ -183,7 +183,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else bundled_model_path()
     tokenizer = Tokenizer.from_model(path)
-    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
+    prompt_ids = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     body = {"model": model_id_for(path), "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
             "max_tokens": args.max_tokens, "logit_bias": {str(k): v for k, v in NO_EOS.items()}, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip

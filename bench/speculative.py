@@ -131,7 +131,7 @@ async def main(options) -> None:
     path = bundled_model_path()
     tokenizer = Tokenizer.from_gguf(path)
     options.stop_ids = tokenizer.eog_ids
-    prompts = {name: tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+    prompts = {name: tokenizer.encode_chat([{"role": "user", "content": text}])
                for name, text in PROMPTS.items()}
     arm_settings = arms(options)
     results = {(p, arm): Runs() for p in prompts for arm in arm_settings}

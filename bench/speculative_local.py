@@ -131,7 +131,7 @@ def main() -> None:
         draft_model = load_stage(options.draft_model, progress=False) if options.draft_model else None
     tokenizer = Tokenizer.from_gguf(path)
     options.stop_ids = tokenizer.eog_ids
-    prompts = {name: tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+    prompts = {name: tokenizer.encode_chat([{"role": "user", "content": text}])
                for name, text in PROMPTS.items()}  # fmt: skip
     arms = ["off", *NGRAM_ARMS, *(["draft"] if draft_model else [])]
     results = {(p, arm): Runs() for p in prompts for arm in arms}

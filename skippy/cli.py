@@ -7,6 +7,7 @@ import json
 import sys
 
 from .console import configure_logging
+from .protocol import LinkConditioning
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--admission-timeout", dest="admission_timeout_s", type=float, default=60.0, help="seconds a request may wait (0 = no limit)")
     serve.add_argument("--backend-timeout", dest="backend_timeout_s", type=float, default=600.0, help="seconds without a token before 504")
     serve.add_argument("--auth-token", default=None, help="require Authorization: Bearer TOKEN on /v1/*")
-    serve.add_argument("--chain-auth-token", default=None, help="the stages' transport token (with --topology)")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model names clients send (the first is listed first; default: the file's name)")
+    serve.add_argument("--allowed-origins", type=lambda text: [o.strip() for o in text.split(",") if o.strip()],
+                       default=None, help="CORS: comma-separated browser origins allowed to call the API, or * "
+                                          "(default: none; same-origin and non-browser clients need none)")
+    serve.add_argument("--chain-auth-token", default=None,
+                       help="the stages' transport token (with --topology; default: the plan's stage-0.json)")
+    serve.add_argument("--insecure", action="store_true", default=None,
+                       help="with --topology: listen off loopback without a chain token or TLS anyway (warned)")
     serve.add_argument("--threads", type=int, default=None, help="torch threads in every stage (this one too)")
     serve.add_argument("--max-restarts", type=int, default=5,
                        help="restart a local stage process that dies or hangs at most this often (0 = never)")
@@ -122,12 +131,21 @@ def add_stage_commands(commands) -> None:
     stage.add_argument("--config", required=True, help="stage config JSON (see `skippy plan`)")
     stage.add_argument("--topology", default=None, help="topology JSON (for the direct prediction return)")
     stage.add_argument("--threads", type=int, default=None, help="torch threads")
+    stage.add_argument("--model", dest="model_path", default=None,
+                       help="this host's copy of the model (default: the config's model_path); it must be the file "
+                            "the chain was planned for")
     stage.add_argument("--otlp-endpoint", default=None, help="export spans over OTLP/HTTP, e.g. http://127.0.0.1:4318")
+    stage.add_argument("--insecure", action="store_true", default=None,
+                       help="listen off loopback without an auth token or TLS anyway (warned at every start)")
     stage.add_argument("--max-inflight", type=int, default=None, help="async forwarder depth (overrides the config)")
     stage.add_argument("--reply-credit-limit", type=int, default=None, help="deferred ACKs before a credit wait")
-    stage.add_argument("--no-repack", action="store_true",
+    stage.add_argument("--no-repack", dest="repack_weights", action="store_false", default=None,
                        help="no batch-friendly copy of float32 CPU weights (overrides the config)")
     add_kv_disk_options(stage, "this stage; overrides the config")
+    for field in LinkConditioning.model_fields:  # --downstream-wire-delay-ms, -jitter-ms, -mbps, ...
+        stage.add_argument(f"--downstream-wire-{field.replace('_', '-')}", dest=f"wire_{field}", default=None,
+                           type=int if field == "seed" else float,
+                           help="a test knob: what a WAN does to the frames this stage sends (docs/operations.md)")
     stage.set_defaults(run=run_stage)
 
     plan = commands.add_parser("plan", help="split the layers over hosts; write stage configs and topology")
@@ -139,7 +157,9 @@ def add_stage_commands(commands) -> None:
                       help="standby stages for stage N's layers (repeatable): requests fail over to them "
                            "when stage N is lost")
     plan.add_argument("--out", default=".", help="directory for topology.json and stage-N.json")
-    plan.add_argument("--auth-token", default=None)
+    plan.add_argument("--auth-token", default=None, help="the chain's token (default: a fresh random one)")
+    plan.add_argument("--tls", action="store_true", help="TLS certificates even if every host is loopback "
+                                                           "(they are written whenever one is not)")
     plan.add_argument("--ctx-size", type=int, default=2048)
     plan.add_argument("--lane-count", type=int, default=4)
     plan.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
@@ -165,7 +185,7 @@ def prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
         return tokenizer.encode(args.prompt)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": args.prompt})
-    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return tokenizer.encode_chat(messages, add_generation_prompt=True)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -230,29 +250,29 @@ def run_stage(args: argparse.Namespace) -> int:
 
 
 def stage_config(args: argparse.Namespace):
-    """`skippy stage`'s config file with the command line's overrides applied."""
+    """`skippy stage`'s config file with the command line's overrides (named as its fields)."""
     from pathlib import Path
 
-    from .protocol import StageConfig
+    from .protocol import LinkConditioning, StageConfig
 
     config = StageConfig.load(args.config)
-    overrides = {"max_inflight": args.max_inflight, "reply_credit_limit": args.reply_credit_limit,
-                 "repack_weights": False if args.no_repack else None, "threads": args.threads,
-                 "otlp_endpoint": args.otlp_endpoint}
-    overrides = {key: value for key, value in overrides.items() if value is not None}
-    kv_overrides = {"disk_budget_bytes": args.kv_disk_budget}
-    if args.kv_disk_dir is not None:  # this stage's own subdirectory, as `skippy serve` does
-        kv_overrides["disk_dir"] = str(Path(args.kv_disk_dir).resolve() / f"stage-{config.stage_index}")
-    kv_overrides = {key: value for key, value in kv_overrides.items() if value is not None}
-    if kv_overrides:
-        overrides["kv_cache"] = {**config.kv_cache.model_dump(), **kv_overrides}
-    if overrides:
-        config = StageConfig.model_validate({**config.model_dump(), **overrides})
-    return config
+    given = {name: value for name, value in vars(args).items() if name in StageConfig.model_fields and value is not None}
+    if config.tls is not None:  # its files sit beside the config (the plan's tls/)
+        given["tls"] = config.tls.resolved(Path(args.config).parent)
+    if wire := {f: getattr(args, f"wire_{f}") for f in LinkConditioning.model_fields if getattr(args, f"wire_{f}") is not None}:
+        given["link_conditioning"] = wire
+    kv = {"disk_budget_bytes": args.kv_disk_budget, "disk_dir": args.kv_disk_dir and str(  # its own subdirectory
+        Path(args.kv_disk_dir).resolve() / f"stage-{config.stage_index}")}
+    if kv := {key: value for key, value in kv.items() if value is not None}:
+        given["kv_cache"] = {**config.kv_cache.model_dump(), **kv}
+    return StageConfig.model_validate({**config.model_dump(), **given})
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    import secrets
+
     from .launch.local_chain import plan_chain, write_plan
+    from .protocol import is_loopback, parse_endpoint
 
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
     if len(hosts) != args.stages:
@@ -265,9 +285,11 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"Expected --standby N=HOST:PORT[,HOST:PORT], got {entry!r}")
         standbys.setdefault(int(index), []).extend(e.strip() for e in endpoints.split(",") if e.strip())
     topology, configs = plan_chain(model_path(args), hosts, weights=weights, standbys=standbys,
-                                   auth_token=args.auth_token, ctx_size=args.ctx_size, lane_count=args.lane_count,
+                                   auth_token=args.auth_token or secrets.token_urlsafe(32),
+                                   ctx_size=args.ctx_size, lane_count=args.lane_count,
                                    activation_dtype=args.activation_dtype)
-    for written in write_plan(topology, configs, args.out):
+    off_loopback = not all(is_loopback(parse_endpoint(e)[0]) for s in topology.stages for e in s.endpoints)
+    for written in write_plan(topology, configs, args.out, tls=args.tls or off_loopback):
         print(written)
     for stage in topology.stages:
         spares = f" (standbys: {', '.join(stage.standby_endpoints)})" if stage.standby_endpoints else ""
@@ -282,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except KeyboardInterrupt:
         return 130
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:  # a bad file, a taken port, a refused chain
         print(f"skippy: error: {_one_line(exc)}", file=sys.stderr)
         return 2
 

@@ -33,7 +33,7 @@ PROMPTS = {
 
 
 def encode_prompts(tokenizer) -> dict[str, list[int]]:
-    return {name: tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+    return {name: tokenizer.encode_chat([{"role": "user", "content": text}])
             for name, text in PROMPTS.items()}
 
 

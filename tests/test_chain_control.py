@@ -25,6 +25,12 @@ def greedy(make_stage):
     return reference_greedy(make_stage(), PROMPT, 8)[0]
 
 
+async def verify(session, tokens, window_id, *, pos_start=None):
+    """One VerifyWindow and its predictions (the decoder sends and waits apart, to pipeline them)."""
+    await session.submit_verify(tokens, window_id, pos_start=pos_start)
+    return await session.wait_window(window_id)
+
+
 def final_session(chain):
     (session,) = [chain.servers[-1].runtime.session(k) for k in chain.servers[-1].runtime.sessions.keys()]
     return session
@@ -55,9 +61,9 @@ def test_verify_window_rows_equal_sequential_decode(make_stage, greedy):
             async with chain.client.session(SamplingConfig(), P) as s:
                 await s.prefill(PROMPT)
                 # drafts that are right: one target prediction per row, as sequential decode
-                assert await s.verify(greedy[:4], window_id=7) == greedy[1:5]
+                assert await verify(s, greedy[:4], window_id=7) == greedy[1:5]
                 # a wrong draft: row 0 still predicts greedy[1]; pos_start rewinds every stage
-                rows = await s.verify([greedy[0], 17, 99], window_id=8, pos_start=P)
+                rows = await verify(s, [greedy[0], 17, 99], window_id=8, pos_start=P)
                 assert rows[0] == greedy[1]
         finally:
             await chain.close()
@@ -71,7 +77,7 @@ def test_retire_then_decode(make_stage, greedy):
         try:
             async with chain.client.session(SamplingConfig(), P) as s:
                 await s.prefill(PROMPT)
-                assert await s.verify(greedy[:4], window_id=3) == greedy[1:5]
+                assert await verify(s, greedy[:4], window_id=3) == greedy[1:5]
                 assert set(final_session(chain).verify_windows) == {3}
                 await s.retire(P, 1)  # all drafts accepted: the window's checkpoint goes
                 assert await s.decode(greedy[4], pos_start=P + 4) == greedy[5]
@@ -111,7 +117,7 @@ def test_final_stage_skips_discarded_windows_middle_stages_run_them(make_stage, 
                 await s.prefill(PROMPT)
                 await s.discard_windows(5, 5)
                 await s.submit_verify(greedy[:2], window_id=5)       # stale: never answered
-                assert await s.verify(greedy[:3], window_id=6, pos_start=P) == greedy[1:4]
+                assert await verify(s, greedy[:3], window_id=6, pos_start=P) == greedy[1:4]
                 middle = chain.servers[0].runtime
                 assert set(middle.session(middle.sessions.keys()[0]).verify_windows) == {5, 6}
                 assert set(final_session(chain).verify_windows) == {6}

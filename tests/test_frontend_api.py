@@ -7,6 +7,7 @@ load; several small apps share it:
     impatient   1 ms backend timeout                         (504)
     faulty      a backend wrapper that fails on demand        (503, mid-stream errors)
     locked      --auth-token                                  (401)
+    aliased     --served-model-name smol gpt-4o-mini, --allowed-origins http://localhost:3000, a token
 """
 
 from __future__ import annotations
@@ -84,11 +85,14 @@ def stack(gguf_path, tokenizer):
         "impatient": create_app(backend, tokenizer, ApiSettings(model_id=model_id, backend_timeout_s=0.001)),
         "faulty": create_app(faulty, tokenizer, ApiSettings(model_id=model_id)),
         "locked": create_app(backend, tokenizer, ApiSettings(model_id=model_id, auth_token="s3cret")),
+        "aliased": create_app(backend, tokenizer, ApiSettings(model_id="smol", aliases=("gpt-4o-mini",),
+                                                              allowed_origins=("http://localhost:3000",),
+                                                              auth_token="s3cret")),
     }  # fmt: skip
     with running_server(apps["main"]) as main, running_server(apps["tight"]) as tight, \
             running_server(apps["impatient"]) as impatient, running_server(apps["faulty"]) as faulty_url, \
-            running_server(apps["locked"]) as locked:  # fmt: skip
-        yield dict(main=main, tight=tight, impatient=impatient, faulty=faulty_url, locked=locked,
+            running_server(apps["locked"]) as locked, running_server(apps["aliased"]) as aliased:  # fmt: skip
+        yield dict(main=main, tight=tight, impatient=impatient, faulty=faulty_url, locked=locked, aliased=aliased,
                    backend=backend, faulty_backend=faulty, model=model_id)  # fmt: skip
     asyncio.run(backend.close())
 
@@ -165,7 +169,7 @@ def test_history_and_content_parts_reach_the_template(client, stack, tokenizer):
     flat = [{**m, "content": flatten(m["content"])} for m in messages]
     response = chat(client, stack, messages=messages, temperature=0, max_tokens=4,
                     extra_body={"return_token_ids": True})  # fmt: skip
-    expected = tokenizer.encode(tokenizer.apply_chat_template(flat))
+    expected = tokenizer.encode(tokenizer.apply_chat_template(flat), add_special_tokens=False)  # as transformers
     assert response.model_extra["prompt_token_ids"] == expected
     # "developer" is OpenAI's newer name for the system role
     developer = [{"role": "developer", "content": "You are terse."}, *messages[1:]]
@@ -360,7 +364,7 @@ def test_unhonourable_features_are_400s_that_say_so(client, stack):
             "type": "strin"}}})
     with pytest.raises(openai.BadRequestError, match="n=1"):
         chat(client, stack, n=2)
-    with pytest.raises(openai.BadRequestError, match="over the context"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024 tokens"):
         chat(client, stack, max_tokens=CTX)
 
 
@@ -492,3 +496,24 @@ def test_504_on_backend_timeout(stack):
         chat(client, stack, max_tokens=4)
     assert caught.value.status_code == 504
     assert wait_until(lambda: active_sessions(stack["main"]) == 0)
+
+
+def test_served_model_names_and_cors(stack):
+    url, auth = stack["aliased"], {"Authorization": "Bearer s3cret"}
+    assert [m["id"] for m in httpx.get(url + "/v1/models", headers=auth).json()["data"]] == ["smol", "gpt-4o-mini"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+    answer = client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=3)
+    assert answer.model == "gpt-4o-mini"  # the name the request used
+    with pytest.raises(openai.NotFoundError, match="'smol' or 'gpt-4o-mini'"):
+        client.chat.completions.create(model=stack["model"], messages=[{"role": "user", "content": "hi"}])
+    # a browser's preflight needs no API key; only the allowed origin is let in
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    allowed = httpx.options(url + "/v1/chat/completions", headers={"Origin": "http://localhost:3000", **preflight})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://localhost:3000"
+    other = httpx.options(url + "/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight})
+    assert "access-control-allow-origin" not in other.headers
+    listed = httpx.get(url + "/v1/models", headers={"Origin": "http://localhost:3000", **auth})
+    assert listed.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "access-control-allow-origin" not in httpx.get(stack["main"] + "/v1/models",
+                                                          headers={"Origin": "http://localhost:3000"}).headers

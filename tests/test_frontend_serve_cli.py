@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from architecture_support import write_other_gguf
 from frontend_support import ServeProcess, child_pids, is_alive, wait_until
 from skippy.cli import build_parser
 
@@ -44,11 +45,19 @@ def test_sigterm_while_loading_leaves_no_stage_behind():
             serve.kill()
 
 
+def test_an_unsupported_architecture_fails_at_start_naming_the_supported_ones(tmp_path):
+    model = write_other_gguf(tmp_path / "phi3.gguf", "phi3")
+    done = subprocess.run([sys.executable, "-m", "skippy.cli", "serve", "--port", "0", "--model", str(model)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "ready" not in done.stdout
+    assert "general.architecture='phi3'. skippy supports: llama, qwen2, qwen3, gemma3" in done.stderr
+
+
 def test_ctrl_c_after_ready_stops_every_stage(tmp_path):
     server = ServeProcess([], tmp_path / "serve.log")
     try:
         (stage_pid,) = child_pids(server.process.pid)
-        assert "2 stages" in server.ready_line
+        assert "(llama, 2 stages" in server.ready_line  # the architecture, then the split
         assert httpx.get(server.url + "/readyz").status_code == 200
         started = time.monotonic()
         assert server.stop(signal.SIGINT) == 0

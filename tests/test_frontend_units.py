@@ -94,9 +94,11 @@ def test_default_queue_size_is_clamped(lanes, expected):
 def test_check_fits():
     assert check_fits(10, None, 100) == 90  # no max_tokens: what the context leaves
     assert check_fits(10, 90, 100) == 90
-    with pytest.raises(ContextTooLong, match="over the context"):
+    # OpenAI's words (LiteLLM maps them to ContextWindowExceededError)
+    with pytest.raises(ContextTooLong, match=r"^This model's maximum context length is 100 tokens\. However, you "
+                                             r"requested 101 tokens \(10 in the messages, 91 in the completion\)"):
         check_fits(10, 91, 100)
-    with pytest.raises(ContextTooLong, match="no room"):
+    with pytest.raises(ContextTooLong, match=r"requested 101 tokens \(100 in the messages, at least 1 in"):
         check_fits(100, None, 100)
 
 

@@ -70,7 +70,7 @@ def float16_teacher_forced(model: StageModel, prompts: list[list[int]], forced: 
 
 def test_float16_greedy_agrees_with_float32(full_weights, make_stage, tokenizer):
     assert len(PROMPTS) < MIN_ROWS_TO_UPCAST, "the decode steps must take the half-precision matmul path"
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     expected = torch.tensor(float32_greedy(make_stage(), prompts))  # [prompts, NUM_TOKENS]
     got = torch.tensor(float16_teacher_forced(float16_stage(full_weights), prompts, expected.tolist()))
 

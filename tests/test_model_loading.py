@@ -45,6 +45,7 @@ TOKENIZER_TEXTS = [
 
 
 def hf_config(args: ModelArgs, tokenizer: Tokenizer) -> dict:
+    assert args.rope_freq_factors is None  # SmolLM2's RoPE is unscaled
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -58,7 +59,7 @@ def hf_config(args: ModelArgs, tokenizer: Tokenizer) -> dict:
         "max_position_embeddings": args.context_length,
         "rms_norm_eps": args.rms_norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_scaling": args.rope_scaling,
+        "rope_scaling": None,
         "tie_word_embeddings": args.tie_word_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -111,7 +112,7 @@ def hf_dir(tmp_path_factory, full_weights, tokenizer) -> Path:
 
 @pytest.fixture(scope="module")
 def prompt_ids(tokenizer) -> list[int]:
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
+    return tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
 
 
 def run(model: StageModel, x: torch.Tensor) -> torch.Tensor:

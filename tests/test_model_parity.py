@@ -21,7 +21,7 @@ NUM_GREEDY_TOKENS = 32
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+    return tokenizer.encode_chat([{"role": "user", "content": prompt}])
 
 
 def greedy_generate(model, prompt_ids: list[int], num_tokens: int) -> list[int]:

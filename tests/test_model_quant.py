@@ -317,7 +317,7 @@ def test_quantized_speculation_equals_token_by_token(quant_model, tokenizer):
     from skippy.runtime.proposers import create_proposer
     from skippy.runtime.speculation import SpeculationStats
 
-    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": COPY_PROMPT}]))
+    prompt = tokenizer.encode_chat([{"role": "user", "content": COPY_PROMPT}])
     limits = GenerationLimits(48, tokenizer.eog_ids)
     expected = list(generate_tokens(quant_model, prompt, limits))
     stats = SpeculationStats()
@@ -335,7 +335,7 @@ def test_quantized_argmax_agrees_with_float32_teacher_forced(quant_model, make_s
     reference = make_stage()
     matches = total = 0
     for text in prompts:
-        prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+        prompt = tokenizer.encode_chat([{"role": "user", "content": text}])
         cache, tokens = reference.new_cache(), []
         logits = logits_of(reference, prompt, cache)[-1:]
         while len(tokens) < 64:

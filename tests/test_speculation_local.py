@@ -55,7 +55,7 @@ def small_draft_model(full_weights) -> StageModel:
 
 @pytest.fixture(scope="module")
 def prompt_ids(tokenizer) -> dict[str, list[int]]:
-    return {name: tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+    return {name: tokenizer.encode_chat([{"role": "user", "content": text}])
             for name, text in PROMPTS.items()}  # fmt: skip
 
 

@@ -34,7 +34,7 @@ def test_generate_refuses_draft_without_a_draft_model(capsys):
 def test_serve_one_stage_with_speculation_is_a_chain_of_one(gguf_path, tokenizer):
     config = ServeConfig(model=gguf_path, num_stages=1, ctx_size=512, concurrency=1,
                          speculative="ngram-simple", kv_cache_bytes=0)
-    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
+    ids = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
 
     async def main():
         backend = await build_backend(config)

@@ -25,9 +25,9 @@ pytestmark = pytest.mark.slow
 TOKEN = "standby-test-token-0123456789"
 
 
-def start_stage(config_path, topology_path, log_path) -> subprocess.Popen:
+def start_stage(config_path, topology_path, log_path, extra: list[str] = ()) -> subprocess.Popen:
     command = [sys.executable, "-m", "skippy.cli", "--log-level", "INFO", "stage", "--config", str(config_path),
-               "--topology", str(topology_path), "--threads", "1"]
+               "--topology", str(topology_path), "--threads", "1", *extra]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for line in process.stdout:

@@ -39,21 +39,18 @@ def default_queue_size(num_lanes: int) -> int:
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int | None, ctx_size: int) -> int:
-    """The max_tokens to run with: the request's, or what the context leaves when it has none."""
-    if max_tokens is None:
-        if num_prompt_tokens >= ctx_size:
-            raise ContextTooLong(
-                f"The prompt is {num_prompt_tokens} tokens but the context is {ctx_size}, "
-                f"leaving no room for a completion. Fix: shorten the prompt."
-            )
-        return ctx_size - num_prompt_tokens
-    if num_prompt_tokens + max_tokens > ctx_size:
+    """The max_tokens to run with: the request's, or what the context leaves when it has none.
+    Refusals use OpenAI's (and vLLM's) words, which clients such as LiteLLM and LangChain
+    recognise as a context-window error."""
+    requested = num_prompt_tokens + (1 if max_tokens is None else max_tokens)
+    if requested > ctx_size:
+        completion = "at least 1" if max_tokens is None else str(max_tokens)
         raise ContextTooLong(
-            f"The prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
-            f"{num_prompt_tokens + max_tokens}, over the context of {ctx_size} tokens. "
-            f"Fix: lower max_tokens or shorten the prompt."
+            f"This model's maximum context length is {ctx_size} tokens. However, you requested {requested} "
+            f"tokens ({num_prompt_tokens} in the messages, {completion} in the completion). Please reduce the "
+            f"length of the messages or completion."
         )
-    return max_tokens
+    return ctx_size - num_prompt_tokens if max_tokens is None else max_tokens
 
 
 class Admission:

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
@@ -41,7 +42,9 @@ MAX_DRAINED_BODY_BYTES = 64 * 1024 * 1024  # past this, an oversized body is not
 
 @dataclass(frozen=True, slots=True)
 class ApiSettings:
-    model_id: str
+    model_id: str  # what /v1/models lists first and the ready line names
+    aliases: tuple[str, ...] = ()  # other names a request's `model` may use (--served-model-name)
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API; () = none
     concurrency: int | None = None  # generation lanes; default: the backend's
     queue_size: int | None = None  # default: clamp(8 x lanes, 16, 256)
     admission_timeout_s: float = 60.0  # 0 = wait until the client gives up
@@ -74,12 +77,16 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
     metrics.queue_depth.set_function(lambda: admission.num_waiting)
     metrics.active_generations.set_function(lambda: admission.num_active)
     metrics.registry.register(PrefixCacheCollector(backend.cache_stats))  # per stage
-    ctx = ServeContext(backend, tokenizer, settings.model_id, admission, metrics, settings.backend_timeout_s)
+    ctx = ServeContext(backend, tokenizer, (settings.model_id, *settings.aliases), admission, metrics,
+                       settings.backend_timeout_s)
     created = int(time.time())
 
     app = FastAPI(title="skippy", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     app.add_middleware(HttpEdge, settings=settings, metrics=metrics)
+    if settings.allowed_origins:  # outside HttpEdge: a preflight needs no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id"])
 
     async def error_response(request: Request, exc: Exception) -> JSONResponse:
         error = to_api_error(exc)
@@ -112,13 +119,14 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
 
     @app.get("/v1/models")
     async def list_models():
-        return ModelList(data=[_model_card(ctx, created, len(await backend.status()))])
+        num_stages = len(await backend.status())
+        return ModelList(data=[_model_card(ctx, name, created, num_stages) for name in ctx.model_names])
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        if model_id != ctx.model_id:
+        if model_id not in ctx.model_names:
             raise ApiError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
-        return _model_card(ctx, created, len(await backend.status()))
+        return _model_card(ctx, model_id, created, len(await backend.status()))
 
     @app.get("/v1/stages")
     async def stages():
@@ -169,8 +177,8 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-def _model_card(ctx: ServeContext, created: int, num_stages: int) -> ModelCard:
-    return ModelCard(id=ctx.model_id, created=created, context_length=ctx.backend.ctx_size, num_stages=num_stages)
+def _model_card(ctx: ServeContext, name: str, created: int, num_stages: int) -> ModelCard:
+    return ModelCard(id=name, created=created, context_length=ctx.backend.ctx_size, num_stages=num_stages)
 
 
 class HttpEdge:

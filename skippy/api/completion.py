@@ -61,11 +61,7 @@ async def prepare_chat(ctx: ServeContext, body: ChatCompletionRequest, request_i
             fields["role"] = "system"
         messages.append(fields)
 
-    def tokenize() -> list[int]:
-        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return ctx.tokenizer.encode(text)
-
-    prompt_ids = await asyncio.to_thread(tokenize)
+    prompt_ids = await asyncio.to_thread(ctx.tokenizer.encode_chat, messages, add_generation_prompt=True)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return _job(ctx, "chat", body, request_id, received_at, prompt_ids, max_tokens, grammar=grammar)
 
@@ -97,9 +93,9 @@ async def prepare_text(ctx: ServeContext, body: CompletionRequest, request_id: s
 
 
 def _check_common(ctx: ServeContext, body: GenerationParams) -> None:
-    if body.model != ctx.model_id:
+    if body.model not in ctx.model_names:
         raise ApiError(
-            404, f"The model {body.model!r} does not exist; this server serves {ctx.model_id!r}",
+            404, f"The model {body.model!r} does not exist; this server serves {' or '.join(map(repr, ctx.model_names))}",
             param="model", code="model_not_found",
         )  # fmt: skip
     vocab = ctx.tokenizer.vocab_size
@@ -146,7 +142,7 @@ def _job(ctx, kind, body: GenerationParams, request_id, received_at, prompt_ids,
                                 body.prompt_cache_key, _speculative(ctx, body))
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     return Job(
-        kind=kind, id=prefix + request_id, created=int(time.time()), model=ctx.model_id, received_at=received_at,
+        kind=kind, id=prefix + request_id, created=int(time.time()), model=body.model, received_at=received_at,
         request=request, stop=tuple(body.stop or ()), is_stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         return_token_ids=body.return_token_ids, echo=echo,

@@ -33,7 +33,7 @@ class ServeContext:
 
     backend: GenerationBackend
     tokenizer: Tokenizer
-    model_id: str
+    model_names: tuple[str, ...]  # the served id first, then its aliases
     admission: Admission
     metrics: Metrics
     backend_timeout_s: float  # longest wait for the next backend event; 0 = none

@@ -52,7 +52,7 @@ class GenerationResult:
     prompt_tokens: int
     stats: StageReplyStats        # merged over every reply of the chain
     timings: SessionTimings
-    speculation: dict = field(default_factory=dict)  # ChainDecoder.summary(); {} when off
+    speculation: dict = field(default_factory=dict)  # ChainDecoder.report(); {} when off
 
 
 @dataclass(slots=True)

@@ -185,21 +185,14 @@ class ChainDecoder:
         self._next_window_id += 1
         return window
 
-    def summary(self) -> dict[str, float | int | str]:
-        """Flat figures for `timings`, /metrics and telemetry; {} without speculation."""
+    def report(self, telemetry: Telemetry) -> dict:
+        """Log the request's speculation summary and count it; returns the summary (flat
+        figures for `timings`, /metrics and telemetry) plus the window-width histogram ({}
+        without speculation)."""
         if not self.settings.is_enabled:
             return {}
-        return {"speculative_mode": self.settings.mode,
-                "speculative_pipeline_depth": self.pipeline_depth,
-                "speculative_stale_windows": self.num_stale_windows,
-                **self.spec.summary()}
-
-    def report(self, telemetry: Telemetry) -> dict:
-        """Log the request's speculation summary and count it; returns the summary plus the
-        window-width histogram ({} without speculation)."""
-        summary = self.summary()
-        if not summary:
-            return {}
+        summary = {"speculative_mode": self.settings.mode, "speculative_pipeline_depth": self.pipeline_depth,
+                   "speculative_stale_windows": self.num_stale_windows, **self.spec.summary()}
         telemetry.summary("stage0.speculation_summary", **summary)
         stats = self.stats
         for name, value in (("windows", stats.num_windows),

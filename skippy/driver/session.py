@@ -317,11 +317,6 @@ class ChainSession:
         self.position = self.position if pos_start is None else pos_start
         await self._submit(MessageKind.VerifyWindow, list(tokens), window_id)
 
-    async def verify(self, tokens: Sequence[int], window_id: int, *, pos_start: int | None = None) -> list[int]:
-        """`submit_verify`, then `wait_window`: the target's prediction after every row."""
-        await self.submit_verify(tokens, window_id, pos_start=pos_start)
-        return await self.wait_window(window_id)
-
     async def wait_window(self, window_id: int) -> list[int]:
         reply = await self._guard(f"VerifyWindow {window_id}", self._prediction(window_id))
         return reply.predicted_tokens

@@ -18,20 +18,24 @@ import secrets
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from ..driver.client import ChainClient
 from ..model.args import ModelArgs
+from ..model.fingerprint import check_model, model_fingerprint
 from ..model.grammar import GrammarCompiler
 from ..model.loader import load_stage, model_args
 from ..model.threads import CO_LOCATED_SPIN_COUNT
 from ..protocol import (
-    KvCacheConfig, PeerEndpoint, StageConfig, Topology, TopologyStage, parse_endpoint,
+    KvCacheConfig, LinkConditioning, PeerEndpoint, StageConfig, Topology, TopologyStage, parse_endpoint,
     plan_layer_split,
 )
 from ..runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX, WEIGHT_DTYPES
+from ..stage import link
+from ..stage.tls import issue_certificates
 from ..telemetry import Telemetry
 from .supervisor import Supervisor
 
@@ -74,8 +78,9 @@ def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[fl
                             layer_start=start, layer_end=end, host=parse_endpoint(endpoint)[0],
                             standby_endpoints=standbys.get(i, []))
               for i, (endpoint, (start, end)) in enumerate(zip(endpoints, ranges))]
-    topology = Topology(topology_id=f"chain-{secrets.token_hex(4)}",
-                        model_id=Path(model_path).stem, stages=stages)
+    fingerprint = model_fingerprint(model_path)
+    topology = Topology(topology_id=f"chain-{secrets.token_hex(4)}", model_id=Path(model_path).stem, stages=stages,
+                        model_fingerprint=fingerprint)
 
     def peer(i: int) -> PeerEndpoint | None:
         if not 0 <= i < len(stages):
@@ -85,7 +90,7 @@ def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[fl
 
     configs = [StageConfig(stage_id=s.stage_id, stage_index=s.stage_index,
                            layer_start=s.layer_start, layer_end=s.layer_end,
-                           model_path=str(model_path), bind_addr=s.endpoint,
+                           model_path=str(model_path), model_fingerprint=fingerprint, bind_addr=s.endpoint,
                            upstream=peer(s.stage_index - 1), downstream=peer(s.stage_index + 1),
                            **stage_options)
                for s in stages]
@@ -99,15 +104,22 @@ def standby_configs(topology: Topology, configs: list[StageConfig]) -> dict[str,
             for stage in topology.stages for j, endpoint in enumerate(stage.standby_endpoints, start=1)}
 
 
-def write_plan(topology: Topology, configs: list[StageConfig], out_dir: str | Path) -> list[Path]:
-    """topology.json, then stage-N.json per stage, then stage-N-standby-J.json per standby."""
+def write_plan(topology: Topology, configs: list[StageConfig], out_dir: str | Path, *,
+               tls: bool = False) -> list[Path]:
+    """topology.json, then stage-N.json per stage, then stage-N-standby-J.json per standby,
+    owner-only (they hold the chain token). `tls`: a chain CA and a certificate per stage for
+    its host under tls/ (stage/tls.py), named in each config."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "topology.json"]
     topology.save(paths[0])
     named = {f"stage-{c.stage_index}.json": c for c in configs} | standby_configs(topology, configs)
+    if tls:
+        issued = issue_certificates(out / "tls", {name.removesuffix(".json"): c.bind_host for name, c in named.items()})
+        named = {name: c.model_copy(update={"tls": issued[name.removesuffix(".json")]}) for name, c in named.items()}
     for name, config in named.items():
         paths.append(out / name)
+        paths[-1].touch(mode=0o600)
         config.save(paths[-1])
     return paths
 
@@ -124,6 +136,7 @@ async def connect_topology(topology: Topology, model_path: str | Path, *,
                            auth_token: str | None = None, **options) -> ChainClient:
     """Stage 0 for a running chain: load layers [0, k), listen on the topology's stage-0
     endpoint for the direct return, connect the lanes to stage 1."""
+    check_model(model_path, topology.model_fingerprint, "stage 0")
     first = topology.stages[0]
     downstream = topology.stages[1].endpoints if len(topology.stages) > 1 else None
     return await start_stage0(model_path, (first.layer_start, first.layer_end), downstream=downstream,
@@ -165,7 +178,7 @@ class LocalChain:
                  dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
                  log_level: str = "WARNING", otlp_endpoint: str | None = None,
                  kv_cache: KvCacheConfig | None = None, max_restarts: int | None = None,
-                 **client_options):
+                 link_conditioning: LinkConditioning | None = None, **client_options):
         """`kv_cache`: every stage's prefix-cache settings (disk tier: one subdirectory per
         stage under `disk_dir`); None: no prefix cache anywhere. `threads`: torch threads in
         every stage; by default every core: a stream visits the stages in turn, so each may use
@@ -173,7 +186,8 @@ class LocalChain:
         71 with 1), provided a waiting stage's OpenMP workers stop spinning soon
         (model/threads.py: CO_LOCATED_SPIN_COUNT, given to the stage processes here).
         `max_restarts`: supervise the stage processes (supervisor.py), restarting each at most
-        this often; None: no supervision (a stage that dies stays down)."""
+        this often; None: no supervision (a stage that dies stays down). `link_conditioning`: a
+        test knob on every link of the chain, stage 0's lanes included (stage/link.py)."""
         if num_stages < 2:
             raise ValueError(f"Expected at least 2 stages for a chain, got {num_stages}")
         threads = threads or os.cpu_count() or 1
@@ -185,7 +199,8 @@ class LocalChain:
                                    ctx_size=ctx_size, lane_count=lane_count,
                                    weight_dtype=_WEIGHT_NAMES[dtype], repack_weights=repack, device=device,
                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, threads=threads,
-                                   otlp_endpoint=otlp_endpoint)
+                                   otlp_endpoint=otlp_endpoint, link_conditioning=link_conditioning)
+        self.link_conditioning = link_conditioning
         self._stage0_options = dict(dtype=dtype, device=device, repack=repack, concurrency=concurrency,
                                     ctx_size=ctx_size, activation_dtype=activation_dtype, kv_cache=kv_cache,
                                     otlp_endpoint=otlp_endpoint, peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS,
@@ -206,14 +221,16 @@ class LocalChain:
         self.configs = [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)})
                         for c in configs]
 
-    async def start(self) -> ChainClient:
+    async def start(self, on_stage_ready: Callable[[], None] = lambda: None) -> ChainClient:
+        """Start every stage and stage 0; `on_stage_ready` is called as each child stage is up."""
         import torch
 
         torch.set_num_threads(self.threads)
+        link.use(self.link_conditioning)  # stage 0 is this process
         try:
             for attempt in range(1, START_ATTEMPTS + 1):
                 try:
-                    await self._start_stages()
+                    await self._start_stages(on_stage_ready)
                     self.client = await self._connect()
                     break
                 except PortTaken as error:
@@ -239,12 +256,13 @@ class LocalChain:
                 raise
             raise PortTaken(f"stage 0's port {self.configs[0].bind_port} was taken") from error
 
-    async def _start_stages(self) -> None:
+    async def _start_stages(self, on_ready: Callable[[], None]) -> None:
         paths = write_plan(self.topology, self.configs, self._dir.name)
         for config_path in paths[2:]:
             self.processes.append(await self._spawn(config_path, paths[0]))
-        for config, process in zip(self.configs[1:], self.processes):
+        for config, process in zip(self.configs[1:], self.processes):  # they load at once; ready in turn
             await self._wait_ready(config, process)
+            on_ready()
 
     async def restart_stage(self, index: int) -> None:
         """Start stage `index` (1..N-1) again from its config, on its own port; returns once it
@@ -285,6 +303,7 @@ class LocalChain:
             self.client = None
         await self._stop_stages()
         self._dir.cleanup()
+        link.use(None)
 
     async def _stop_stages(self) -> None:
         for process in self.processes:

@@ -32,7 +32,6 @@ from ..driver.backend import GenerationBackend, StageStatus
 
 GRACEFUL_SHUTDOWN_S = 5
 DEFAULT_LANES = 8
-PROBE_INTERVAL_S = 0.25
 
 
 class ServeConfig(BaseModel):
@@ -51,6 +50,7 @@ class ServeConfig(BaseModel):
     queue_size: int | None = Field(None, ge=0)
     auth_token: str | None = Field(None, repr=False)  # API bearer token
     chain_auth_token: str | None = Field(None, repr=False)  # the stages' transport token (with --topology)
+    insecure: bool = False  # with --topology: listen off loopback without a chain token or TLS (warned)
     dtype: str = "auto"
     device: str = "auto"
     repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
@@ -63,6 +63,8 @@ class ServeConfig(BaseModel):
     backend_timeout_s: float = Field(600.0, ge=0)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)
     log_level: str = "WARNING"
+    served_model_name: list[str] = []  # the names clients send as `model` (default: the file's stem)
+    allowed_origins: list[str] = []  # CORS origins (e.g. http://localhost:3000, or *); none by default
     kv_cache_bytes: int = Field(1 << 30, ge=0)  # prefix-cache memory, all stages together; 0 = no prefix cache
     kv_disk_dir: Path | None = None  # prefix-cache disk tier: one subdirectory per stage
     kv_disk_budget: int = Field(4 << 30, ge=0)  # disk bytes, all stages together
@@ -124,7 +126,8 @@ async def build_backend(config: ServeConfig):
     `num_stages` local processes, or the first stage of a running topology."""
     from ..driver.chain_backend import ChainBackend
     from ..model.loader import model_args
-    from ..protocol import Topology
+    from ..protocol import StageConfig, Topology, parse_endpoint
+    from ..stage import tls
     from .local_chain import LocalChain, connect_topology, start_stage0
 
     ctx_size = config.ctx_size or model_args(config.model).context_length
@@ -134,10 +137,17 @@ async def build_backend(config: ServeConfig):
                    recovery_timeout_s=config.recovery_timeout_s,
                    speculative=config.speculative_settings(), draft_model=await _load_draft_model(config))
     if config.topology is not None:
-        topology = Topology.load(config.topology)
-        client = await connect_topology(topology, config.model, auth_token=config.chain_auth_token,
+        topology, token = Topology.load(config.topology), config.chain_auth_token
+        plan = config.topology.with_name("stage-0.json")  # `skippy plan` writes stage 0's token and TLS there
+        stage0 = StageConfig.load(plan) if plan.is_file() else None
+        token = token or (stage0 and stage0.auth_token)
+        tls_files = stage0.tls.resolved(plan.parent) if stage0 and stage0.tls else None
+        tls.check_exposure("stage 0's return listener", parse_endpoint(topology.driver_endpoint)[0],
+                           auth_token=token, tls=tls_files, insecure=config.insecure)
+        tls.use(tls_files)
+        client = await connect_topology(topology, config.model, auth_token=token,
                                         kv_cache=config.kv_cache(1), **every_stage, **options)
-        return ChainBackend(client, topology, auth_token=config.chain_auth_token)
+        return ChainBackend(client, topology, auth_token=token)
     if config.num_stages == 1:
         set_one_process_threads(config)
         client = await start_stage0(config.model, kv_cache=config.kv_cache(1), **every_stage, **options)
@@ -148,11 +158,7 @@ async def build_backend(config: ServeConfig):
                        **every_stage, **options)  # fmt: skip
     description = f"Starting {config.num_stages} stages of {Path(config.model).name}"
     with progress_bar(description, config.num_stages) as advance:
-        watcher = asyncio.create_task(_advance_as_stages_come_up(chain, advance))
-        try:
-            client = await chain.start()
-        finally:
-            watcher.cancel()
+        client = await chain.start(on_stage_ready=advance)
         advance()  # stage 0, here, loads last
     return ChainBackend(client, chain.topology, auth_token=chain.auth_token, on_close=chain.close,
                         health=chain.supervisor.health)  # fmt: skip
@@ -166,19 +172,6 @@ async def generate_once(config: ServeConfig, prompt_ids, **options):
         return await backend.client.generate(prompt_ids, **options)
     finally:
         await backend.close()
-
-
-async def _advance_as_stages_come_up(chain, advance) -> None:
-    """Advance the bar as each child stage finishes loading and starts answering handshakes."""
-    from ..stage.downstream import query_stage_status
-
-    pending = list(chain.topology.stages[1:])
-    while pending:
-        await asyncio.sleep(PROBE_INTERVAL_S)
-        for stage in list(pending):
-            if await query_stage_status(stage.endpoint, chain.auth_token) is not None:
-                pending.remove(stage)
-                advance()
 
 
 async def _load_draft_model(config: ServeConfig):
@@ -225,33 +218,38 @@ async def _main(config: ServeConfig) -> None:
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # while loading
     backend: GenerationBackend | None = None
     try:
+        from ..model.loader import model_args
         from ..model.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_model(config.model)  # first: it shares the GGUF reader that loading releases
+        architecture = model_args(config.model).architecture  # first: an unsupported one fails before any stage starts
+        tokenizer = Tokenizer.from_model(config.model)  # it shares the GGUF reader that loading releases
         backend = await build_backend(config)
         loop.remove_signal_handler(signal.SIGTERM)  # uvicorn takes over SIGINT and SIGTERM
         api_fields = ("concurrency", "queue_size", "admission_timeout_s", "backend_timeout_s", "max_body_bytes",
                       "auth_token")
-        settings = ApiSettings(model_id_for(config.model), **{name: getattr(config, name) for name in api_fields})
+        model_id, *aliases = config.served_model_name or [model_id_for(config.model)]
+        settings = ApiSettings(model_id, tuple(aliases), tuple(config.allowed_origins),
+                               **{name: getattr(config, name) for name in api_fields})
         app = create_app(backend, tokenizer, settings)
         server = _Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level="warning", access_log=False,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off",
         ))  # fmt: skip
-        await _serve_until_signal(server, backend, settings.model_id)
+        await _serve_until_signal(server, backend, settings.model_id, architecture)
     finally:
         if backend is not None:
             await asyncio.shield(backend.close())
 
 
-async def _serve_until_signal(server: uvicorn.Server, backend: GenerationBackend, model_id: str) -> None:
+async def _serve_until_signal(server: uvicorn.Server, backend: GenerationBackend, model_id: str,
+                              architecture: str) -> None:
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         split = describe_split(await backend.status())
-        print(f"skippy: ready: http://{host}:{port}/v1 serving {model_id} ({split})", flush=True)
+        print(f"skippy: ready: http://{host}:{port}/v1 serving {model_id} ({architecture}, {split})", flush=True)
     await task
     if not server.started:
         sys.exit(f"skippy: error: could not start the API on {server.config.host}:{server.config.port}")

@@ -65,6 +65,7 @@ class GGUFFile:
         infos = [self._tensor_info() for _ in range(num_tensors)]
         alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
         start = -(-self._at // alignment) * alignment
+        self.header_bytes = start  # metadata and tensor index: what the model fingerprint hashes
         self.tensors = [self._tensor(start, *info) for info in infos]
 
     def _take(self, n: int) -> memoryview:

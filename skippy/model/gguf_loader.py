@@ -1,4 +1,4 @@
-"""Read a llama-architecture GGUF: hyperparameters, tokenizer fields and only the
+"""Read a GGUF of a supported architecture (architecture.py): hyperparameters, tokenizer fields and only the
 tensors one stage needs: kept in their quantized blocks (dtype None, the default)
 or dequantized with the `gguf` package to a dtype asked for."""
 
@@ -13,13 +13,14 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from .architecture import GGUF_ARCHITECTURES, unsupported
 from .args import LayerRange, ModelArgs
 from .errors import ModelLoadError
 from .gguf_file import GGUFFile
 from .quant import SUPPORTED, QuantizedTensor, drop_resident_pages
 from .weights import needed_tensor_names
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -54,45 +55,71 @@ def metadata_value(reader: GGUFFile, key: str, default=None):
 
 
 def read_model_args(reader: GGUFFile) -> ModelArgs:
-    arch = metadata_value(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"Expected a llama-architecture GGUF, got general.architecture={arch!r}. "
-            f"skippy supports: {', '.join(SUPPORTED_ARCHITECTURES)}."
-        )
+    """Hyperparameters from llama.cpp's metadata keys (`<arch>.block_count`, ...)."""
+    name = metadata_value(reader, "general.architecture")
+    if name not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(unsupported("general.architecture", name, GGUF_ARCHITECTURES))
+    arch = GGUF_ARCHITECTURES[name]
 
     def get(key: str, default=None):
-        value = metadata_value(reader, f"{arch}.{key}", default)
+        value = metadata_value(reader, f"{name}.{key}", default)
         if value is None:
-            raise ModelLoadError(f"GGUF metadata is missing {arch}.{key}")
+            raise ModelLoadError(f"GGUF metadata is missing {name}.{key}")
         return value
 
-    num_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    tensor_names = {t.name for t in reader.tensors}
-    vocab = metadata_value(reader, f"{arch}.vocab_size")
+    num_heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
+    num_layers = int(get("block_count"))
+    head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // num_heads)))
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = metadata_value(reader, f"{name}.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"])
-    rope_scaling = None
-    scaling_type = metadata_value(reader, f"{arch}.rope.scaling.type")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise ModelLoadError(f"Unsupported RoPE scaling type {scaling_type!r} (supported: linear).")
+    if metadata_value(reader, f"{name}.attn_logit_softcapping"):
+        raise ModelLoadError(f"{name} with attention logit softcapping (Gemma 2's) is not supported.")
+    window = metadata_value(reader, f"{name}.attention.sliding_window")
+    pattern = arch.gguf_swa_pattern
+    sliding = tuple(i for i in range(num_layers) if pattern == 0 or i % pattern < pattern - 1) if window else ()
+    # no key holds Gemma 3's query_pre_attn_scalar; llama.cpp takes hidden / heads for the 27B (62 layers)
+    # and head_dim (our default) for the others
+    query_scalar = hidden / num_heads if arch.name == "gemma3" and num_layers == 62 else None
     return ModelArgs(
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(get("rope.dimension_count", hidden // num_heads)),
+        head_dim=head_dim,
         vocab_size=int(vocab),
         context_length=int(get("context_length")),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        tie_word_embeddings="output.weight" not in tensor_names,
+        rope_freq_factors=_rope_freq_factors(reader, name, tensors.get("rope_freqs.weight"), head_dim),
+        tie_word_embeddings="output.weight" not in tensors,
+        architecture=arch.name,
+        sliding_window=int(window) if window else None,
+        sliding_layers=sliding,
+        sliding_rope_theta=(float(metadata_value(reader, f"{name}.rope.freq_base_swa", arch.gguf_swa_rope_base))
+                            if window and arch.gguf_swa_rope_base is not None else None),
+        query_pre_attn_scalar=query_scalar,
+        final_logit_softcapping=metadata_value(reader, f"{name}.final_logit_softcapping") or None,
     )
+
+
+def _rope_freq_factors(reader: GGUFFile, arch: str, rope_freqs, head_dim: int) -> tuple[float, ...] | None:
+    """Linear scaling's factor for every frequency, or the file's rope_freqs tensor: llama.cpp's
+    converter writes Llama 3's per-frequency factors there (and no scaling type)."""
+    scaling = metadata_value(reader, f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        factor = metadata_value(reader, f"{arch}.rope.scaling.factor")
+        if factor is None:
+            raise ModelLoadError(f"GGUF metadata is missing {arch}.rope.scaling.factor")
+        return (float(factor),) * (head_dim // 2)
+    if scaling not in (None, "none"):
+        raise ModelLoadError(f"Unsupported RoPE scaling type {scaling!r} (supported: linear, llama3).")
+    if rope_freqs is None:
+        return None
+    factors = dequantize(rope_freqs.data, GGMLQuantizationType(rope_freqs.tensor_type)).reshape(-1)
+    return tuple(float(f) for f in factors)
 
 
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -124,7 +151,7 @@ def load_gguf_tensors(
     """
     by_name = {t.name: t for t in reader.tensors}
     weights = {}
-    for name in needed_tensor_names(layers, args.tie_word_embeddings):
+    for name in needed_tensor_names(layers, args.tie_word_embeddings, args.arch):
         tensor = by_name.get(name)
         if tensor is None:
             raise ModelLoadError(f"GGUF is missing tensor {name!r} needed for layers {layers}.")
@@ -136,8 +163,8 @@ def load_gguf_tensors(
 def _read(tensor, args: ModelArgs, dtype: torch.dtype | None, device: torch.device):
     """One tensor as the model will hold it (see load_gguf_tensors)."""
     qtype = GGMLQuantizationType(tensor.tensor_type)
-    is_norm = tensor.name.endswith("norm.weight")
-    if dtype is None and qtype in SUPPORTED and not is_norm:
+    is_vector = len(tensor.shape) == 1  # norms and biases: float32 always
+    if dtype is None and qtype in SUPPORTED and not is_vector:
         shape = tuple(int(d) for d in reversed(tensor.shape))
         return QuantizedTensor(tensor.data, qtype, shape, _row_order(tensor.name, shape[0], args))
     if dtype is None:
@@ -149,6 +176,8 @@ def _read(tensor, args: ModelArgs, dtype: torch.dtype | None, device: torch.devi
 
 def _row_order(name: str, rows: int, args: ModelArgs) -> np.ndarray | None:
     """Where each row of attn_q/attn_k comes from once unpermuted (see unpermute_rope_rows)."""
+    if not args.arch.gguf_permutes_qk:
+        return None
     heads = {"attn_q.weight": args.num_heads, "attn_k.weight": args.num_kv_heads}
     for suffix, num_heads in heads.items():
         if name.endswith(suffix):
@@ -166,6 +195,8 @@ def _dequantize(tensor, args: ModelArgs) -> np.ndarray:
             f"Fix: requantize the model (e.g. Q8_0, Q4_K_M) or upgrade gguf."
         ) from None
     array = array.reshape([int(d) for d in reversed(tensor.shape)])  # GGUF lists dims innermost first
+    if not args.arch.gguf_permutes_qk:
+        return array
     if tensor.name.endswith("attn_q.weight"):
         array = unpermute_rope_rows(array, args.num_heads)
     elif tensor.name.endswith("attn_k.weight"):
@@ -174,6 +205,5 @@ def _dequantize(tensor, args: ModelArgs) -> np.ndarray:
 
 
 def _to_torch(array: np.ndarray, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    is_norm = name.endswith("norm.weight")
     tensor = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
-    return tensor.to(device=device, dtype=torch.float32 if is_norm else dtype)
+    return tensor.to(device=device, dtype=torch.float32 if tensor.dim() == 1 else dtype)

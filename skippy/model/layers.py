@@ -1,4 +1,4 @@
-"""The pieces of a llama block, as plain functions over tensors.
+"""The pieces of a block, as plain functions over tensors.
 
 Activations are float32 rows [T, D]; weights may be float16/bfloat16, in which
 case the matmul runs in the weight dtype and its result comes back as float32.
@@ -9,14 +9,12 @@ more than its arithmetic, so these use as few calls as they can.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from . import qkernel
-from .args import ModelArgs
 
 # From this many rows on, a float16/bfloat16 matmul on CPU upcasts the weight and
 # runs float32 GEMM instead: torch's CPU half-precision GEMM costs a full pass over
@@ -72,22 +70,25 @@ class Linear:
 
     weight: torch.Tensor
     batched: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # float32 [out] (Qwen2's q, k, v)
 
     @classmethod
-    def of(cls, weight: torch.Tensor) -> "Linear":
-        return cls(decode_layout(weight))
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":
+        return cls(decode_layout(weight), bias=bias)
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        """The weight as loaded (not the repacked copy)."""
-        return [self.weight]
+        """The weight as loaded (not the repacked copy), and the bias."""
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x · W^T, plus `residual` when given."""
+        """x · W^T (+ bias), plus `residual` when given."""
         if self.batched is not None and x.shape[0] > 1:
             out = self.through_repacked(x)
         else:
             out = linear(x, self.weight)
+        if self.bias is not None:
+            out = out + self.bias
         return out if residual is None else residual + out
 
     def through_repacked(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,20 +119,35 @@ def _on_our_kernels(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and qkernel.available()
 
 
-def rope_tables(args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, signed sin: [context_length, head_dim] for half-rotation RoPE.
+def rope_tables(theta: float, head_dim: int, context_length: int, freq_factors: tuple[float, ...] | None,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, signed sin: [context_length, head_dim] for half-rotation RoPE of base `theta`,
+    each frequency divided by its factor (linear or Llama 3 scaling; None: unscaled).
 
     The sin table's first half is negated, so that rotate_half(x) * sin becomes
     swap_halves(x) * signed_sin (see apply_rope).
     """
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
-    if args.rope_scaling and args.rope_scaling.get("rope_type") == "linear":
-        inv_freq = inv_freq / args.rope_scaling["factor"]
-    positions = torch.arange(args.context_length, dtype=torch.float64)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float64)
+    positions = torch.arange(context_length, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
     signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
     return cos.float().to(device), signed_sin.float().to(device)
+
+
+def head_norms_(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """RMS-norm each q head and each k head of qkv [T, H + 2 KVH, head_dim] in place
+    (Qwen3, Gemma 3: before RoPE), q heads with q_norm, k heads with k_norm. Returns qkv."""
+    if _on_our_kernels(qkv) and qkv.is_contiguous():
+        qkernel.head_rms_norm_(qkv, 0, heads, q_norm, eps)
+        return qkernel.head_rms_norm_(qkv, heads, kv_heads, k_norm, eps)
+    head_dim = qkv.shape[-1]
+    qkv[:, :heads] = F.rms_norm(qkv[:, :heads], (head_dim,), q_norm, eps)
+    qkv[:, heads : heads + kv_heads] = F.rms_norm(qkv[:, heads : heads + kv_heads], (head_dim,), k_norm, eps)
+    return qkv
 
 
 def apply_rope(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -157,37 +173,43 @@ def apply_rope(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch
 ROWS_ONE_BY_ONE = 32
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+              window: int = 0) -> torch.Tensor:
     """Causal grouped-query attention of one session's new rows over its cache.
 
     q: [heads, n, head_dim] at positions [start, start+n); k, v: [kv_heads, start+n, head_dim],
-    float32 or the cache's 16-bit dtype.
+    float32 or the cache's 16-bit dtype. `window` > 0: a sliding window, query p sees keys
+    (p - window, p] only; the cache keeps every position and the window is a mask on it.
     Returns [n, heads * head_dim].
     """
     heads, n, head_dim = q.shape
-    scale = 1.0 / math.sqrt(head_dim)
     if n <= ROWS_ONE_BY_ONE:
         # A decode row, or a verify window: each row alone over exactly the keys it
         # sees, so a window's rows round as one-row decode steps do (the masked kernel
         # tiles differently, and on the quantized path a last-bit difference grows
         # until speculation changes a greedy token).
-        if _on_our_kernels(q):
-            if n == 1:
-                return qkernel.attend_row(q[:, 0], k, v, scale).view(1, -1)
-            return torch.stack([qkernel.attend_row(q[:, i], k[:, : start + i + 1], v[:, : start + i + 1], scale)
-                                for i in range(n)])
+        if n == 1 and _on_our_kernels(q):
+            first = max(0, start + 1 - window) if window else 0
+            return qkernel.attend_row(q[:, 0], k[:, first:], v[:, first:], scale).view(1, -1)
         if n > 1:
-            return torch.cat([attention(q[:, i : i + 1], k[:, : start + i + 1], v[:, : start + i + 1], start + i)
-                              for i in range(n)])
+            rows = []
+            for i in range(n):
+                first, end = (max(0, start + i + 1 - window) if window else 0), start + i + 1
+                rows.append(attention(q[:, i : i + 1], k[:, first:end], v[:, first:end], end - first - 1, scale))
+            return torch.cat(rows)
     if k.dtype != q.dtype:  # a 16-bit cache: CPU SDPA runs far slower in 16 bits than float32
         k, v = k.to(q.dtype), v.to(q.dtype)
-    if n == 1:
+    first = max(0, start + 1 - window) if window else 0  # keys before this no query of ours sees
+    k, v = k[:, first:], v[:, first:]
+    if n == 1 and not window:
         mask = None  # one new row sees every cached position
     else:
-        # query i sits at position start+i and may see keys 0..start+i
-        key_pos = torch.arange(k.shape[1], device=q.device)
+        # query i sits at position start+i and may see keys (start+i-window, start+i]
+        key_pos = torch.arange(first, first + k.shape[1], device=q.device)
         query_pos = torch.arange(start, start + n, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
+        if window:
+            mask &= key_pos[None, :] > query_pos[:, None] - window
     # a leading batch dim of 1: torch's CPU kernels take a much slower path on 3-D inputs
     out = F.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=heads != k.shape[0]
@@ -206,10 +228,12 @@ def decode_rows(segments, x: torch.Tensor) -> "qkernel.DecodeRows | None":
     return qkernel.DecodeRows.of([c.k for c in caches], [c.v for c in caches], [s.start for s in segments])
 
 
-def attend_sessions(qkv: torch.Tensor, layer: int, segments, rows: "qkernel.DecodeRows | None") -> torch.Tensor:
+def attend_sessions(qkv: torch.Tensor, layer: int, segments, rows: "qkernel.DecodeRows | None", scale: float,
+                    window: int = 0) -> torch.Tensor:
     """Store every session's new keys and values of qkv [T, H + 2 KVH, head_dim] (q, k, v
     heads; RoPE applied) in its cache at `layer`, and attend each session's queries over
-    its own cache: [T, H * head_dim]. `segments` give each session's rows, in order.
+    its own cache (the last `window` positions of it, when > 0): [T, H * head_dim].
+    `segments` give each session's rows, in order.
 
     A decode step's rows go through one kernel call (`rows`, from decode_rows): through
     torch, each session's cache write and attention cost ~50 us of calls a layer, which
@@ -218,7 +242,7 @@ def attend_sessions(qkv: torch.Tensor, layer: int, segments, rows: "qkernel.Deco
     kv_heads = segments[0].cache.k.shape[1]
     heads = width - 2 * kv_heads
     if rows is not None:
-        return qkernel.decode_attention(qkv, rows, layer, heads, kv_heads, 1.0 / math.sqrt(head_dim))
+        return qkernel.decode_attention(qkv, rows, layer, heads, kv_heads, scale, window)
     # [heads, T, head_dim] each
     q, k, v = (qkv[:, :heads].transpose(0, 1), qkv[:, heads : heads + kv_heads].transpose(0, 1),
                qkv[:, heads + kv_heads :].transpose(0, 1))
@@ -226,15 +250,28 @@ def attend_sessions(qkv: torch.Tensor, layer: int, segments, rows: "qkernel.Deco
     for s in segments:
         mine = slice(row, row + s.num_tokens)
         keys, values = s.cache.write(layer, s.start, k[:, mine], v[:, mine])
-        outputs.append(attention(q[:, mine], keys, values, s.start))
+        outputs.append(attention(q[:, mine], keys, values, s.start, scale, window))
         row += s.num_tokens
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
-def swiglu(x: torch.Tensor, gate_up: Linear, down: Linear, residual: torch.Tensor) -> torch.Tensor:
-    """residual + down(silu(gate(x)) * up(x))."""
+def gated_mlp(x: torch.Tensor, gate_up: Linear, down: Linear, activation: str, residual: torch.Tensor,
+              post_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """residual + down(act(gate(x)) * up(x)), act silu (SwiGLU) or gelu_tanh (GeGLU);
+    with `post_norm` (Gemma) the product is RMS-normed before the residual add."""
     both = gate_up(x)
     if _on_our_kernels(both):
-        return down(qkernel.swiglu(both), residual=residual)
-    gate, up = both.chunk(2, dim=-1)
-    return down(F.silu(gate) * up, residual=residual)
+        hidden = qkernel.swiglu(both) if activation == "silu" else qkernel.geglu(both)
+    else:
+        gate, up = both.chunk(2, dim=-1)
+        hidden = (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
+    return add_residual(down, hidden, residual, post_norm, eps)
+
+
+def add_residual(linear: Linear, x: torch.Tensor, residual: torch.Tensor, post_norm: torch.Tensor | None,
+                 eps: float) -> torch.Tensor:
+    """residual + linear(x), summed inside the matmul where it can be; with `post_norm`,
+    residual + rms_norm(linear(x)) (Gemma's norms after attention and the MLP)."""
+    if post_norm is None:
+        return linear(x, residual=residual)
+    return residual + rms_norm(linear(x), post_norm, eps)

@@ -1,4 +1,5 @@
-"""A llama-family model cut to one stage's layer range.
+"""A decoder-only model cut to one stage's layer range: the llama block, with the
+differences of the other architectures (architecture.py) as optional parts of it.
 
     first stage:  token ids --embed--> hidden
     every stage:  hidden --blocks[start:end]--> hidden
@@ -10,6 +11,7 @@ and attend separately, each over its own KV cache (a `Segment`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +19,8 @@ import torch
 
 from .args import LayerRange, ModelArgs
 from .kv_cache import KVCache
-from .layers import Linear, apply_rope, attend_sessions, decode_rows, rms_norm, rope_tables, swiglu
+from .layers import (Linear, add_residual, apply_rope, attend_sessions, decode_rows, gated_mlp, head_norms_,
+                     rms_norm, rope_tables)
 from .quant import QuantLinear, QuantizedTensor, build_linear
 
 Weight = torch.Tensor | QuantizedTensor
@@ -35,11 +38,17 @@ class Segment:
 @dataclass(frozen=True, slots=True)
 class Block:
     attn_norm: torch.Tensor
-    wqkv: Linear | QuantLinear  # q, k, v projections stacked: one matmul instead of three
+    wqkv: Linear | QuantLinear  # q, k, v projections stacked: one matmul instead of three (+ Qwen2's biases)
     wo: Linear | QuantLinear
     ffn_norm: torch.Tensor
     w_gate_up: Linear | QuantLinear  # gate and up stacked
     w_down: Linear | QuantLinear
+    rope: int  # which of the model's RoPE tables (Gemma 3's sliding layers have their own)
+    window: int = 0  # sliding-window attention over this many keys; 0: all
+    q_norm: torch.Tensor | None = None  # per-head norms of q and k (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # norms of the attention and MLP outputs (Gemma 3)
+    post_ffn_norm: torch.Tensor | None = None
 
 
 class StageModel:
@@ -56,6 +65,16 @@ class StageModel:
         time (so building never holds more than one block's unpacked codes).
         `on_built` is called after each block and the head (a progress bar)."""
         self.args, self.layers, self.device, self.kv_dtype = args, layers, device, kv_dtype
+        arch = args.arch
+        self.activation = arch.activation
+        self.embed_scale = math.sqrt(args.hidden_size) if arch.scales_embedding else None
+        self.scale = (args.query_pre_attn_scalar or args.head_dim) ** -0.5  # of the attention scores
+        # RoPE tables: [0] the global layers', [1] the sliding layers' own (Gemma 3)
+        tables = [(args.rope_theta, args.rope_freq_factors)]
+        if args.sliding_rope_theta is not None:
+            tables.append((args.sliding_rope_theta, None))
+        self.rope_tables = [rope_tables(theta, args.head_dim, args.context_length, factors, device)
+                            for theta, factors in tables]
         self.blocks = []
         for i in range(layers.start, layers.end):
             self.blocks.append(self._block(weights, i))
@@ -69,17 +88,25 @@ class StageModel:
             if self.embedding is not None and head is None and isinstance(self.head, Linear):
                 self.embedding = self.head.weight  # tied: look tokens up in the head's copy, not a second one
             on_built()
-        self.cos, self.signed_sin = rope_tables(args, device)
 
     def _block(self, w: dict[str, Weight], i: int) -> Block:
-        p = f"blk.{i}."
+        p, args, arch = f"blk.{i}.", self.args, self.args.arch
+        qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        biases = [w[name.replace(".weight", ".bias")] for name in qkv] if arch.qkv_bias else None
+        window = args.window_of(i)
         return Block(
             attn_norm=w[p + "attn_norm.weight"],
-            wqkv=build_linear([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]], self.device),
+            wqkv=build_linear([w[name] for name in qkv], self.device, biases),
             wo=build_linear([w[p + "attn_output.weight"]], self.device),
             ffn_norm=w[p + "ffn_norm.weight"],
             w_gate_up=build_linear([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]], self.device),
             w_down=build_linear([w[p + "ffn_down.weight"]], self.device),
+            rope=1 if window and len(self.rope_tables) > 1 else 0,
+            window=window,
+            q_norm=w[p + "attn_q_norm.weight"] if arch.qk_norm else None,
+            k_norm=w[p + "attn_k_norm.weight"] if arch.qk_norm else None,
+            post_attn_norm=w[p + "post_attention_norm.weight"] if arch.post_norms else None,
+            post_ffn_norm=w[p + "post_ffw_norm.weight"] if arch.post_norms else None,
         )
 
     def new_cache(self, max_tokens: int | None = None) -> KVCache:
@@ -98,7 +125,8 @@ class StageModel:
     def parameter_bytes(self) -> int:
         """Bytes of the model's own tensors in memory (not the repacked copies, nor a
         quantized embedding, which stays in the memory-mapped file)."""
-        tensors = [t for b in self.blocks for t in (b.attn_norm, b.ffn_norm)]
+        norms = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+        tensors = [t for b in self.blocks for t in (getattr(b, n) for n in norms) if t is not None]
         tensors += [t for t in (self.embedding, getattr(self, "output_norm", None)) if isinstance(t, torch.Tensor)]
         tensors += [t for linear in self.linears for t in linear.tensors]
         unique = {t.data_ptr(): t.nbytes for t in tensors}
@@ -133,24 +161,30 @@ class StageModel:
         args = self.args
         if self.layers.is_first and not torch.is_floating_point(x):
             x = self._embed(x.to(self.device)).to(torch.float32)
+            if self.embed_scale is not None:  # Gemma: embeddings times sqrt(hidden_size)
+                x = x * self.embed_scale
         else:  # a copy: the residual sums below write into x
             x = x.to(self.device, torch.float32, copy=True)
         T = x.shape[0]
         assert T == sum(s.num_tokens for s in segments), "rows must match the segments"
         for s in segments:
             s.cache.reserve(s.start, s.num_tokens)
-        cos, sin = self._rope_rows(segments)  # [T, head_dim]
+        ropes = [self._rope_rows(segments, table) for table in self.rope_tables]  # cos, sin [T, head_dim] each
         rows = decode_rows(segments, x)  # a decode step: each layer's attention in one call
-        H, KVH = args.num_heads, args.num_kv_heads
+        H, KVH, eps = args.num_heads, args.num_kv_heads, args.rms_norm_eps
 
         for layer, block in enumerate(self.blocks):
             # attention: x + Wo · attn(rope(Wq·h), rope(Wk·h), Wv·h), each session over its own cache
-            h = rms_norm(x, block.attn_norm, args.rms_norm_eps)
+            h = rms_norm(x, block.attn_norm, eps)
             qkv = block.wqkv(h).view(T, H + 2 * KVH, args.head_dim)
-            qkv = apply_rope(qkv, H + KVH, cos, sin)  # q and k heads rotate in one go
-            x = block.wo(attend_sessions(qkv, layer, segments, rows), residual=x)
-            # feed-forward: x + W_down · (silu(W_gate·h) * W_up·h)
-            x = swiglu(rms_norm(x, block.ffn_norm, args.rms_norm_eps), block.w_gate_up, block.w_down, residual=x)
+            if block.q_norm is not None:  # Qwen3, Gemma 3: each q and k head normed first
+                qkv = head_norms_(qkv, H, KVH, block.q_norm, block.k_norm, eps)
+            qkv = apply_rope(qkv, H + KVH, *ropes[block.rope])  # q and k heads rotate in one go
+            attn = attend_sessions(qkv, layer, segments, rows, self.scale, block.window)
+            x = add_residual(block.wo, attn, x, block.post_attn_norm, eps)  # Gemma 3 norms Wo·attn first
+            # feed-forward: x + W_down · (act(W_gate·h) * W_up·h), act silu (SwiGLU) or gelu_tanh (Gemma 3)
+            h = rms_norm(x, block.ffn_norm, eps)
+            x = gated_mlp(h, block.w_gate_up, block.w_down, self.activation, x, block.post_ffn_norm, eps)
 
         for s in segments:
             s.cache.commit(s.start + s.num_tokens)
@@ -161,14 +195,17 @@ class StageModel:
             return self.embedding.embed(ids)
         return self.embedding[ids].float()
 
-    def _rope_rows(self, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _rope_rows(segments: list[Segment], table: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin rows [T, head_dim] at the segments' positions: slices of
-        the tables, so a one-segment call builds no index tensor."""
+        the table, so a one-segment call builds no index tensor."""
+        cos_table, sin_table = table
         if len(segments) == 1:
             rows = slice(segments[0].start, segments[0].start + segments[0].num_tokens)
-            return self.cos[rows], self.signed_sin[rows]
-        cos = torch.cat([self.cos[s.start : s.start + s.num_tokens] for s in segments])
-        sin = torch.cat([self.signed_sin[s.start : s.start + s.num_tokens] for s in segments])
+            return cos_table[rows], sin_table[rows]
+        cos = torch.cat([cos_table[s.start : s.start + s.num_tokens] for s in segments])
+        sin = torch.cat([sin_table[s.start : s.start + s.num_tokens] for s in segments])
         return cos, sin
 
     @torch.inference_mode()
@@ -176,5 +213,8 @@ class StageModel:
         """hidden [T, D] -> float32 logits [T, vocab] (last stage only)."""
         if not self.layers.is_last:
             raise RuntimeError(f"Stage {self.layers} has no output head; only the last stage computes logits")
-        return self.head(rms_norm(hidden, self.output_norm, self.args.rms_norm_eps)).float()  # no copy if float32
-
+        logits = self.head(rms_norm(hidden, self.output_norm, self.args.rms_norm_eps)).float()  # no copy if float32
+        cap = self.args.final_logit_softcapping
+        if cap:  # Gemma: logits squashed into (-cap, cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -92,7 +92,7 @@ def _load_stage(path: Path, layers: tuple[int, int] | None, dtype: str | torch.d
                          "quantized blocks are kept as they are. Fix: drop --quantize (the default keeps them)")
     layer_range = LayerRange(*(layers or (0, args.num_layers)), args.num_layers)
     # one step per tensor read, then one per block (and head) built: packing quantized blocks is the slow part
-    total = len(needed_tensor_names(layer_range, args.tie_word_embeddings)) + layer_range.num_local_layers
+    total = len(needed_tensor_names(layer_range, args.tie_word_embeddings, args.arch)) + layer_range.num_local_layers
     total += layer_range.is_last
     with progress_bar(f"Loading layers {layer_range} of {path.name}", total, progress) as advance:
         if reader is None:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch  # first: the kernel links libgomp.so.1 and so shares the pool torch loaded
 
+from .locate import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("kernels") / name for name in ("qmatmul.c", "rows.c")]
@@ -38,9 +40,11 @@ SIGNATURES = {  # the C functions' (argument types, return type), in their argum
     "skippy_qmatmul": ([_P, _I, _I, _P, _P, _P, _I, _I, _P, _I], _I),
     "skippy_rms_norm": ([_P, _I, _I, _P, _F, _P], None),
     "skippy_attend_row": ([_P, _I, _I, _I, _P, _P, _I, _I, _I, _F, _P], _I),
-    "skippy_decode_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _F, _P], _I),
+    "skippy_decode_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _F, _P], _I),
+    "skippy_head_rms_norm": ([_P, _I, _I, _I, _I, _I, _P, _F], None),
     "skippy_rope": ([_P, _I, _I, _I, _I, _P, _P], None),
     "skippy_swiglu": ([_P, _I, _I, _P], None),
+    "skippy_geglu": ([_P, _I, _I, _P], None),
     "skippy_qmatmul_vector_path": ([], _I),
 }
 
@@ -50,8 +54,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SKIPPY_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "skippy"
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _writable(directory: Path) -> Path:
@@ -201,14 +204,16 @@ class DecodeRows:
 
 
 def decode_attention(qkv: torch.Tensor, rows: DecodeRows, layer: int, heads: int, kv_heads: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int = 0) -> torch.Tensor:
     """Store each session's new k, v row of qkv [S, heads + 2 kv_heads, head_dim] float32
     contiguous (RoPE applied) in its cache at `layer`, and attend its query row over its
-    cache: [S, heads * head_dim], each row as attend_row computes it alone."""
+    cache (its last `window` positions, when > 0): [S, heads * head_dim], each row as
+    attend_row computes it alone."""
     sessions, _, head_dim = qkv.shape
     out = torch.empty(sessions, heads * head_dim, dtype=torch.float32)
     status = library().skippy_decode_attention(qkv.data_ptr(), sessions, heads, kv_heads, head_dim, rows.k, rows.v,
-                                               rows.capacity, rows.position, layer, rows.f16, scale, out.data_ptr())
+                                               rows.capacity, rows.position, layer, window, rows.f16, scale,
+                                               out.data_ptr())
     if status:
         raise RuntimeError(f"decode_attention failed ({status}): qkv {tuple(qkv.shape)}, layer {layer}")
     return out
@@ -220,6 +225,22 @@ def rope_(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tens
     rows, row_heads, head_dim = x.shape
     library().skippy_rope(x.data_ptr(), rows, row_heads, heads, head_dim, cos.data_ptr(), signed_sin.data_ptr())
     return x
+
+
+def head_rms_norm_(x: torch.Tensor, first: int, count: int, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm in place over heads [first, first + count) of x [T, row_heads, head_dim]
+    float32 contiguous, weight [head_dim] float32. Returns x."""
+    rows, row_heads, head_dim = x.shape
+    library().skippy_head_rms_norm(x.data_ptr(), rows, row_heads, first, count, head_dim, weight.data_ptr(), eps)
+    return x
+
+
+def geglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up of gate_up [T, 2F] float32 contiguous (gate first) -> [T, F]."""
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    library().skippy_geglu(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+    return out
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -292,14 +292,15 @@ class QuantLinear:
     """x [T, in] float32 -> [T, out] float32 through the file's integer codes
     (kernels/qmatmul.c)."""
 
-    __slots__ = ("codes", "scale", "offset", "bits", "out_features", "in_features")
+    __slots__ = ("codes", "scale", "offset", "bits", "out_features", "in_features", "bias")
     batched = None  # batches of rows run through the same codes: no second copy
     can_repack = False
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                 out_features: int, in_features: int):
+                 out_features: int, in_features: int, bias: torch.Tensor | None = None):
         self.codes, self.scale, self.offset, self.bits = codes, scale, offset, bits
         self.out_features, self.in_features = out_features, in_features
+        self.bias = bias  # float32 [out] (Qwen2's q, k, v), added after the kernel
 
     @classmethod
     def of(cls, weight: GroupAffine) -> "QuantLinear":
@@ -341,7 +342,7 @@ class QuantLinear:
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.scale, self.offset]
+        return [self.codes, self.scale, self.offset] + ([] if self.bias is None else [self.bias])
 
     def repack(self) -> int:
         return 0
@@ -352,7 +353,8 @@ class QuantLinear:
             x = x.float().contiguous()
         if residual is not None and not (residual.dtype == torch.float32 and residual.is_contiguous()):
             return residual + self(x)
-        return qkernel.qmatmul(x, self.codes, self.scale, self.offset, self.bits, self.out_features, residual)
+        out = qkernel.qmatmul(x, self.codes, self.scale, self.offset, self.bits, self.out_features, residual)
+        return out if self.bias is None else out.add_(self.bias)
 
     def affine(self) -> GroupAffine:
         """The codes, scales and offsets the kernel multiplies by."""
@@ -366,17 +368,22 @@ class QuantLinear:
         return torch.from_numpy(self.affine().dequantize())
 
 
-def build_linear(parts: list[torch.Tensor | QuantizedTensor | FloatWeight], device: torch.device) -> Linear | QuantLinear:
-    """One matmul over `parts` stacked along out (q, k, v; gate, up).
+def build_linear(parts: list[torch.Tensor | QuantizedTensor | FloatWeight], device: torch.device,
+                 biases: list[torch.Tensor] | None = None) -> Linear | QuantLinear:
+    """One matmul over `parts` stacked along out (q, k, v; gate, up), plus `biases`
+    (float32, one per part) when given.
 
     All parts quantized, on CPU, with the kernel built: QuantLinear. Otherwise (CUDA
     has no kernel here yet, a part's type is one quant.py does not read, or rows come
     in other than blocks of 16) a quantized part is dequantized to bfloat16.
     """
+    bias = None if biases is None else torch.cat(biases).float()
     if device.type == "cpu" and QuantLinear.can_pack(parts):
-        return QuantLinear.of_blocks(parts)
+        linear = QuantLinear.of_blocks(parts)
+        linear.bias = bias
+        return linear
     tensors = [p if isinstance(p, torch.Tensor) else
                torch.from_numpy(p.affine().dequantize()).to(device, torch.bfloat16) for p in parts]
     if len({t.dtype for t in tensors}) > 1:
         tensors = [t.to(torch.bfloat16) for t in tensors]
-    return Linear.of(torch.cat(tensors) if len(tensors) > 1 else tensors[0])
+    return Linear.of(torch.cat(tensors) if len(tensors) > 1 else tensors[0], bias)

@@ -1,95 +1,29 @@
-"""Text to token ids and back, for a GGUF file or a Hugging Face tokenizer directory.
-
-A GGUF has no tokenizer.json: it stores the vocabulary, merges and token types
-as `tokenizer.ggml.*` metadata. We rebuild a `tokenizers` byte-level BPE from
-them the way transformers' GGUF loader does
-(`integrations/gguf/gguf_tokenizer_mapping.py`), so ids match that reference.
-"""
+"""Text to token ids and back, for a GGUF file (its vocabulary rebuilt by gguf_vocab.py)
+or a Hugging Face tokenizer directory."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from skippy.model.chat_template import ChatTemplate, ChatTemplateError
+from skippy.model.chat_template import FAMILY_TEMPLATES, ChatTemplate, ChatTemplateError
 from skippy.model.gguf_file import GGUFFile
+from skippy.model.gguf_vocab import TokenizerError, backend_from_gguf
 
-TOKEN_TYPE_CONTROL = 3  # gguf TokenType.CONTROL, e.g. <|im_start|>
-TOKEN_TYPE_USER_DEFINED = 4  # gguf TokenType.USER_DEFINED, e.g. <think>
-
-# Pre-tokenizers that split with the plain GPT-2 regex in transformers. llama.cpp's
-# "smollm" (and "starcoder") first splits every digit apart, which differs only
-# where whitespace runs into a digit ("  1": llama.cpp ĠĠ,1; transformers Ġ,Ġ,1).
-# We follow transformers, the reference the tests compare against.
-GPT2_REGEX_PRE_TOKENIZERS = frozenset({"default", "gpt2", "smollm", "starcoder", "refact"})
+__all__ = ["IncrementalDecoder", "Tokenizer", "TokenizerError"]
+log = logging.getLogger(__name__)
 
 # Texts that end a turn besides EOS: the common entries of llama.cpp's end-of-generation list.
 EOG_TOKEN_TEXTS = (
     "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
     "<end_of_turn>", "<|end_of_text|>", "<EOT>", "<|return|>", "<|call|>",
 )  # fmt: skip
-
-
-class TokenizerError(ValueError):
-    """Tokenizer files that cannot be loaded as given."""
-
-
-def _byte_alphabet() -> dict[int, str]:
-    # GPT-2's byte -> printable-character table, as in transformers' bytes_to_unicode.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {byte: chr(char) for byte, char in zip(printable, chars)}
-
-
-def _byte_level_bpe(tokens: list[str], token_types: Sequence[int], merges: list[str]) -> Backend:
-    """GPT-2 style BPE over the GGUF vocabulary, with control tokens kept whole."""
-    spelling = _byte_alphabet()
-    alphabet = set(spelling.values())
-
-    def spelled(token: str) -> str:
-        # Regular tokens are already written in the byte alphabet; respell any that are not.
-        return token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
-
-    vocab = {spelled(token): index for index, token in enumerate(tokens)}
-    backend = Backend(
-        models.BPE(
-            vocab=vocab,
-            merges=[tuple(merge.split(" ")) for merge in merges],
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-        )
-    )
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    backend.decoder = decoders.ByteLevel()
-    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; transformers skips it too.
-    control = [
-        AddedToken(token, normalized=False, special=True)
-        for token, kind in zip(tokens, token_types)
-        if kind == TOKEN_TYPE_CONTROL and set(token) <= alphabet
-    ]
-    # User-defined tokens (<think>) are matched whole but are not special: skip_special_tokens keeps them.
-    user_defined = [
-        AddedToken(token, normalized=False, special=False)
-        for token, kind in zip(tokens, token_types)
-        if kind == TOKEN_TYPE_USER_DEFINED and token in vocab
-    ]
-    backend.add_special_tokens(control)
-    backend.add_tokens(user_defined)
-    return backend
 
 
 def _config_token_id(backend: Backend, config: Mapping[str, Any], key: str) -> int | None:
@@ -138,29 +72,23 @@ class Tokenizer:
     def from_gguf(cls, source: str | os.PathLike | GGUFFile) -> Tokenizer:
         """Build from a GGUF's `tokenizer.ggml.*` metadata; pass an open file to avoid re-parsing."""
         fields = (source if isinstance(source, GGUFFile) else GGUFFile(source)).fields
-        model = fields.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise TokenizerError(
-                f"Expected tokenizer.ggml.model 'gpt2' (byte-level BPE), got {model!r}. "
-                f"Fix: use a model with a byte-level BPE vocabulary, or load its Hugging Face tokenizer directory."
-            )
-        pre = fields.get("tokenizer.ggml.pre", "default")
-        if pre not in GPT2_REGEX_PRE_TOKENIZERS:
-            warnings.warn(f"GGUF pre-tokenizer {pre!r} is unknown here; splitting with the GPT-2 regex.", stacklevel=2)
-        tokens: list[str] = fields.get("tokenizer.ggml.tokens")
-        token_types: list[int] = fields.get("tokenizer.ggml.token_type", [])
-        merges: list[str] = fields.get("tokenizer.ggml.merges", [])
         eos_id = fields.get("tokenizer.ggml.eos_token_id")
         if eos_id is None:
             raise TokenizerError(
                 "Expected tokenizer.ggml.eos_token_id in the GGUF, got none. Fix: re-convert the model with llama.cpp."
             )
+        # a SentencePiece file that does not say adds BOS, as llama.cpp (and transformers) assume
+        add_bos = fields.get("tokenizer.ggml.add_bos_token", fields.get("tokenizer.ggml.model") == "llama")
+        template, arch = fields.get("tokenizer.chat_template"), fields.get("general.architecture")
+        if template is None and arch in FAMILY_TEMPLATES:
+            log.info("%s GGUF without a chat template: using the %s family's own", arch, arch)
+            template = FAMILY_TEMPLATES[arch]
         return cls(
-            _byte_level_bpe(tokens, token_types, merges),
+            backend_from_gguf(fields),
             bos_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_id=eos_id,
-            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-            chat_template=fields.get("tokenizer.chat_template"),
+            add_bos=bool(add_bos),
+            chat_template=template,
         )
 
     @classmethod
@@ -259,6 +187,12 @@ class Tokenizer:
                 eos_token=self._token_text(self._eos_id),
             )
         return self._chat_template.render(messages, add_generation_prompt, **extra)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **extra: Any) -> list[int]:
+        """The prompt ids for a conversation. As transformers' apply_chat_template(tokenize=True):
+        no BOS of ours, since templates that want one write it (Gemma's, Llama 3's)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_special_tokens=False)
 
     def _token_text(self, token_id: int | None) -> str | None:
         return None if token_id is None else self._backend.id_to_token(token_id)

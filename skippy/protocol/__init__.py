@@ -4,7 +4,7 @@ No torch here; asyncio only in `stream`. See docs/protocol.md.
 """
 
 from .configs import (
-    KvCacheConfig, PeerEndpoint, StageConfig, Topology, TopologyStage, parse_endpoint,
+    KvCacheConfig, LinkConditioning, PeerEndpoint, StageConfig, TlsConfig, Topology, TopologyStage, is_loopback, parse_endpoint,
     plan_layer_split,
 )
 from .constants import (
@@ -29,13 +29,13 @@ from .stream import (
 )
 
 __all__ = [
-    "ActivationDtype", "AuthError", "AuthPreamble", "FrameError", "KIND_INFO", "KvCacheConfig",
+    "ActivationDtype", "AuthError", "AuthPreamble", "FrameError", "KIND_INFO", "KvCacheConfig", "LinkConditioning",
     "MessageKind", "PROTOCOL_VERSION", "PeerEndpoint", "Phase", "ProtocolError", "Ready",
     "ReplyKind", "SamplingConfig", "StageConfig", "StageMessage", "StageReply", "StageReplyStats",
-    "StageStatusReport", "StateFlags", "Topology", "TopologyStage", "VersionMismatch", "cache_namespace_digest",
+    "StageStatusReport", "StateFlags", "TlsConfig", "Topology", "TopologyStage", "VersionMismatch", "cache_namespace_digest",
     "client_handshake",
     "decode_message", "decode_reply", "encode_message", "encode_message_parts", "encode_reply",
-    "expects_reply", "is_control", "is_generation_control", "is_prefix_cache_control",
+    "expects_reply", "is_control", "is_loopback", "is_generation_control", "is_prefix_cache_control",
     "is_session_control", "merge", "merge_all", "parse_endpoint", "plan_layer_split",
     "prefill_compute_observation", "prefill_edge_observation", "read_message", "read_reply",
     "requires_predicted_reply", "server_handshake", "stage_mask", "write_message", "write_reply",

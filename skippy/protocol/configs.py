@@ -6,6 +6,7 @@ pydantic models, frozen and strict about unknown keys, validated once on load.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from pathlib import Path
 from typing import Literal, Self, Sequence
@@ -33,6 +34,16 @@ def parse_endpoint(endpoint: str, *, allow_port_zero: bool = False) -> tuple[str
     if not lowest <= port <= 65535:
         raise ValueError(f"Expected a port in {lowest}..65535 in {endpoint!r}, got {port}")
     return host, port
+
+
+def is_loopback(host: str) -> bool:
+    """A host only this machine can reach: localhost, 127.0.0.0/8, ::1."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it resolves to whatever the network says
 
 
 class _Frozen(BaseModel):
@@ -101,6 +112,32 @@ class KvCacheConfig(_Frozen):
     disk_policy: Literal["evict", "record"] = "evict"
 
 
+class TlsConfig(_Frozen):
+    """Mutual TLS for a stage's links off loopback (`skippy plan` writes the files): the chain's
+    CA, and this stage's certificate (its host in the subject alternative names) and key.
+    Relative paths are relative to the config file that holds them."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+
+    def resolved(self, base: Path) -> TlsConfig:
+        return TlsConfig(**{name: str(base / value) for name, value in self.model_dump().items()})
+
+
+class LinkConditioning(_Frozen):
+    """A test knob (the original's --downstream-wire-* flags): what a WAN link would do to the
+    frames this process sends: a fixed delay, jitter, a bandwidth cap and random stalls,
+    from a seeded generator so a run repeats. Off unless a config sets it."""
+
+    delay_ms: float = Field(0.0, ge=0)    # one way, every frame
+    jitter_ms: float = Field(0.0, ge=0)   # plus uniform [0, jitter) per frame (order is kept)
+    mbps: float = Field(0.0, ge=0)        # the link's rate in Mbit/s; 0 = unlimited
+    stall_ms: float = Field(0.0, ge=0)    # a stall this long ...
+    stall_p: float = Field(0.0, ge=0, le=1)  # ... before a frame, with this probability
+    seed: int = 0
+
+
 class StageConfig(_Frozen):
     """One stage process: its identity, layer range, peers and runtime settings (spec §9.1)."""
 
@@ -109,6 +146,7 @@ class StageConfig(_Frozen):
     layer_start: int = Field(ge=0)
     layer_end: int = Field(ge=1)               # half-open
     model_path: str
+    model_fingerprint: str | None = None       # the planned model's (model/fingerprint.py); checked at start
     ctx_size: int = Field(2048, ge=1)
     lane_count: int = Field(4, ge=1)
     bind_addr: str = "127.0.0.1:0"             # loopback by default; port 0 = OS-chosen
@@ -127,6 +165,9 @@ class StageConfig(_Frozen):
     peer_wait_forwards: float = Field(0.25, ge=0.0)
     threads: int | None = Field(None, ge=1)    # torch threads; None = torch's default
     otlp_endpoint: str | None = None           # export spans over OTLP/HTTP; None = no spans
+    tls: TlsConfig | None = None               # required (with auth_token) to listen off loopback
+    insecure: bool = False                     # listen off loopback without them anyway (warned)
+    link_conditioning: LinkConditioning | None = None  # a test knob on the links this stage dials
 
     @field_validator("bind_addr")
     @classmethod
@@ -209,6 +250,7 @@ class Topology(_Frozen):
     topology_id: str
     model_id: str
     stages: list[TopologyStage] = Field(min_length=1)
+    model_fingerprint: str | None = None  # of the file the chain was planned for: every stage's must match
 
     @model_validator(mode="after")
     def _chain(self) -> Topology:

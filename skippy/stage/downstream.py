@@ -23,6 +23,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from . import link, tls
 from ..protocol import (
     MessageKind, ProtocolError, ReplyKind, StageMessage, StageReply, StageReplyStats, StageStatusReport,
     client_handshake, merge, parse_endpoint, prefill_edge_observation, read_reply, write_message,
@@ -46,8 +47,10 @@ async def open_connection(endpoint: str, *, auth_token: str | None,
     """Dial `endpoint`, handshake (auth + READY), return (reader, writer) with TCP_NODELAY.
     The READY wait defaults to at least 5 s (a stage busy loading answers late)."""
     host, port = parse_endpoint(endpoint)
+    context = tls.client_context(host)
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(
+            host, port, ssl=context, server_hostname=host if context else None), timeout_s)
     except (OSError, TimeoutError) as error:
         raise LinkBroken(f"cannot connect to stage at {endpoint}: "
                          f"{error or type(error).__name__}") from error
@@ -60,7 +63,7 @@ async def open_connection(endpoint: str, *, auth_token: str | None,
     except (ProtocolError, OSError) as error:
         writer.close()
         raise LinkBroken(f"handshake with stage at {endpoint} failed: {error}") from error
-    return reader, writer
+    return reader, link.conditioned(writer)  # as is, unless a test conditions this process's links
 
 
 async def query_stage_status(endpoint: str, auth_token: str | None) -> StageStatusReport | None:

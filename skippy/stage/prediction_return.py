@@ -19,6 +19,7 @@ from ..protocol import (
     MessageKind, ProtocolError, StageMessage, StageReply, parse_endpoint, read_message, read_reply,
     server_handshake, write_message, write_reply,
 )
+from . import tls
 from .downstream import CONNECT_TIMEOUT_S, LinkBroken, open_connection
 
 log = logging.getLogger("skippy.stage")
@@ -62,7 +63,7 @@ class ReturnListener:
 
     async def start(self) -> str:
         host, port = parse_endpoint(self.bind_addr, allow_port_zero=True)
-        self._server = await asyncio.start_server(self._serve, host, port)
+        self._server = await asyncio.start_server(self._serve, host, port, ssl=tls.server_context(host))
         bound = self._server.sockets[0].getsockname()
         return f"{host}:{bound[1]}" if ":" not in host else f"[{host}]:{bound[1]}"
 

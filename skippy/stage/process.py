@@ -11,12 +11,14 @@ import sys
 
 import torch
 
+from ..model.fingerprint import check_model
 from ..model.grammar import GrammarCompiler
 from ..model.loader import load_stage
 from ..protocol import StageConfig, Topology
 from ..runtime.engine import StageRuntime
 from ..runtime.stage_cache import StagePrefixCache
 from ..telemetry import Telemetry
+from . import link, tls
 from .server import StageServer
 
 log = logging.getLogger("skippy.stage")
@@ -64,6 +66,11 @@ async def serve_stage(config: StageConfig, topology: Topology | None = None) -> 
     """Load this stage's layers, listen, print the ready line, serve until SIGINT/SIGTERM."""
     if config.threads:
         torch.set_num_threads(config.threads)
+    tls.check_exposure(f"stage {config.stage_index}", config.bind_host, auth_token=config.auth_token,
+                       tls=config.tls, insecure=config.insecure)
+    tls.use(config.tls)
+    link.use(config.link_conditioning)
+    check_model(config.model_path, config.model_fingerprint, f"stage {config.stage_index}")
     sock = bind_listener(config)
     telemetry = Telemetry(f"skippy-stage{config.stage_index}", config.otlp_endpoint)
     runtime = load_stage_runtime(config, telemetry)

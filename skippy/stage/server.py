@@ -15,6 +15,7 @@ import socket
 from ..protocol import ProtocolError, StageConfig, Topology, server_handshake
 from ..runtime.engine import StageRuntime
 from ..telemetry import Telemetry
+from . import tls
 from .connection import StageConnection
 from .downstream import REPLY_TIMEOUT_S
 from .prediction_return import ReturnStreams
@@ -52,11 +53,12 @@ class StageServer:
 
     async def start(self, sock: socket.socket | None = None) -> str:
         """Listen on the config's bind address, or on `sock` (already bound)."""
+        context = tls.server_context(self.config.bind_host)  # TLS off loopback
         if sock is not None:
-            self._server = await asyncio.start_server(self._accept, sock=sock)
+            self._server = await asyncio.start_server(self._accept, sock=sock, ssl=context)
         else:
             self._server = await asyncio.start_server(self._accept, self.config.bind_host,
-                                                      self.config.bind_port)
+                                                      self.config.bind_port, ssl=context)
         log.info("stage %d (%s) listening on %s, layers [%d, %d)", self.config.stage_index,
                  self.config.stage_id, self.endpoint, self.config.layer_start,
                  self.config.layer_end)

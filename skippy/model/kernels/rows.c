@@ -1,4 +1,5 @@
-/* Per-row pieces of a decode step: RMS norm, RoPE, SwiGLU and one query row's
+/* Per-row pieces of a decode step: RMS norm (of rows, or of heads in place), RoPE, SwiGLU,
+   GeGLU and one query row's
    attention over a session's KV cache. A decode step runs them on a single row,
    where torch's dispatch and thread wake-ups cost several times their arithmetic
    (F.rms_norm took 28 us on 576 numbers; SDPA plus the 16-bit cache's upcast ~90 us
@@ -21,6 +22,15 @@ void skippy_rms_norm(const float *x, int rows, int D, const float *w, float eps,
         const float inv = 1.f / sqrtf(ss / (float)D + eps);
         float *o = out + (size_t)r * D;
         for (int i = 0; i < D; i++) o[i] = v[i] * inv * w[i];
+    }
+}
+
+/* In place: RMS norm over each of heads [first, first + count) of every row of x
+   [T, row_heads, hd] (the q or the k heads of a fused qkv row), all with one weight [hd] */
+void skippy_head_rms_norm(float *x, int T, int row_heads, int first, int count, int hd, const float *w, float eps) {
+    for (int t = 0; t < T; t++) {
+        float *heads = x + ((size_t)t * row_heads + first) * hd;
+        skippy_rms_norm(heads, count, hd, w, eps, heads); /* a row's sum is taken before it is written */
     }
 }
 
@@ -151,10 +161,11 @@ int skippy_attend_row(const float *q, int H, int KVH, int hd, const void *k, con
    at position pos[s] of layer `layer` in its cache k[s], v[s] ([layers, KVH,
    capacity[s], hd], float16 when f16, else float32), then attend its q heads over
    positions [0, pos[s]] exactly as skippy_attend_row does (so a session's row is the
-   same alone or batched). out [S, H * hd]. The float16 store rounds to nearest even,
-   as torch's copy does. */
+   same alone or batched); with a sliding `window` > 0, over the last `window` of them
+   only. out [S, H * hd]. The float16 store rounds to nearest even, as torch's copy does. */
 int skippy_decode_attention(const float *qkv, int S, int H, int KVH, int hd, void *const *k, void *const *v,
-                            const int *capacity, const int *pos, int layer, int f16, float scale, float *out) {
+                            const int *capacity, const int *pos, int layer, int window, int f16, float scale,
+                            float *out) {
     if (hd > MAX_HEAD_DIM || H % KVH || S < 1) return -1;
     const int group = H / KVH, row = (H + 2 * KVH) * hd;
     int max_t = 0;
@@ -183,8 +194,10 @@ int skippy_decode_attention(const float *qkv, int S, int H, int KVH, int hd, voi
                     ((float *)v[s])[at + i] = vr[i];
                 }
             }
-            attend_group(q + (size_t)j * group * hd, group, hd, cache_at(k[s], f16, head), cache_at(v[s], f16, head), f16,
-                         pos[s] + 1, scale, scores, out + (size_t)s * H * hd + (size_t)j * group * hd);
+            const int first = window > 0 && pos[s] + 1 > window ? pos[s] + 1 - window : 0;
+            const size_t from = head + (size_t)first * hd;
+            attend_group(q + (size_t)j * group * hd, group, hd, cache_at(k[s], f16, from), cache_at(v[s], f16, from), f16,
+                         pos[s] + 1 - first, scale, scores, out + (size_t)s * H * hd + (size_t)j * group * hd);
         }
         free(scores);
     }
@@ -216,6 +229,20 @@ void skippy_swiglu(const float *gate_up, int T, int F, float *out) {
         const float *g = gate_up + (size_t)t * 2 * F, *u = g + F;
         float *o = out + (size_t)t * F;
         for (int i = 0; i < F; i++) o[i] = -g[i];
+        exp_n(o, F, o);
+        for (int i = 0; i < F; i++) o[i] = g[i] / (1.f + o[i]) * u[i];
+    }
+}
+
+/* out [T, F] = gelu_tanh(gate) * up, from gate_up [T, 2F] (gate first). gelu_tanh(x) =
+   x (1 + tanh(y)) / 2 with y = sqrt(2/pi) (x + 0.044715 x^3), which is x / (1 + exp(-2y)):
+   the same vector exp as SwiGLU, no tanh */
+void skippy_geglu(const float *gate_up, int T, int F, float *out) {
+    const float c = 2.f * 0.7978845608028654f; /* 2 sqrt(2/pi) */
+    for (int t = 0; t < T; t++) {
+        const float *g = gate_up + (size_t)t * 2 * F, *u = g + F;
+        float *o = out + (size_t)t * F;
+        for (int i = 0; i < F; i++) o[i] = -c * (g[i] + 0.044715f * g[i] * g[i] * g[i]);
         exp_n(o, F, o);
         for (int i = 0; i < F; i++) o[i] = g[i] / (1.f + o[i]) * u[i];
     }

@@ -1,0 +1,107 @@
+"""What TLS costs a chain: the same 2-stage chain off loopback, over mutual TLS and over plain TCP.
+
+Both chains run on this machine's own non-loopback address (so the TLS rule applies),
+planned by `skippy plan`; the plain one is the same plan with its TLS files removed and
+`--insecure` on every process. Streamed greedy chat through `skippy serve --topology`,
+client-timed; rounds alternate between the chains; medians.
+
+    python bench/tls.py --rounds 5 --max-tokens 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+from common import READY
+from serve import NO_EOS, PROMPT, http_stream
+
+from skippy.launch.local_chain import free_ports
+
+
+def local_address() -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.254", 9))  # picks the default route's address; sends nothing
+        return probe.getsockname()[0]
+
+
+class Chain:
+    """Stage 1 as a `skippy stage` process, stage 0 as `skippy serve --topology`, from one plan."""
+
+    def __init__(self, out: Path, host: str, threads: int, secure: bool):
+        ports = free_ports(2, host)
+        cli = [sys.executable, "-m", "skippy.cli"]
+        subprocess.run([*cli, "plan", "--stages", "2", "--hosts", f"{host}:{ports[0]},{host}:{ports[1]}",
+                        "--out", str(out)], check=True, capture_output=True)
+        insecure = [] if secure else ["--insecure"]
+        if not secure:  # the same plan without its TLS material
+            for name in ("stage-0.json", "stage-1.json"):
+                config = json.loads((out / name).read_text())
+                config["tls"] = None
+                (out / name).write_text(json.dumps(config))
+        self.processes = [subprocess.Popen([*cli, "stage", "--config", str(out / "stage-1.json"), "--topology",
+                                            str(out / "topology.json"), "--threads", str(threads), *insecure],
+                                           stdout=subprocess.PIPE, text=True)]
+        for line in self.processes[0].stdout:
+            if line.startswith("skippy: stage ready"):
+                break
+        serve = subprocess.Popen([*cli, "serve", "--port", "0", "--topology", str(out / "topology.json"),
+                                  "--threads", str(threads), "--kv-cache-mem", "0", *insecure],
+                                 stdout=subprocess.PIPE, text=True)
+        self.processes.append(serve)
+        for line in serve.stdout:
+            if match := READY.search(line):
+                self.url = match.group(1) + "/chat/completions"
+                return
+        raise RuntimeError("skippy serve exited before it was ready")
+
+    def close(self) -> None:
+        for process in reversed(self.processes):
+            process.terminate()
+            process.wait(timeout=60)
+
+
+async def main(args: argparse.Namespace) -> None:
+    host = local_address()
+    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": PROMPT}],
+            "temperature": 0, "max_tokens": args.max_tokens, "logit_bias": {str(k): v for k, v in NO_EOS.items()},
+            "stream": True, "stream_options": {"include_usage": True}}
+    with tempfile.TemporaryDirectory() as tls_dir, tempfile.TemporaryDirectory() as plain_dir:
+        chains = {"mutual TLS": Chain(Path(tls_dir), host, args.threads, True),
+                  "plain TCP": Chain(Path(plain_dir), host, args.threads, False)}
+        rates: dict[str, list[float]] = {name: [] for name in chains}
+        ttfts: dict[str, list[float]] = {name: [] for name in chains}
+        try:
+            async with httpx.AsyncClient(timeout=300) as client:
+                for round_index in range(args.rounds + 1):  # round 0 warms up
+                    for name, chain in chains.items():
+                        result = await http_stream(client, chain.url, body)
+                        if round_index:
+                            rates[name].append(result.decode_tok_s)
+                            ttfts[name].append(result.ttft_s * 1e3)
+        finally:
+            for chain in chains.values():
+                chain.close()
+    print(f"2 stages on {host}, {args.threads} threads each, {args.max_tokens} tokens, medians of {args.rounds}")
+    print(f"{'link':<12} {'decode tok/s':>13} {'ms/token':>9} {'TTFT ms':>8}")
+    for name in chains:
+        rate = statistics.median(rates[name])
+        print(f"{name:<12} {rate:>13.1f} {1e3 / rate:>9.3f} {statistics.median(ttfts[name]):>8.1f}")
+    tls_rate, plain_rate = (statistics.median(rates[name]) for name in chains)
+    print(f"TLS / plain: {tls_rate / plain_rate:.3f}x decode, {1e3 / tls_rate - 1e3 / plain_rate:+.3f} ms a token")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=1)
+    asyncio.run(main(parser.parse_args()))

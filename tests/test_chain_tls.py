@@ -1,0 +1,101 @@
+"""A chain off loopback: `skippy plan` writes a chain token and TLS certificates, every link
+runs over mutual TLS, and a stage refuses to listen off loopback without them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from frontend_support import ServeProcess
+from skippy.launch.local_chain import free_ports
+from skippy.protocol import StageConfig, TlsConfig
+from skippy.stage import tls
+from skippy.stage.downstream import LinkBroken, open_connection, query_stage_status
+from test_standby_stages import start_stage
+
+pytestmark = pytest.mark.slow
+PROMPT = "The capital of France is"
+
+
+def local_address() -> str:
+    """This machine's own non-loopback IPv4 address (the one its default route uses)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.254", 9))  # no packet is sent: this only picks the route
+        address = probe.getsockname()[0]
+    assert not address.startswith("127."), "the test needs a non-loopback IPv4 address on this machine"
+    return address
+
+
+def test_a_chain_off_loopback_runs_over_mutual_tls(tmp_path):
+    host = local_address()
+    endpoints = [f"{host}:{port}" for port in free_ports(2, host)]
+    plan = subprocess.run([sys.executable, "-m", "skippy.cli", "plan", "--stages", "2", "--hosts", ",".join(endpoints),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    stage1 = StageConfig.load(tmp_path / "stage-1.json")
+    assert stage1.auth_token and stage1.tls is not None  # generated: nobody passed them
+    assert (tmp_path / "tls" / "stage-1.key").stat().st_mode & 0o077 == 0  # owner-only
+    assert (tmp_path / "stage-1.json").stat().st_mode & 0o077 == 0
+    process = start_stage(tmp_path / "stage-1.json", tmp_path / "topology.json", tmp_path / "stage-1.log")
+    server = None
+    try:
+        server = ServeProcess(["--topology", str(tmp_path / "topology.json"), "--threads", "1"],
+                              tmp_path / "serve.log")  # token and TLS from the plan's stage-0.json
+        body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                "return_token_ids": True}
+        answer = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+        one_process = subprocess.run([sys.executable, "-m", "skippy.cli", "generate", "--raw", "--json",
+                                      "--max-tokens", "12", PROMPT], capture_output=True, text=True, timeout=300)
+        assert answer["token_ids"] == json.loads(one_process.stdout)["completion_ids"]
+        assert httpx.get(server.url + "/readyz").status_code == 200  # status queries pass TLS too
+        # the final stage's direct return to stage 0 passed TLS as well (else it relays, with a warning)
+        assert "direct prediction return unavailable" not in (tmp_path / "stage-1.log").read_text()
+
+        async def probes() -> None:
+            stage_endpoint = endpoints[1]
+            right = stage1.tls.resolved(tmp_path)
+            tls.use(right)
+            assert await query_stage_status(stage_endpoint, stage1.auth_token) is not None
+            tls.use(None)  # plain TCP to a TLS listener: refused
+            assert await query_stage_status(stage_endpoint, stage1.auth_token) is None
+            other = tls.issue_certificates(tmp_path / "other" / "tls", {"stranger": host})["stranger"]
+            tls.use(other.resolved(tmp_path / "other"))  # a certificate from another CA: refused
+            with pytest.raises(LinkBroken, match="certificate"):
+                await open_connection(stage_endpoint, auth_token=stage1.auth_token)
+            tls.use(right)  # the right CA, the wrong token: refused by the token check inside TLS
+            assert await query_stage_status(stage_endpoint, "not-the-chain-token") is None
+            tls.use(None)
+
+        asyncio.run(probes())
+    finally:
+        if server is not None:
+            server.stop()
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_a_stage_refuses_to_listen_off_loopback_without_token_and_tls(tmp_path):
+    config = StageConfig(stage_id="stage-1", stage_index=1, layer_start=19, layer_end=30, model_path="unused.gguf",
+                         bind_addr=f"0.0.0.0:{free_ports(1)[0]}")
+    config.save(tmp_path / "stage-1.json")
+    run = subprocess.run([sys.executable, "-m", "skippy.cli", "stage", "--config", str(tmp_path / "stage-1.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "without an auth token and TLS" in run.stderr and "Fix:" in run.stderr and "--insecure" in run.stderr
+    with pytest.raises(ValueError, match="without TLS"):  # a token alone is not enough
+        tls.check_exposure("stage 1", "0.0.0.0", auth_token="token", tls=None, insecure=False)
+    tls.check_exposure("stage 1", "0.0.0.0", auth_token="token", tls=TlsConfig(ca_file="a", cert_file="b",
+                                                                               key_file="c"), insecure=False)
+    tls.check_exposure("stage 1", "127.0.0.1", auth_token=None, tls=None, insecure=False)  # loopback: fine
+
+
+def test_insecure_listens_off_loopback_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="skippy.stage"):
+        tls.check_exposure("stage 1", "0.0.0.0", auth_token=None, tls=None, insecure=True)
+    assert "--insecure" in caplog.text and "open to the network" in caplog.text
