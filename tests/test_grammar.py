@@ -141,6 +141,32 @@ def test_seeded_sampling_stays_inside_the_grammar(grammars, tokenizer):
     assert 10 <= int(tokenizer.decode(history)) <= 99
 
 
+KNOBS = [
+    # (sampling settings next to the grammar, one line each)
+    dict(temperature=0.0, logit_bias={106: 100.0}),                       # greedy, a banned token pushed up
+    dict(temperature=0.8, top_k=5, seed=1),                               # top_k over the allowed tokens
+    dict(temperature=1.2, top_p=0.9, min_p=0.05, seed=2),                 # nucleus and min_p
+    dict(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.5,  # penalties see the drafts
+         presence_penalty=0.4, seed=3, logit_bias={106: 100.0}),
+]
+
+
+@pytest.mark.parametrize("knobs", KNOBS, ids=["greedy+bias", "top_k", "top_p+min_p", "penalties"])
+def test_every_sampler_setting_picks_allowed_tokens(grammars, tokenizer, doc, knobs):
+    x, _, z = doc  # token 106 is 'z', which the grammar never allows
+    config = SamplingConfig(grammar=ENUM, **knobs)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        state = grammars.state(ENUM, len(PROMPT))
+        sampler = RequestSampler(config, grammar=state)
+        logits = torch.randn(3, tokenizer.vocab_size, generator=generator)
+        history = PROMPT + x[:3]
+        targets = sampler.sample(logits, history, row_tokens=x[3:5])
+        masks = grammars.state(ENUM, len(PROMPT)).allowed(history, x[3:5], tokenizer.vocab_size)
+        assert all(bool(masks[row, token]) for row, token in enumerate(targets)), targets
+        assert z[4] not in targets
+
+
 def test_the_sampler_needs_a_state_exactly_with_a_grammar(grammars):
     with pytest.raises(ValueError, match="grammar state"):
         RequestSampler(SamplingConfig(grammar=ENUM))
