@@ -59,7 +59,7 @@ class Chain:
         self.processes.append(serve)
         for line in serve.stdout:
             if match := READY.search(line):
-                self.url = match.group(1) + "/chat/completions"
+                self.url = match.group(1) + "/v1/chat/completions"
                 return
         raise RuntimeError("skippy serve exited before it was ready")
 
