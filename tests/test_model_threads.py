@@ -20,17 +20,17 @@ from skippy.model.loader import load_stage
 from skippy.model.threads import on_passing_thread
 
 
-def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def thread_ids() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
-def settle(expected: int, timeout_s: float = 5.0) -> int:
-    """The process's thread count once exiting pool workers are gone (or at the timeout);
-    other tests' threads may end meanwhile, so at most `expected` is settled."""
+def new_threads(before: set[str], timeout_s: float = 5.0) -> set[str]:
+    """Threads that were not there `before`, once exiting ones are gone (or at the timeout).
+    Other tests' threads ending meanwhile do not count: only new ones are compared."""
     deadline = time.monotonic() + timeout_s
-    while (count := os_threads()) > expected and time.monotonic() < deadline:
+    while (new := thread_ids() - before) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return count
+    return new
 
 
 def opens_team() -> None:
@@ -43,14 +43,14 @@ def test_a_parallel_region_leaves_a_team_on_its_thread():
     seen = {}
 
     def body() -> None:
-        seen["before"] = os_threads()
+        before = thread_ids()
         opens_team()
-        seen["after"] = settle(seen["before"], timeout_s=0.5)
+        seen["new"] = new_threads(before, timeout_s=0.5)
 
     thread = threading.Thread(target=body)
     thread.start()
     thread.join()
-    assert seen["after"] > seen["before"]
+    assert seen["new"]  # the team's workers
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a team needs at least 2 threads")
@@ -58,17 +58,17 @@ def test_load_and_passing_work_leave_no_team_behind(gguf_path):
     seen = {}
 
     def body() -> None:
-        seen["before"] = os_threads()
+        before = thread_ids()
         model = load_stage(gguf_path, (0, 2), progress=False)
         on_passing_thread(opens_team)
-        seen["after"] = settle(seen["before"])
+        seen["new"] = new_threads(before)
         seen["blocks"] = len(model.blocks)
 
     thread = threading.Thread(target=body)
     thread.start()
     thread.join()
     assert seen["blocks"] == 2
-    assert seen["after"] <= seen["before"]  # without the passing thread: one more (its team)
+    assert not seen["new"]  # without the passing thread: its team stays
 
 
 def test_passing_thread_returns_the_result_and_raises_the_error():
