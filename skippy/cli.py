@@ -51,14 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_options(generate)
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API (bundled SmolLM2, 2 local stages)")
-    serve.add_argument("--stages", dest="num_stages", type=int, default=2, help="local stage processes to start (1 = one process)")
+    serve.add_argument("--stages", dest="num_stages", type=int, default=2,
+                       help="local stage processes to start (1 = one process)")
     serve.add_argument("--topology", default=None, help="topology JSON: stage 0 here, other stages already running")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=9337)
     serve.add_argument("--concurrency", type=int, default=None, help="generations at once (default: the lanes)")
-    serve.add_argument("--queue", dest="queue_size", type=int, default=None, help="waiting requests (default: clamp(8 x lanes, 16, 256))")
-    serve.add_argument("--admission-timeout", dest="admission_timeout_s", type=float, default=60.0, help="seconds a request may wait (0 = no limit)")
-    serve.add_argument("--backend-timeout", dest="backend_timeout_s", type=float, default=600.0, help="seconds without a token before 504")
+    serve.add_argument("--queue", dest="queue_size", type=int, default=None,
+                       help="waiting requests (default: clamp(8 x lanes, 16, 256))")
+    serve.add_argument("--admission-timeout", dest="admission_timeout_s", type=float, default=60.0,
+                       help="seconds a request may wait (0 = no limit)")
+    serve.add_argument("--backend-timeout", dest="backend_timeout_s", type=float, default=600.0,
+                       help="seconds without a token before 504")
     serve.add_argument("--auth-token", default=None, help="require Authorization: Bearer TOKEN on /v1/*")
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="the model names clients send (the first is listed first; default: the file's name)")
@@ -223,7 +227,8 @@ def serve_config(args: argparse.Namespace, **overrides):
     an option left out takes the field's default."""
     from .launch.serve import ServeConfig
 
-    given = {name: value for name, value in vars(args).items() if name in ServeConfig.model_fields and value is not None}
+    given = {name: value for name, value in vars(args).items()
+             if name in ServeConfig.model_fields and value is not None}
     return ServeConfig(**{**given, "model": model_path(args), **overrides})
 
 
@@ -256,10 +261,12 @@ def stage_config(args: argparse.Namespace):
     from .protocol import LinkConditioning, StageConfig
 
     config = StageConfig.load(args.config)
-    given = {name: value for name, value in vars(args).items() if name in StageConfig.model_fields and value is not None}
+    given = {name: value for name, value in vars(args).items()
+             if name in StageConfig.model_fields and value is not None}
     if config.tls is not None:  # its files sit beside the config (the plan's tls/)
         given["tls"] = config.tls.resolved(Path(args.config).parent)
-    if wire := {f: getattr(args, f"wire_{f}") for f in LinkConditioning.model_fields if getattr(args, f"wire_{f}") is not None}:
+    wire = {field: getattr(args, f"wire_{field}") for field in LinkConditioning.model_fields}
+    if wire := {field: value for field, value in wire.items() if value is not None}:
         given["link_conditioning"] = wire
     kv = {"disk_budget_bytes": args.kv_disk_budget, "disk_dir": args.kv_disk_dir and str(  # its own subdirectory
         Path(args.kv_disk_dir).resolve() / f"stage-{config.stage_index}")}

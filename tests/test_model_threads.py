@@ -33,11 +33,19 @@ def new_threads(before: set[str], timeout_s: float = 5.0) -> set[str]:
     return new
 
 
+@pytest.fixture(autouse=True)
+def every_core():
+    """A team needs 2+ threads; an earlier test (a LocalChain with threads=1) may have set 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, os.cpu_count() or 2))
+    yield
+    torch.set_num_threads(before)
+
+
 def opens_team() -> None:
     torch.ones(1 << 22).sum()  # big enough for torch's parallel_for to open a region
 
 
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a team needs at least 2 threads")
 def test_a_parallel_region_leaves_a_team_on_its_thread():
     """The premise: without a passing thread, the caller keeps a team (so the test below can fail)."""
     seen = {}
@@ -53,7 +61,6 @@ def test_a_parallel_region_leaves_a_team_on_its_thread():
     assert seen["new"]  # the team's workers
 
 
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a team needs at least 2 threads")
 def test_load_and_passing_work_leave_no_team_behind(gguf_path):
     seen = {}
 

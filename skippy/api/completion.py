@@ -95,7 +95,8 @@ async def prepare_text(ctx: ServeContext, body: CompletionRequest, request_id: s
 def _check_common(ctx: ServeContext, body: GenerationParams) -> None:
     if body.model not in ctx.model_names:
         raise ApiError(
-            404, f"The model {body.model!r} does not exist; this server serves {' or '.join(map(repr, ctx.model_names))}",
+            404, f"The model {body.model!r} does not exist; this server serves "
+                 f"{' or '.join(map(repr, ctx.model_names))}",
             param="model", code="model_not_found",
         )  # fmt: skip
     vocab = ctx.tokenizer.vocab_size

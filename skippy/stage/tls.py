@@ -88,9 +88,11 @@ def issue_certificates(out_dir: Path, hosts: dict[str, str], *, days: int = 825)
         path.write_bytes(data)
 
     def certificate(subject: str, key, issuer_name, issuer_key, *, ca: bool, host: str | None = None):
-        builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
                    .issuer_name(issuer_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=days))
                    .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
         if host is not None:
             try:
