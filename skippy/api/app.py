@@ -7,6 +7,7 @@
     GET  /health                   liveness: the process answers
     GET  /readyz                   readiness: every stage reachable (503 names the one that is not)
     GET  /metrics                  Prometheus
+    GET  /                         the live chain page (page.py); GET /v1/chain: what it polls
 
 Every error leaves as the OpenAI envelope, through errors.to_api_error (in HttpEdge).
 """
@@ -14,6 +15,8 @@ Every error leaves as the OpenAI envelope, through errors.to_api_error (in HttpE
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import dataclasses
 import hmac
 import time
@@ -34,6 +37,7 @@ from .completion import complete, prepare_chat, prepare_text, stream
 from .errors import ApiError, to_api_error
 from .generation import ServeContext, finish, start_generation
 from .metrics import Metrics
+from .page import add_chain_page
 from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StageInfo, StageList
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -143,6 +147,7 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
 
     app.post("/v1/chat/completions")(completion_route(ChatCompletionRequest, prepare_chat))
     app.post("/v1/completions")(completion_route(CompletionRequest, prepare_text))
+    add_chain_page(app, ctx)
 
     return app
 
@@ -221,12 +226,13 @@ class HttpEdge:
             self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
 
     def _refusal(self, scope, headers: Headers) -> ApiError | None:
-        token = self.settings.auth_token
-        if token and scope["path"].startswith("/v1/"):
-            given = headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), token.encode()):
+        token, path = self.settings.auth_token, scope["path"]
+        if token and (path.startswith("/v1/") or path == "/"):
+            if not hmac.compare_digest(_credential(headers.get("authorization", "")), token.encode()):
+                # a browser opening the page gets a Basic challenge: any user name, the token as password
+                challenge = {"WWW-Authenticate": 'Basic realm="skippy"'} if path == "/" else None
                 return ApiError(401, "Missing or wrong API key: send Authorization: Bearer <token>",
-                                code="invalid_api_key")  # fmt: skip
+                                code="invalid_api_key", headers=challenge)  # fmt: skip
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > self.settings.max_body_bytes:
             return _too_large(self.settings.max_body_bytes)
@@ -245,6 +251,18 @@ class HttpEdge:
             return message
 
         return receive_limited
+
+
+def _credential(authorization: str) -> bytes:
+    """The token a request carries: `Bearer <token>` (API clients), or the password of
+    `Basic base64(user:token)` (a browser on the chain page, which resends it to /v1/chain)."""
+    scheme, _, value = authorization.strip().partition(" ")
+    if scheme.lower() == "basic":
+        try:
+            return base64.b64decode(value.strip(), validate=True).partition(b":")[2]
+        except (binascii.Error, ValueError):
+            return b""
+    return value.strip().encode()
 
 
 def _too_large(limit: int) -> ApiError:

@@ -10,7 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
@@ -19,6 +19,7 @@ from ..driver.backend import (
     BackendError, BackendTimeout, Finished, GenerationBackend, GenerationRequest, PrefillDone, Token,
 )
 from ..model.tokenizer import Tokenizer
+from .activity import Activity, RequestFigures
 from .admission import Admission, Lease
 from .metrics import Metrics
 from .schemas import PromptTokensDetails, Timings, Usage
@@ -37,6 +38,7 @@ class ServeContext:
     admission: Admission
     metrics: Metrics
     backend_timeout_s: float  # longest wait for the next backend event; 0 = none
+    activity: Activity = field(default_factory=Activity)  # the chain page's live figures
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +156,7 @@ class Generation:
             metrics.inter_token.observe(now - self._last_token_at)
         self._last_token_at = now
         self.completion_ids.append(token_id)
+        self._ctx.activity.token()
 
     def _record(self) -> None:
         metrics = self._ctx.metrics
@@ -165,6 +168,13 @@ class Generation:
         if self.finished is not None:
             metrics.observe_speculation(self.finished.extra)
             metrics.recoveries.inc(self.finished.extra.get("chain_recoveries", 0))
+        num_tokens = len(self.completion_ids)
+        decoding_s = self._last_token_at - self._first_token_at
+        self._ctx.activity.finished(RequestFigures(
+            time.time(), outcome, self.prefill.num_prompt_tokens, self.prefill.num_cached_tokens, num_tokens,
+            (self._first_token_at - self._job.received_at) * 1e3 if num_tokens else None,
+            (num_tokens - 1) / decoding_s if num_tokens > 1 and decoding_s > 0 else None,
+        ), self.finished.extra if self.finished is not None else {})
 
     def usage(self) -> Usage:
         num_prompt, num_completion = len(self._job.request.prompt_ids), len(self.completion_ids)
