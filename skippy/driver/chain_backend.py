@@ -48,7 +48,8 @@ class ChainBackend:
         self.check_speculative, self.check_grammar = client.check_speculative, client.check_grammar
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        events = self.client.run(request.prompt_ids, max_tokens=request.max_tokens, sampling=request.sampling,
+        events = self.client.run(request.prompt_ids, request_id=request.request_id,
+                                  max_tokens=request.max_tokens, sampling=request.sampling,
                                   stop_ids=request.stop_ids, speculative=request.speculative,
                                   cache_namespace=cache_namespace_digest(request.prompt_cache_key))
         try:

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 FORWARD_KINDS = ("prefill", "decode", "verify")   # what a forward computed
 FORWARD_BUCKETS_US = (250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000)
 WAIT_BUCKETS_US = (50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 100_000)
-ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+STEPS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 # name -> bucket bounds, in wire order
 HISTOGRAMS: dict[str, tuple[int, ...]] = {
     **{f"forward_us.{kind}": FORWARD_BUCKETS_US for kind in FORWARD_KINDS},  # one op's worker time
     "queue_wait_us": WAIT_BUCKETS_US,   # queued before the worker took it (the runtime-lock wait)
-    "batch_rows": ROWS_BUCKETS,         # rows of one forward (every session's steps in it)
+    "batch_steps": STEPS_BUCKETS,       # sessions' steps in one decode/verify forward
 }
 COUNTERS = (
     *(f"rows.{kind}" for kind in FORWARD_KINDS),  # rows computed: tokens through this stage's layers
