@@ -134,3 +134,36 @@ def test_spans_reach_an_otlp_collector():
                                     {"kind", "stage_index", "compute_ms"})]
     finally:
         collector.close()
+
+
+def test_spans_reach_an_otlp_grpc_collector():
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 - the service's name
+            for resource_spans in request.resource_spans:
+                for scope in resource_spans.scope_spans:
+                    received.extend((s.name, s.trace_id.hex(), {a.key for a in s.attributes}) for s in scope.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        telemetry = Telemetry("skippy-stage7", otlp_endpoint=f"http://127.0.0.1:{port}", otlp_protocol="grpc")
+        with telemetry.span("stage0.request") as root:
+            with telemetry.span("stage.binary_message", parent=root.traceparent, kind="Stop") as span:
+                span.set("compute_ms", 1.5)
+        telemetry.shutdown()  # flushes the batch
+        assert sorted(received) == sorted([("stage0.request", root.trace_id, set()),
+                                           ("stage.binary_message", root.trace_id, {"kind", "compute_ms"})])
+    finally:
+        server.stop(None)
+    with pytest.raises(TelemetryError, match="otlp-protocol"):
+        Telemetry(otlp_endpoint="http://127.0.0.1:4317", otlp_protocol="thrift")

@@ -79,7 +79,8 @@ class StageRuntime:
                 "kv_cache_bytes": 0 if kv is None else kv.max_bytes,
                 "kv_disk_dir": "none" if kv is None or kv.disk_dir is None else kv.disk_dir,
                 "kv_disk_budget": 0 if kv is None else kv.disk_budget_bytes,
-                "otlp_endpoint": self.telemetry.otlp_endpoint or "none"}
+                "otlp_endpoint": self.telemetry.otlp_endpoint or "none",
+                "otlp_protocol": self.telemetry.otlp_protocol}
 
     def log_settings(self, stage_index: int) -> None:
         settings = " ".join(f"{key}={value}" for key, value in self.effective_settings().items())
