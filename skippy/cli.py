@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a request waits for a broken chain to be whole again, then replays "
                             "itself onto it (0 = fail at once)")
     serve.add_argument("--otlp-endpoint", default=None,
-                       help="every stage exports spans over OTLP/HTTP, e.g. http://127.0.0.1:4318")
+                       help="every stage exports spans over OTLP, e.g. http://127.0.0.1:4318 (4317 for grpc)")
+    serve.add_argument("--otlp-protocol", default="http", choices=["http", "grpc"],
+                       help="OTLP over HTTP/protobuf or gRPC (default http)")
     serve.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
     serve.add_argument("--kv-cache-mem", dest="kv_cache_bytes", type=byte_size, default=1 << 30,
                        help="prefix-cache memory, all stages together (e.g. 512MiB; 0 = no prefix cache)")
@@ -138,7 +140,9 @@ def add_stage_commands(commands) -> None:
     stage.add_argument("--model", dest="model_path", default=None,
                        help="this host's copy of the model (default: the config's model_path); it must be the file "
                             "the chain was planned for")
-    stage.add_argument("--otlp-endpoint", default=None, help="export spans over OTLP/HTTP, e.g. http://127.0.0.1:4318")
+    stage.add_argument("--otlp-endpoint", default=None, help="export spans over OTLP, e.g. http://127.0.0.1:4318")
+    stage.add_argument("--otlp-protocol", default=None, choices=["http", "grpc"],
+                       help="OTLP over HTTP/protobuf or gRPC (overrides the config; default http)")
     stage.add_argument("--insecure", action="store_true", default=None,
                        help="listen off loopback without an auth token or TLS anyway (warned at every start)")
     stage.add_argument("--max-inflight", type=int, default=None, help="async forwarder depth (overrides the config)")

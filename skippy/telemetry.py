@@ -2,7 +2,13 @@
 
 Every stage message gets one OpenTelemetry span. Without an exporter the spans go
 nowhere (the API's no-op tracer, a few hundred nanoseconds each); `--otlp-endpoint`
-installs an SDK provider with a batching OTLP exporter, which never blocks the caller.
+installs an SDK provider with a batching OTLP exporter (HTTP or gRPC), which never blocks
+the caller.
+
+One trace per request: stage 0 opens a root span for it, and every frame of the request
+carries a W3C trace context (`traceparent` here: trace id, span id, flags as 25 bytes,
+the protocol's TRACE_CONTEXT section), so each stage's message span is the child of the
+span that sent the frame, and names itself as the parent in what it forwards.
 
 Privacy rule (spec §7): attributes are numbers, booleans and short labels (kind
 names, stage ids) only, never prompt text or token ids. `Telemetry` rejects any
@@ -15,7 +21,6 @@ import contextlib
 import logging
 import re
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +31,8 @@ log = logging.getLogger("skippy.telemetry")
 
 _LABEL = re.compile(r"^[A-Za-z0-9_.:\-]{0,64}$")  # kind names, stage ids, reasons as slugs
 AttrValue = int | float | bool | str
+TRACEPARENT_BYTES = 25  # trace id (16), span id (8), trace flags (1), as the protocol carries them
+OTLP_PROTOCOLS = ("http", "grpc")
 
 
 class TelemetryError(RuntimeError):
@@ -44,11 +51,18 @@ def _check(key: str, value: Any) -> AttrValue:
 class Span:
     """A span being recorded: `set(key, value)` adds numbers or labels to it."""
 
-    __slots__ = ("_span", "attrs")
+    __slots__ = ("_span", "attrs", "traceparent")
 
-    def __init__(self, span: trace.Span) -> None:
+    def __init__(self, span: trace.Span | None) -> None:
         self._span = span
         self.attrs: dict[str, AttrValue] = {}
+        # this span's context for the frames it sends (its children's parent); None: not traced
+        self.traceparent: bytes | None = None if span is None else _traceparent(span)
+
+    @property
+    def trace_id(self) -> str:
+        """The trace's id as W3C hex (what a trace UI searches for); "" when not traced."""
+        return "" if self.traceparent is None else self.traceparent[:16].hex()
 
     def set(self, key: str, value: Any) -> None:
         self.attrs[key] = _check(key, value)
@@ -62,31 +76,44 @@ class Telemetry:
     """Per-process telemetry: spans, monotonically increasing counters, summary lines."""
 
     def __init__(self, service_name: str = "skippy", otlp_endpoint: str | None = None, *,
-                 span_exporter: Any = None) -> None:
-        """`span_exporter` (an SDK `SpanExporter`, e.g. in-memory in tests) overrides OTLP."""
-        self.service_name, self.otlp_endpoint = service_name, otlp_endpoint
+                 otlp_protocol: str = "http", span_exporter: Any = None) -> None:
+        """`otlp_protocol`: "http" (a collector's port 4318) or "grpc" (4317). `span_exporter`
+        (an SDK `SpanExporter`, e.g. in-memory in tests) overrides OTLP."""
+        self.service_name, self.otlp_endpoint, self.otlp_protocol = service_name, otlp_endpoint, otlp_protocol
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # counters are bumped from the runtime worker thread too
         self._provider = None
+        if otlp_protocol not in OTLP_PROTOCOLS:
+            raise TelemetryError(f"Expected --otlp-protocol to be one of {', '.join(OTLP_PROTOCOLS)}, "
+                                 f"got {otlp_protocol!r}")
         if span_exporter is not None:
             self._provider = _sdk_provider(service_name, span_exporter, batch=False)
         elif otlp_endpoint is not None:
-            self._provider = _sdk_provider(service_name, _otlp_exporter(otlp_endpoint), batch=True)
-        self._tracer = (trace.NoOpTracer() if self._provider is None
-                        else self._provider.get_tracer("skippy"))
+            exporter = _otlp_exporter(otlp_endpoint, otlp_protocol)
+            self._provider = _sdk_provider(service_name, exporter, batch=True)
+        self._tracer = None if self._provider is None else self._provider.get_tracer("skippy")
+
+    @property
+    def tracing(self) -> bool:
+        """Spans go somewhere: stage 0 then sends a trace context with every frame."""
+        return self._provider is not None
 
     @contextlib.contextmanager
-    def span(self, name: str, **attrs: Any) -> Iterator[Span]:
-        """Record one span; attributes set on the yielded `Span` are attached when it ends."""
-        start_ns = time.time_ns()
-        holder = Span(trace.INVALID_SPAN)
+    def span(self, name: str, *, parent: bytes | None = None, **attrs: Any) -> Iterator[Span]:
+        """Record one span, the child of `parent` (a 25-byte trace context from a frame; None:
+        a new trace). Attributes set on the yielded `Span` are attached when it ends."""
+        span = None
+        if self._tracer is not None:
+            context = None if parent is None else _parent_context(parent)
+            span = self._tracer.start_span(name, context=context)
+        holder = Span(span)
         for key, value in attrs.items():
             holder.set(key, value)
         try:
             yield holder
         finally:
-            if self._provider is not None:
-                span = self._tracer.start_span(name, start_time=start_ns, attributes=holder.attrs)
+            if span is not None:
+                span.set_attributes(holder.attrs)
                 span.end()
 
     def count(self, name: str, n: int = 1) -> None:
@@ -107,14 +134,37 @@ def _format(value: AttrValue) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def _otlp_exporter(endpoint: str):
-    """OTLP over HTTP (a collector's port 4318): `http://host:4318` or the full traces URL."""
+def _traceparent(span: trace.Span) -> bytes:
+    context = span.get_span_context()
+    return (context.trace_id.to_bytes(16, "big") + context.span_id.to_bytes(8, "big")
+            + bytes([context.trace_flags & 0xFF]))
+
+
+def _parent_context(traceparent: bytes):
+    if len(traceparent) != TRACEPARENT_BYTES:
+        raise ValueError(f"trace context: expected {TRACEPARENT_BYTES} bytes, got {len(traceparent)}")
+    parent = trace.SpanContext(int.from_bytes(traceparent[:16], "big"), int.from_bytes(traceparent[16:24], "big"),
+                               is_remote=True, trace_flags=trace.TraceFlags(traceparent[24]))
+    return trace.set_span_in_context(trace.NonRecordingSpan(parent))
+
+
+def _otlp_exporter(endpoint: str, protocol: str):
+    """OTLP over HTTP (a collector's port 4318: `http://host:4318` or the full traces URL) or
+    gRPC (port 4317: `http://host:4317`, plaintext; `https://` for TLS)."""
+    if not endpoint.startswith(("http://", "https://")):
+        port = 4317 if protocol == "grpc" else 4318
+        raise TelemetryError(f"Expected --otlp-endpoint as http(s)://host:port (OTLP over {protocol}), "
+                             f"got {endpoint!r}. Fix: e.g. http://127.0.0.1:{port}")
+    url = endpoint.rstrip("/")
+    if protocol == "grpc":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        except ImportError as error:
+            raise TelemetryError("--otlp-protocol grpc needs opentelemetry-exporter-otlp-proto-grpc; "
+                                 "Fix: pip install opentelemetry-exporter-otlp-proto-grpc") from error
+        return GrpcExporter(endpoint=url.split("://", 1)[1], insecure=url.startswith("http://"))
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    if not endpoint.startswith(("http://", "https://")):
-        raise TelemetryError(f"Expected --otlp-endpoint as http(s)://host:port (OTLP over HTTP), "
-                             f"got {endpoint!r}. Fix: e.g. http://127.0.0.1:4318")
-    url = endpoint.rstrip("/")
     return OTLPSpanExporter(endpoint=url if url.endswith("/v1/traces") else url + "/v1/traces")
 
 

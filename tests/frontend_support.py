@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,16 +119,35 @@ def is_alive(pid: int) -> bool:
     return state != "Z"
 
 
+@dataclass(frozen=True)
+class SpanRecord:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str  # "" for a root span
+    attributes: dict
+
+
+def _attributes(pairs) -> dict:
+    """OTLP KeyValues as a dict of Python values (every kind our spans send)."""
+    out = {}
+    for pair in pairs:
+        kind = pair.value.WhichOneof("value")
+        out[pair.key] = getattr(pair.value, kind)
+    return out
+
+
 class FakeCollector:
     """An OTLP/HTTP trace collector on a free loopback port: keeps every span it is sent, as
-    (service.name, span name, attribute keys)."""
+    (service.name, span name, attribute keys) in `spans`, and in full in `records`."""
 
     def __init__(self) -> None:
         import http.server
 
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-        spans = self.spans = []
+        spans, records = self.spans, self.records = [], []
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 - http.server's name
@@ -138,6 +158,9 @@ class FakeCollector:
                                    if a.key == "service.name")
                     for scope in resource_spans.scope_spans:
                         spans.extend((service, s.name, {a.key for a in s.attributes}) for s in scope.spans)
+                        records.extend(SpanRecord(service, s.name, s.trace_id.hex(), s.span_id.hex(),
+                                                  s.parent_span_id.hex(), _attributes(s.attributes))
+                                       for s in scope.spans)
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()

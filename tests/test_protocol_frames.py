@@ -23,6 +23,9 @@ from skippy.protocol.constants import (
 )
 from skippy.protocol.frames import decode_sampling, encode_sampling, parse_message_header
 from skippy.protocol.sampling_config import GrammarSpec
+from skippy.protocol.stage_metrics import (
+    COUNTERS, GAUGES, HISTOGRAMS, METRIC_VALUE_COUNT, HistogramValues, StageMetricValues,
+)
 
 K = MessageKind
 
@@ -37,7 +40,7 @@ GOLDEN = [
     # PrefillEmbd: driver prefill chunk: token ids only, no activation (source -1)
     (StageMessage(K.PrefillEmbd, pos_start=0, token_count=3, request_id=7, session_id=11,
                   tokens=[1, 2, 3]),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "01000000 00000000 03000000 03000000"
      "00000000 00000000 01000000 00000000"
@@ -50,7 +53,7 @@ GOLDEN = [
                   decode_step=1, current_token=42, source_stage_index=0, prompt_token_count=5,
                   tokens=[42], activation_dtype=ActivationDtype.f16, activation_rows=1,
                   activation_width=2, activation=np.array([[1.0, -2.0]], "<f2").tobytes()),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 04000000 00000000"
      "02000000 05000000 01000000 01000000"
      "00000000 00000000 02000000 00000000"
@@ -60,7 +63,7 @@ GOLDEN = [
      "2a000000 003c00c0"),
     # Stop: end of session: header only
     (StageMessage(K.Stop, request_id=7, session_id=11),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "03000000 00000000 00000000 00000000"
      "00000000 00000000 02000000 00000000"
@@ -73,7 +76,7 @@ GOLDEN = [
                   source_stage_index=0, tokens=[4, 5], positions=[3, 4],
                   activation_dtype=ActivationDtype.bf16, activation_rows=2, activation_width=1,
                   activation=bytes.fromhex("803f0040")),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 04000000 00000000"
      "04000000 03000000 02000000 02000000"
      "02000000 00000000 01000000 01000000"
@@ -88,7 +91,7 @@ GOLDEN = [
                   sampling=SamplingConfig(temperature=0.5, top_k=40, logit_bias={50: -100.0},
                                           seed=1234, grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, "{}")),
                   chat_metadata=b'{"tools":[]}'),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "0e000000 00000000 00000000 00000000"
      "00000000 00000000 01000000 28000000"
@@ -106,7 +109,7 @@ GOLDEN = [
     # CACHE_NAMESPACE flag (bit 16) and its 32-byte digest of prompt_cache_key "tenant-a"
     (StageMessage(K.TryRestorePrefill, token_count=4, request_id=7, session_id=11,
                   tokens=[1, 2, 3, 4], cache_namespace=cache_namespace_digest("tenant-a")),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "11000000 00000000 04000000 04000000"
      "00000000 00000000 01000000 00000100"
@@ -120,7 +123,7 @@ GOLDEN = [
     (StageMessage(K.TryRestorePrefillDecode, pos_start=3, token_count=1, request_id=7,
                   session_id=11, current_token=9, prompt_token_count=3, tokens=[1, 2, 3, 9],
                   sampling=SamplingConfig()),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "12000000 03000000 01000000 04000000"
      "00000000 00000000 01000000 08000000"
@@ -135,7 +138,7 @@ GOLDEN = [
      "00000000 00000000 00000000 00000000"),
     # TrimSession: truncate to token_count=12
     (StageMessage(K.TrimSession, token_count=12, request_id=7, session_id=11),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "13000000 00000000 0c000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -145,7 +148,7 @@ GOLDEN = [
      ""),
     # PredictionReturnOpen: first frame of a prediction-return stream
     (StageMessage(K.PredictionReturnOpen, request_id=7, session_id=11),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "14000000 00000000 00000000 00000000"
      "00000000 00000000 02000000 00000000"
@@ -158,7 +161,7 @@ GOLDEN = [
                   seq_id=5, decode_step=2, prompt_token_count=5, source_stage_index=0,
                   tokens=[9, 10, 11], activation_rows=3, activation_width=1,
                   activation=np.array([0.5, 1.5, -1.0], "<f4").tobytes()),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 0c000000 00000000"
      "15000000 08000000 03000000 03000000"
      "00000000 05000000 02000000 00000000"
@@ -169,7 +172,7 @@ GOLDEN = [
      "0000c03f 000080bf"),
     # RetireVerifyWindow: release verify checkpoints [8, 11)
     (StageMessage(K.RetireVerifyWindow, pos_start=8, token_count=3, request_id=7, session_id=11),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "16000000 08000000 03000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -179,7 +182,7 @@ GOLDEN = [
      ""),
     # DiscardStaleWindows: skip windows 2..4
     (StageMessage(K.DiscardStaleWindows, request_id=7, session_id=11, tokens=[2, 4]),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "17000000 00000000 00000000 02000000"
      "00000000 00000000 02000000 00000000"
@@ -189,7 +192,7 @@ GOLDEN = [
      "02000000 04000000"),
     # GetStageStatus: no session, no body; the stage answers with its own status
     (StageMessage(K.GetStageStatus),
-     "47534d53 03000000 00000000 00000000"
+     "47534d53 04000000 00000000 00000000"
      "00000000 00000000 00000000 00000000"
      "18000000 00000000 00000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -223,7 +226,7 @@ def test_header_layout_matches_the_documented_offsets():
                        decode_step=7, current_token=-1, source_stage_index=1, tokens=[5, 6],
                        activation_rows=2, activation_width=1,
                        activation=np.array([1.0, 2.0], "<f4").tobytes())
-    expected = (struct.pack("<I", 0x534D5347) + struct.pack("<i", 3)
+    expected = (struct.pack("<I", 0x534D5347) + struct.pack("<i", 4)
                 + struct.pack("<QQQ", 2**64 - 1, 3, 8)
                 + struct.pack("<5i", 21, 8, 2, 2, 0)
                 + struct.pack("<iiI", 9, 2, 0)
@@ -259,7 +262,7 @@ def test_derived_phase_and_flags():
     assert final.phase.name == "Prefill"
     assert final.flags == 0b101001  # FINAL_CHUNK | SAMPLING | CHAT_METADATA
     assert StageMessage(K.DecodeEmbd).flags == 0
-    assert StageMessage(K.Stop).version == 3
+    assert StageMessage(K.Stop).version == 4
     restore = StageMessage(K.TryRestorePrefill, cache_namespace=bytes(32))
     assert restore.flags == 1 << 16  # CACHE_NAMESPACE
 
@@ -357,7 +360,7 @@ HEADER_CASES = [
     # wrong frame magic (e.g. a reply read as a message)
     (DECODE_PREFILL, "magic", 0x53525059, FrameError, "magic"),
     # a peer of another protocol version fails closed
-    (DECODE_PREFILL, "version", 2, VersionMismatch, "version: expected 3, got 2"),
+    (DECODE_PREFILL, "version", 2, VersionMismatch, "version: expected 4, got 2"),
     # negative counts
     (DECODE_PREFILL, "token_count", -1, FrameError, "token_count: expected >= 0"),
     (DECODE_PREFILL, "pos_start", -5, FrameError, "pos_start"),
@@ -635,17 +638,18 @@ def test_reply_round_trips(reply):
 def test_reply_golden_bytes():
     wire = encode_reply(StageReply.window([5, 6], 3, StageReplyStats(kv_lookup_hits=1)))
     assert wire[:REPLY_HEADER.size] == unhex(
-        "59505253 03000000 03000000 05000000"   # magic "SRPY", version 3, PredictedTokens, 5
+        "59505253 04000000 03000000 05000000"   # magic "SRPY", version 4, PredictedTokens, 5
         "03000000 02000000 00000000 00000000"   # window 3, 2 predictions, no draft, 0 draft
         "00000000 00000000")                    # draft_compute_us
     assert wire[REPLY_HEADER.size:REPLY_HEADER.size + 8] == unhex("01000000 00000000")
     assert wire[256:] == unhex("05000000 06000000")
     status = encode_reply(StageReply.of_status(StageStatusReport(1, 19, 30, 2, 8)))
     assert status[:REPLY_HEADER.size] == unhex(
-        "59505253 03000000 04000000 00000000"   # StageStatus, no prediction
-        "00000000 05000000 00000000 00000000"   # 5 status values
+        "59505253 04000000 04000000 00000000"   # StageStatus, no prediction
+        "00000000 ab000000 00000000 00000000"   # 5 status values + 2 x 83 metric halves
         "00000000 00000000")
-    assert status[256:] == unhex("01000000 13000000 1e000000 02000000 08000000")
+    assert status[256:276] == unhex("01000000 13000000 1e000000 02000000 08000000")
+    assert status[276:] == bytes(8 * METRIC_VALUE_COUNT)  # every metric 0, as i64 halves
 
 
 def _set_reply(wire: bytes, name: str, value: int) -> bytes:
@@ -669,10 +673,11 @@ REPLY_ERROR_CASES = [
     (_set_reply(TOKEN_REPLY, "kind", 5), FrameError, "reply kind"),
     (_set_reply(STATUS_REPLY, "predicted_count", 4), FrameError, "StageStatus"),
     (_set_reply(STATUS_REPLY, "predicted", 1), FrameError, "StageStatus"),
-    (STATUS_REPLY[:256] + unhex("01000000 1e000000 13000000 02000000 08000000"), FrameError,
-     "stage status"),                                                        # layers reversed
-    (STATUS_REPLY[:256] + unhex("01000000 13000000 1e000000 ffffffff 08000000"), FrameError,
-     "stage status"),                                                        # -1 sessions
+    (STATUS_REPLY[:256] + unhex("01000000 1e000000 13000000 02000000 08000000") + STATUS_REPLY[276:],
+     FrameError, "stage status"),                                            # layers reversed
+    (STATUS_REPLY[:256] + unhex("01000000 13000000 1e000000 ffffffff 08000000") + STATUS_REPLY[276:],
+     FrameError, "stage status"),                                            # -1 sessions
+    (_set_reply(STATUS_REPLY, "predicted_count", 5)[:276], FrameError, "StageStatus"),  # version 3's 5
     (_set_reply(TOKEN_REPLY, "has_draft", 2), FrameError, "has_draft"),
     (_set_reply(TOKEN_REPLY, "draft_count", 1), FrameError, "without a draft"),
     # predicted_tokens[0] != predicted
@@ -728,3 +733,57 @@ def test_cache_namespace_digest_is_the_documented_construction():
         assert cache_namespace_digest(key) == expected
     assert cache_namespace_digest(None) is None
     assert cache_namespace_digest("tenant-a") != cache_namespace_digest("tenant-b")
+
+
+TRACE = bytes(range(1, 17)) + bytes(range(0xa1, 0xa9)) + b"\x01"  # trace id, parent span id, sampled
+
+
+def test_trace_context_is_the_last_body_section():
+    msg = StageMessage(K.Stop, request_id=7, session_id=11, trace_context=TRACE)
+    wire = encode_message(msg)
+    header = parse_message_header(wire)
+    assert header.flags == 1 << 17 and header.body_bytes == 25
+    assert wire[MESSAGE_HEADER.size:] == unhex(
+        "0102030405060708 090a0b0c0d0e0f10"   # trace id
+        "a1a2a3a4a5a6a7a8 01")                # parent span id, trace flags (sampled)
+    assert decode_message(wire) == msg and decode_message(wire).trace_context == TRACE
+    namespaced = StageMessage(K.ConfigureGeneration, cache_namespace=b"\x05" * 32, trace_context=TRACE,
+                              sampling=SamplingConfig())
+    wire = encode_message(namespaced)
+    assert wire[-25:] == TRACE and wire[-57:-25] == b"\x05" * 32  # after the namespace digest
+    assert decode_message(wire) == namespaced
+
+
+@pytest.mark.parametrize("trace, fragment", [
+    (TRACE[:24], "25 bytes"),
+    (bytes(16) + TRACE[16:], "non-zero trace id"),       # W3C: an all-zero trace id is invalid
+    (TRACE[:16] + bytes(8) + b"\x01", "non-zero"),        # ... and so is an all-zero span id
+])
+def test_trace_context_must_be_a_valid_w3c_context(trace, fragment):
+    with pytest.raises(FrameError, match=fragment):
+        encode_message(StageMessage(K.Stop, trace_context=trace))
+    if len(trace) == 25:  # the decoder refuses what the encoder would not write
+        wire = bytearray(encode_message(StageMessage(K.Stop, trace_context=TRACE)))
+        wire[-25:] = trace
+        with pytest.raises(FrameError, match=fragment):
+            decode_message(bytes(wire))
+    wire = encode_message(StageMessage(K.Stop, trace_context=TRACE))
+    with pytest.raises(FrameError, match="truncated"):
+        decode_message(wire[:-1])
+
+
+def test_stage_metrics_travel_as_i64_halves_in_a_status_reply():
+    counters = {name: (1 << 40) + i for i, name in enumerate(COUNTERS)}   # past 32 bits
+    gauges = {name: 3 * i for i, name in enumerate(GAUGES)}
+    histograms = {name: HistogramValues(tuple(range(len(bounds) + 1)), 5_000_000_000)
+                  for name, bounds in HISTOGRAMS.items()}
+    metrics = StageMetricValues(counters, gauges, histograms)
+    assert len(metrics.flat()) == METRIC_VALUE_COUNT == 83
+    wire = encode_reply(StageReply.of_status(StageStatusReport(2, 10, 20, 1, 4, metrics)))
+    first = 256 + 20  # after the header, the stats block and the five status values
+    assert wire[first:first + 8] == struct.pack("<q", 1 << 40)  # low half, then high half
+    decoded = decode_reply(wire).status
+    assert decoded.metrics == metrics and decoded.values() == (2, 10, 20, 1, 4)
+    assert encode_reply(StageReply.of_status(decoded)) == wire
+    with pytest.raises(ValueError, match="COUNTERS"):
+        StageMetricValues({}, gauges, histograms)

@@ -33,6 +33,7 @@ from ..driver.backend import GenerationBackend
 from ..model.tokenizer import Tokenizer
 from .admission import Admission
 from .cache_metrics import PrefixCacheCollector
+from .stage_metrics import StageMetricsCollector
 from .completion import complete, prepare_chat, prepare_text, stream
 from .errors import ApiError, to_api_error
 from .generation import ServeContext, finish, start_generation
@@ -81,6 +82,8 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
     metrics.queue_depth.set_function(lambda: admission.num_waiting)
     metrics.active_generations.set_function(lambda: admission.num_active)
     metrics.registry.register(PrefixCacheCollector(backend.cache_stats))  # per stage
+    stage_metrics = StageMetricsCollector()  # every stage's own series, from its status answer
+    metrics.registry.register(stage_metrics)
     ctx = ServeContext(backend, tokenizer, (settings.model_id, *settings.aliases), admission, metrics,
                        settings.backend_timeout_s)
     created = int(time.time())
@@ -115,7 +118,9 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
 
     @app.get("/metrics")
     async def prometheus():
-        for stage in await backend.status():
+        statuses = await backend.status()
+        stage_metrics.latest = [(s.stage_id, s.metrics) for s in statuses if s.metrics is not None]
+        for stage in statuses:
             metrics.stage_sessions.labels(stage.stage_id).set(stage.active_sessions)
             metrics.stage_up.labels(stage.stage_id).set(stage.state == "ready")
             metrics.stage_restarts.labels(stage.stage_id).set(stage.restarts)
@@ -134,8 +139,9 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
 
     @app.get("/v1/stages")
     async def stages():
-        statuses = [dataclasses.asdict(status) for status in await backend.status()]
-        return StageList(data=[StageInfo(id=fields.pop("stage_id"), **fields) for fields in statuses])
+        statuses = [dataclasses.asdict(dataclasses.replace(s, metrics=None)) for s in await backend.status()]
+        return StageList(data=[StageInfo(id=fields.pop("stage_id"), **fields) for fields in statuses
+                               if fields.pop("metrics") is None])  # raw series are /metrics' business
 
     def completion_route(schema, prepare):
         async def generate(request: Request):

@@ -281,6 +281,9 @@ class StageInfo(BaseModel):
     restarts: int = 0
     last_failure: str = ""
     standbys: list[StandbyInfo] = []  # the same layers elsewhere; requests fail over to them
+    # a live view's figures (driver/stage_figures.py): tokens_per_s, decode_forward_ms, queue_wait_ms,
+    # queue_depth, prefix_cache_hit_rate, kv bytes, totals; stage 0 adds speculative_acceptance
+    figures: dict[str, float] = {}
 
 
 class StageList(BaseModel):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from ..protocol.sampling_config import GrammarSpec, SamplingConfig
+from ..protocol.stage_metrics import StageMetricValues
 from ..protocol.stats import StageReplyStats
 from ..runtime.speculation import SpeculativeSettings
 
@@ -89,6 +90,8 @@ class StageStatus:
     restarts: int = 0       # times a supervisor started it again
     last_failure: str = ""  # why it last went down
     standbys: tuple[StandbyStatus, ...] = ()  # the same layers elsewhere (topology standby_endpoints)
+    metrics: StageMetricValues | None = None  # the stage's own counters and histograms (None: no answer)
+    figures: dict[str, float] = field(default_factory=dict)  # rates and means for a live view (stage_figures)
 
     @property
     def is_serving(self) -> bool:

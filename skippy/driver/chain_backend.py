@@ -20,10 +20,11 @@ from contextlib import aclosing
 from ..protocol import StageStatusReport, Topology, cache_namespace_digest
 from ..stage.downstream import LinkBroken, query_stage_status
 from .backend import (
-    BackendError, GenerationEvent, GenerationRequest, PrefillDone, Readiness, StageStatus, StageUnavailable,
+    BackendError, Finished, GenerationEvent, GenerationRequest, PrefillDone, Readiness, StageStatus, StageUnavailable,
     StandbyStatus,
 )
 from .client import ChainClient
+from .stage_figures import StageFigures
 from .session import ChainError
 
 
@@ -43,12 +44,15 @@ class ChainBackend:
         self._on_close = on_close
         # prefix-cache restores as the chain saw them, per stage: [hits, misses]
         self._restores = [[0, 0] for _ in range(1 + len(self._remote))]
+        self._figures = StageFigures()
+        self._drafts = [0, 0]  # speculation over every request: [proposed, accepted] draft tokens
         # the client's, fixed for its life (GenerationBackend documents each)
         self.num_lanes, self.ctx_size, self.speculative = client.num_lanes, client.ctx_size, client.speculative
         self.check_speculative, self.check_grammar = client.check_speculative, client.check_grammar
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        events = self.client.run(request.prompt_ids, max_tokens=request.max_tokens, sampling=request.sampling,
+        events = self.client.run(request.prompt_ids, request_id=request.request_id,
+                                  max_tokens=request.max_tokens, sampling=request.sampling,
                                   stop_ids=request.stop_ids, speculative=request.speculative,
                                   cache_namespace=cache_namespace_digest(request.prompt_cache_key))
         try:
@@ -56,6 +60,9 @@ class ChainBackend:
                 async for event in events:
                     if isinstance(event, PrefillDone):
                         self._observe_restore(event)
+                    elif isinstance(event, Finished) and event.speculation:
+                        self._drafts[0] += event.speculation.get("speculative_num_proposed_tokens", 0)
+                        self._drafts[1] += event.speculation.get("speculative_num_accepted_tokens", 0)
                     yield event
         except (ChainError, LinkBroken) as exc:
             raise await self._unavailable(exc) from exc
@@ -99,7 +106,12 @@ class ChainBackend:
         of a restarting or failed one first), with its standbys'."""
         endpoints = [endpoint for stage in self._remote for endpoint in stage.endpoints]
         reports = iter(await asyncio.gather(*(query_stage_status(e, self._auth_token) for e in endpoints)))
-        statuses = [dataclasses.replace(self._first, active_sessions=len(self.client.runtime.sessions))]
+        runtime = self.client.runtime
+        metrics = runtime.metric_values(connections=self.client.num_lanes)
+        proposed, accepted = self._drafts
+        statuses = [dataclasses.replace(self._first, active_sessions=len(runtime.sessions), metrics=metrics,
+                                        figures=self._figures.figures(self._first.stage_id, metrics,
+                                            speculative_acceptance=accepted / proposed if proposed else 0.0))]
         for index, stage in enumerate(self._remote, start=1):
             report = next(reports)
             state, restarts, last_failure = "down" if report is None else "ready", 0, ""
@@ -109,8 +121,11 @@ class ChainBackend:
                 restarts, last_failure = health.restarts, health.last_failure
             standbys = tuple(StandbyStatus(endpoint, "down" if r is None else "ready", _sessions(r))
                              for endpoint, r in zip(stage.standby_endpoints, reports))
+            metrics = None if report is None else report.metrics
+            figures = {} if metrics is None else self._figures.figures(stage.stage_id, metrics)
             statuses.append(StageStatus(stage.stage_id, stage.layer_start, stage.layer_end, stage.endpoint, state,
-                                        _sessions(report), restarts, last_failure, standbys))  # fmt: skip
+                                        _sessions(report), restarts, last_failure, standbys, metrics,
+                                        figures))  # fmt: skip
         return statuses
 
     async def ready(self) -> Readiness:

@@ -34,11 +34,15 @@ from ..runtime.speculation import SpeculativeSettings
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.downstream import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, DownstreamLink, LinkBroken
 from ..stage.prediction_return import PredictionHub, ReturnListener
-from ..telemetry import Telemetry
+from ..telemetry import Span, Telemetry
 from .backend import Finished, GenerationEvent, PrefillDone, Token
 from .decoder import ChainDecoder
 from .session import ChainError, ChainSession, NoStagesBelow, SessionEnv, SessionTimings
 
+# verify-window outcomes on the request's span and summary line (ChainDecoder.report's names)
+SPAN_SPECULATION = ("speculative_num_windows", "speculative_num_proposed_tokens", "speculative_num_accepted_tokens",
+                    "speculative_num_full_accept_windows", "speculative_num_rejected_windows",
+                    "speculative_stale_windows", "speculative_acceptance_rate")
 log = logging.getLogger("skippy.driver")
 STOP_TIMEOUT_S = 5.0  # an early Stop that takes longer is abandoned: the lane is closed instead
 RECOVERY_TIMEOUT_S = 30.0  # how long a request waits for a broken chain to be whole again
@@ -142,9 +146,10 @@ class ChainClient:
     @contextlib.asynccontextmanager
     async def session(self, sampling: SamplingConfig = SamplingConfig(),
                       prompt_token_count: int = 0, cache_namespace: bytes | None = None,
-                      skip_draws: int = 0) -> AsyncIterator[ChainSession]:
+                      skip_draws: int = 0, trace_context: bytes | None = None) -> AsyncIterator[ChainSession]:
         """Lease a lane, configure generation, yield the session, Stop it (or drop the lane).
-        `cache_namespace`: the prefix-cache namespace digest (protocol.cache_namespace_digest)."""
+        `cache_namespace`: the prefix-cache namespace digest (protocol.cache_namespace_digest).
+        `trace_context`: the request's span, which every frame of the session names as parent."""
         lane = await self._lanes.get()
         session = None
         try:
@@ -154,6 +159,7 @@ class ChainClient:
             lane_id = 0 if self.downstream is None else lane.lane_id
             session = lane.session = ChainSession(self.env, lane.link, lane_id, request_id, request_id,
                                                   sampling, prompt_token_count, cache_namespace, skip_draws)
+            session.trace_context = trace_context
             self.hub.register(session.return_key, session.waiter)
             await session.configure()
             yield session
@@ -210,10 +216,20 @@ class ChainClient:
         return ChainDecoder(session, max_tokens=max_tokens, stop_ids=frozenset(stop_ids),
                             ctx_size=self.ctx_size, proposer=proposer, settings=settings)
 
-    async def run(self, prompt_ids: Sequence[int], *, max_tokens: int = 256,
-                  sampling: SamplingConfig = SamplingConfig(), stop_ids: Sequence[int] = (),
-                  cache_namespace: bytes | None = None,
-                  speculative: SpeculativeSettings | None = None) -> AsyncIterator[GenerationEvent]:
+    async def run(self, prompt_ids: Sequence[int], *, request_id: str = "",
+                  **options) -> AsyncIterator[GenerationEvent]:
+        """`_run` (below) inside the request's root span: one trace per request, and every
+        frame of it names that span as parent, so each stage's spans join the trace.
+        `request_id`: the API's id (a UUID), on the span and the summary line."""
+        with self.telemetry.span("stage0.request", request_id=request_id) as root:
+            async with contextlib.aclosing(self._run(prompt_ids, root=root, **options)) as events:
+                async for event in events:
+                    yield event
+
+    async def _run(self, prompt_ids: Sequence[int], *, root: Span, max_tokens: int = 256,
+                   sampling: SamplingConfig = SamplingConfig(), stop_ids: Sequence[int] = (),
+                   cache_namespace: bytes | None = None,
+                   speculative: SpeculativeSettings | None = None) -> AsyncIterator[GenerationEvent]:
         """One request, start to end, as events (PrefillDone -> Token* -> Finished): lease a
         lane, prefill (through the prefix cache), decode until a stop id, `max_tokens` or the
         context end, Stop. The only orchestration of a request: the API and `generate` both
@@ -232,11 +248,12 @@ class ChainClient:
             raise ValueError(f"Expected a prompt of at most {self.ctx_size} tokens (the context "
                              f"size), got {len(prompt_ids)}. Fix: shorten it or raise ctx_size.")
         self.check_speculative(self.speculative if speculative is None else speculative)
-        decoder, timings, first_token_at = None, None, 0.0
+        decoder, timings, first_token_at, started = None, None, 0.0, time.perf_counter()
         num_tokens, recoveries, recover_by, waiting, draws = 0, 0, None, False, 0
         while True:
             try:
-                async with self.session(sampling, len(prompt_ids), cache_namespace, draws) as session:
+                async with self.session(sampling, len(prompt_ids), cache_namespace, draws,
+                                        root.traceparent) as session:
                     if decoder is None or not decoder.is_started:
                         decoder = self.decoder(session, max_tokens=max_tokens, stop_ids=stop_ids,
                                                speculative=speculative)
@@ -266,13 +283,21 @@ class ChainClient:
                             log.warning("request %d: Stop failed (%s); the stages reclaim the session",
                                         session.request_id, error)
                             stats = session.stats
-                        self.telemetry.summary(
-                            "stage0.generation_summary", prompt_tokens=len(prompt_ids),
-                            completion_tokens=num_tokens, finish_reason=decoder.finish_reason,
-                            prefill_ms=timings.prefill_s * 1e3, first_token_ms=timings.first_token_s * 1e3,
-                            decode_ms=timings.decode_s * 1e3, recoveries=recoveries,
-                            stop_ms=(time.perf_counter() - stop_started) * 1e3)
                         speculation = decoder.report(self.telemetry)
+                        # the request's one line: its trace id leads to every stage's spans
+                        figures = dict(
+                            prompt_tokens=len(prompt_ids), cached_tokens=timings.restored_tokens,
+                            completion_tokens=num_tokens, finish_reason=decoder.finish_reason,
+                            ttft_ms=(first_token_at - started) * 1e3, prefill_ms=timings.prefill_s * 1e3,
+                            first_token_ms=timings.first_token_s * 1e3, decode_ms=timings.decode_s * 1e3,
+                            tokens_per_s=(num_tokens - 1) / timings.decode_s if timings.decode_s > 0 else 0.0,
+                            kv_decision=timings.restore_decision or "none", recoveries=recoveries,
+                            stop_ms=(time.perf_counter() - stop_started) * 1e3,
+                            **{key: speculation[key] for key in SPAN_SPECULATION if key in speculation})
+                        for key, value in figures.items():
+                            root.set(key, value)
+                        self.telemetry.summary("stage0.generation_summary", trace_id=root.trace_id or "none",
+                                               request_id=root.attrs["request_id"], **figures)
                         extra = {**_timing_extras(stats, timings), **speculation, "chain_recoveries": recoveries}
                         yield Finished("stop" if decoder.finish_reason == "stop" else "length", num_tokens,
                                        timings.decode_s * 1e3, extra, decoder.finish_reason, stats, timings,

@@ -114,6 +114,7 @@ class ChainSession:
         self.session = env.runtime.open_session(self.key, request_id)
         self.session.cache_namespace = self.cache_namespace = cache_namespace
         self.out_dtype = env.out_dtype
+        self.trace_context: bytes | None = None  # the request's span: every frame's parent
 
     @property
     def samples_here(self) -> bool:
@@ -135,7 +136,8 @@ class ChainSession:
 
     def _message(self, kind: MessageKind, **fields) -> StageMessage:
         return StageMessage(kind, request_id=self.request_id, session_id=self.session_id,
-                            prompt_token_count=self.prompt_token_count, **fields)
+                            prompt_token_count=self.prompt_token_count, trace_context=self.trace_context,
+                            **fields)
 
     def _with_rows(self, msg: StageMessage, rows) -> StageMessage:
         return msg if rows is None else msg.with_activation(rows, self.out_dtype, 0)  # None: sampled here
@@ -237,8 +239,8 @@ class ChainSession:
         """
         runtime, started = self.env.runtime, time.perf_counter()
         cacheable = list(tokens[:cacheable_prefix_length(len(tokens))])
-        with self.env.telemetry.span("stage0.prefix_restore",
-                                        prompt_tokens=len(tokens)) as span:
+        with self.env.telemetry.span("stage0.prefix_restore", parent=self.trace_context,
+                                     prompt_tokens=len(tokens)) as span:
             try:
                 restored = (await runtime.restore_prefix(self.key, cacheable, longest=True)).value
             except Exception as error:  # noqa: BLE001 - a failed restore is a cold prefill

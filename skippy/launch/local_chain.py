@@ -146,10 +146,10 @@ async def connect_topology(topology: Topology, model_path: str | Path, *,
 async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = None, *,
                        dtype: str = "auto", device: str = "auto", repack: bool = True,
                        kv_cache: KvCacheConfig | None = None, otlp_endpoint: str | None = None,
-                       **client_options) -> ChainClient:
+                       otlp_protocol: str = "http", **client_options) -> ChainClient:
     """Stage 0 holding layers [0, k) (None: the whole model, a chain of one stage), started.
     `kv_cache`: its prefix cache (the disk tier under `disk_dir`/stage-0); None: none.
-    `otlp_endpoint`: where its spans go (OTLP/HTTP); None: nowhere."""
+    `otlp_endpoint`: where its spans go (OTLP over `otlp_protocol`, http or grpc); None: nowhere."""
     model = load_stage(model_path, layers, dtype=dtype, device=device, progress=False, repack=repack)
     prefix_cache = None
     if kv_cache is not None:
@@ -160,7 +160,8 @@ async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = 
                          model.args.context_length))
     client_options.setdefault("grammars", GrammarCompiler.for_model(model_path))
     client = ChainClient(model, prefix_cache=prefix_cache,
-                         telemetry=Telemetry("skippy-stage0", otlp_endpoint), **client_options)
+                         telemetry=Telemetry("skippy-stage0", otlp_endpoint, otlp_protocol=otlp_protocol),
+                         **client_options)
     try:
         await client.start()
     except BaseException:
@@ -176,7 +177,7 @@ class LocalChain:
     def __init__(self, model_path: str | Path, num_stages: int, *, threads: int | None = None,
                  activation_dtype: str = "f32", ctx_size: int = 2048, lane_count: int = 4,
                  dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
-                 log_level: str = "WARNING", otlp_endpoint: str | None = None,
+                 log_level: str = "WARNING", otlp_endpoint: str | None = None, otlp_protocol: str = "http",
                  kv_cache: KvCacheConfig | None = None, max_restarts: int | None = None,
                  link_conditioning: LinkConditioning | None = None, **client_options):
         """`kv_cache`: every stage's prefix-cache settings (disk tier: one subdirectory per
@@ -199,11 +200,13 @@ class LocalChain:
                                    ctx_size=ctx_size, lane_count=lane_count,
                                    weight_dtype=_WEIGHT_NAMES[dtype], repack_weights=repack, device=device,
                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, threads=threads,
-                                   otlp_endpoint=otlp_endpoint, link_conditioning=link_conditioning)
+                                   otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
+                                   link_conditioning=link_conditioning)
         self.link_conditioning = link_conditioning
         self._stage0_options = dict(dtype=dtype, device=device, repack=repack, concurrency=concurrency,
                                     ctx_size=ctx_size, activation_dtype=activation_dtype, kv_cache=kv_cache,
-                                    otlp_endpoint=otlp_endpoint, peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS,
+                                    otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
+                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS,
                                     **client_options)
         self._model_args = model_args(model_path)
         self._plan()

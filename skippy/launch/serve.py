@@ -58,7 +58,8 @@ class ServeConfig(BaseModel):
     threads: int | None = Field(None, ge=1)  # torch threads in every stage process, this one included
     max_restarts: int = Field(5, ge=0)  # restarts in a row of a local stage that dies or hangs (0: none)
     recovery_timeout_s: float = Field(30.0, ge=0)  # a request waits this long for a broken chain (0: none)
-    otlp_endpoint: str | None = None  # every stage's span export (OTLP/HTTP); None = no spans
+    otlp_endpoint: str | None = None  # every stage's span export (OTLP); None = no spans
+    otlp_protocol: Literal["http", "grpc"] = "http"  # OTLP over HTTP (port 4318) or gRPC (4317)
     admission_timeout_s: float = Field(60.0, ge=0)
     backend_timeout_s: float = Field(600.0, ge=0)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)
@@ -132,7 +133,7 @@ async def build_backend(config: ServeConfig):
 
     ctx_size = config.ctx_size or model_args(config.model).context_length
     every_stage = dict(dtype=config.dtype, device=config.device, repack=config.repack,
-                   otlp_endpoint=config.otlp_endpoint)
+                   otlp_endpoint=config.otlp_endpoint, otlp_protocol=config.otlp_protocol)
     options = dict(concurrency=config.num_lanes, ctx_size=ctx_size, activation_dtype=config.activation_dtype,
                    recovery_timeout_s=config.recovery_timeout_s,
                    speculative=config.speculative_settings(), draft_model=await _load_draft_model(config))

@@ -164,7 +164,8 @@ class StageConfig(_Frozen):
     # stages that share one machine's cores run one wave of sessions (2.0), others two
     peer_wait_forwards: float = Field(0.25, ge=0.0)
     threads: int | None = Field(None, ge=1)    # torch threads; None = torch's default
-    otlp_endpoint: str | None = None           # export spans over OTLP/HTTP; None = no spans
+    otlp_endpoint: str | None = None           # export spans over OTLP; None = no spans
+    otlp_protocol: Literal["http", "grpc"] = "http"  # OTLP over HTTP (port 4318) or gRPC (4317)
     tls: TlsConfig | None = None               # required (with auth_token) to listen off loopback
     insecure: bool = False                     # listen off loopback without them anyway (warned)
     link_conditioning: LinkConditioning | None = None  # a test knob on the links this stage dials

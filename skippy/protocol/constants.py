@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 # Version of this Python wire format. Frames, replies and READY carry it; any other
 # value fails closed (spec §2.11): peers must upgrade together.
-PROTOCOL_VERSION = 3   # 2: the CACHE_NAMESPACE section; 3: a grammar in the sampling block
+PROTOCOL_VERSION = 4   # 2: the CACHE_NAMESPACE section; 3: a grammar in the sampling block;
+                       # 4: the TRACE_CONTEXT section, stage metrics in StageStatus
 
 # Magics are u32 written little-endian; the ASCII spelling is the value read
 # most-significant byte first, as the spec writes READY's 0x53524459 ("SRDY").
@@ -69,11 +70,12 @@ class StateFlags(IntFlag):
     SAMPLING      = 1 << 3  # a sampling block follows
     CHAT_METADATA = 1 << 5  # chat-sampling metadata follows (spec: CHAT_SAMPLING_METADATA)
     CACHE_NAMESPACE = 1 << 16  # ours: a 32-byte prefix-cache namespace digest follows
+    TRACE_CONTEXT = 1 << 17    # ours: a 25-byte W3C trace context (trace id, parent span id, flags)
 
 
 # Masks are compared as plain ints: `~` on an IntFlag only complements within the known bits.
 KNOWN_STATE_FLAGS = (StateFlags.FINAL_CHUNK | StateFlags.SAMPLING | StateFlags.CHAT_METADATA
-                     | StateFlags.CACHE_NAMESPACE)
+                     | StateFlags.CACHE_NAMESPACE | StateFlags.TRACE_CONTEXT)
 
 
 class SamplingFlags(IntFlag):
@@ -126,6 +128,7 @@ MAX_GRAMMAR_BYTES      = 256 * 1024 # a grammar's UTF-8 text in a sampling block
 MAX_PREDICTED_COUNT    = 262_144    # predicted tokens in one reply               (§2.5)
 MAX_DRAFT_COUNT        = 262_144    # native MTP draft tokens in one reply        (§2.5 row 5)
 NAMESPACE_BYTES        = 32         # prefix-cache namespace digest (ours, §4.2 item 7)
+TRACE_CONTEXT_BYTES    = 25         # W3C trace context: 16-byte trace id, 8-byte span id, flags (ours)
 MIN_AUTH_TOKEN_BYTES   = 1          # auth preamble token length                  (§2.1)
 MAX_AUTH_TOKEN_BYTES   = 64         #                                             (§2.1)
 

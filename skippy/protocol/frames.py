@@ -14,7 +14,7 @@ import hashlib
 import math
 import struct
 from collections import namedtuple
-from dataclasses import astuple, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 import numpy as np
@@ -24,11 +24,12 @@ from .constants import (
     LOGIT_BIAS_ENTRY, MAX_ACTIVATION_BYTES, MAX_DRAFT_COUNT, MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS_COUNT,
     MAX_METADATA_BYTES, MAX_PREDICTED_COUNT, MAX_SAMPLING_BYTES, MAX_SIDEBAND_COUNT,
     MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, MESSAGE_MAGIC, NAMESPACE_BYTES, NAMESPACE_KINDS,
-    PROTOCOL_VERSION, REPLY_HEADER, REPLY_HEADER_FIELDS, REPLY_MAGIC, SAMPLING_BLOCK, STATS_BLOCK,
+    PROTOCOL_VERSION, TRACE_CONTEXT_BYTES, REPLY_HEADER, REPLY_HEADER_FIELDS, REPLY_MAGIC, SAMPLING_BLOCK, STATS_BLOCK,
     ActivationDtype, GrammarKind, MessageKind, Phase, ReplyKind, SamplingFlags, StateFlags,
 )
 from .errors import FrameError, VersionMismatch
 from .sampling_config import GrammarSpec, SamplingConfig
+from .stage_metrics import METRIC_VALUE_COUNT, StageMetricValues
 from .stats import StageReplyStats, decode_stats, encode_stats
 
 _I32 = np.dtype("<i4")
@@ -96,6 +97,7 @@ class StageMessage:
     sampling: SamplingConfig | None = None
     chat_metadata: bytes | None = None   # opaque UTF-8 JSON for the final stage's sampler
     cache_namespace: bytes | None = None  # 32-byte prefix-cache namespace digest (NAMESPACE_KINDS)
+    trace_context: bytes | None = None  # 25-byte W3C trace context: the span this message is a child of
     tokens: np.ndarray = field(default_factory=_empty_i32)
     positions: np.ndarray = field(default_factory=_empty_i32)
     activation_dtype: ActivationDtype = ActivationDtype.f32
@@ -114,6 +116,8 @@ class StageMessage:
             set_(self, "chat_metadata", bytes(self.chat_metadata))
         if self.cache_namespace is not None and not isinstance(self.cache_namespace, bytes):
             set_(self, "cache_namespace", bytes(self.cache_namespace))
+        if self.trace_context is not None and not isinstance(self.trace_context, bytes):
+            set_(self, "trace_context", bytes(self.trace_context))
 
     @property
     def version(self) -> int:
@@ -134,6 +138,8 @@ class StageMessage:
             flags |= StateFlags.CHAT_METADATA
         if self.cache_namespace is not None:
             flags |= StateFlags.CACHE_NAMESPACE
+        if self.trace_context is not None:
+            flags |= StateFlags.TRACE_CONTEXT
         return flags
 
     @property
@@ -176,7 +182,8 @@ class MessageHeader(namedtuple("MessageHeader", [f.name for f in MESSAGE_HEADER_
     def body_bytes(self) -> int:
         return (4 * (self.token_sideband_count + self.position_sideband_count)
                 + self.activation_bytes + self.sampling_bytes + self.metadata_bytes
-                + (NAMESPACE_BYTES if self.flags & _NAMESPACE else 0))
+                + (NAMESPACE_BYTES if self.flags & _NAMESPACE else 0)
+                + (TRACE_CONTEXT_BYTES if self.flags & _TRACE else 0))
 
 
 # ---------------------------------------------------------------------------
@@ -186,9 +193,9 @@ _KIND_CODES = frozenset(MessageKind)
 _REPLY_KIND_CODES = frozenset(ReplyKind)
 _DTYPE_CODES = frozenset(ActivationDtype)
 # Plain ints: IntFlag arithmetic is slow, and `~` on an IntFlag keeps only known bits.
-_FINAL, _SAMPLING, _METADATA, _NAMESPACE = (
+_FINAL, _SAMPLING, _METADATA, _NAMESPACE, _TRACE = (
     int(StateFlags.FINAL_CHUNK), int(StateFlags.SAMPLING), int(StateFlags.CHAT_METADATA),
-    int(StateFlags.CACHE_NAMESPACE))
+    int(StateFlags.CACHE_NAMESPACE), int(StateFlags.TRACE_CONTEXT))
 _UNKNOWN_FLAGS = ~int(KNOWN_STATE_FLAGS)
 _COUNT_FIELDS = ("pos_start", "token_count", "prompt_token_count", "activation_rows",
                  "activation_width")
@@ -386,6 +393,9 @@ def encode_message_parts(msg: StageMessage) -> list[bytes | memoryview]:
     namespace = msg.cache_namespace if msg.cache_namespace is not None else b""
     if msg.cache_namespace is not None and len(namespace) != NAMESPACE_BYTES:
         _fail("cache_namespace", f"{NAMESPACE_BYTES} bytes", len(namespace))
+    trace = msg.trace_context if msg.trace_context is not None else b""
+    if msg.trace_context is not None:
+        _check_trace_context(trace)
     values = (MESSAGE_MAGIC, PROTOCOL_VERSION, msg.request_id, msg.session_id,
               msg.activation.nbytes, int(msg.kind), msg.pos_start, msg.token_count,
               len(msg.tokens), len(msg.positions), msg.seq_id, int(msg.phase), int(msg.flags),
@@ -399,12 +409,20 @@ def encode_message_parts(msg: StageMessage) -> list[bytes | memoryview]:
     # Fixed-stride arrays first, so they stay 4-byte aligned for zero-copy views.
     sections = (header, memoryview(np.ascontiguousarray(msg.tokens)).cast("B"),
                 memoryview(np.ascontiguousarray(msg.positions)).cast("B"), msg.activation,
-                sampling, metadata, namespace)
+                sampling, metadata, namespace, trace)
     return [section for section in sections if len(section)]
 
 
 def encode_message(msg: StageMessage) -> bytes:
     return b"".join(encode_message_parts(msg))
+
+
+def _check_trace_context(trace: Buffer) -> None:
+    """W3C trace context, binary: trace id (16), parent span id (8), trace flags (1). An
+    all-zero id is invalid in W3C, so a frame never names one."""
+    _require(len(trace) == TRACE_CONTEXT_BYTES, "trace_context", f"{TRACE_CONTEXT_BYTES} bytes", len(trace))
+    _require(any(trace[:16]) and any(trace[16:24]), "trace_context",
+             "a non-zero trace id and span id", bytes(trace).hex())
 
 
 def _check_discard_range(tokens: np.ndarray) -> None:
@@ -433,6 +451,9 @@ def decode_message_body(header: MessageHeader, body: Buffer) -> StageMessage:
     metadata_view = take(header.metadata_bytes)
     metadata = bytes(metadata_view) if header.flags & _METADATA else None
     namespace = bytes(take(NAMESPACE_BYTES)) if header.flags & _NAMESPACE else None
+    trace = bytes(take(TRACE_CONTEXT_BYTES)) if header.flags & _TRACE else None
+    if trace is not None:
+        _check_trace_context(trace)
     if header.kind == MessageKind.DiscardStaleWindows:
         _check_discard_range(tokens)
     if len(view) != offset:
@@ -444,7 +465,8 @@ def decode_message_body(header: MessageHeader, body: Buffer) -> StageMessage:
         checkpoint_generation=header.checkpoint_generation,
         prompt_token_count=header.prompt_token_count, decode_step=header.decode_step,
         current_token=header.current_token, source_stage_index=header.source_stage_index,
-        sampling=sampling, chat_metadata=metadata, cache_namespace=namespace, tokens=tokens,
+        sampling=sampling, chat_metadata=metadata, cache_namespace=namespace, trace_context=trace,
+        tokens=tokens,
         positions=positions,
         activation_dtype=ActivationDtype(header.activation_dtype),
         activation_rows=header.activation_rows, activation_width=header.activation_width,
@@ -463,22 +485,42 @@ def decode_message(buf: Buffer) -> StageMessage:
 # ---------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class StageStatusReport:
-    """A stage's answer to GetStageStatus, sent as these i32 values, in this order, in
-    a StageStatus reply's token array."""
+    """A stage's answer to GetStageStatus, sent in a StageStatus reply's token array: these
+    five i32 values, in this order, then each of `metrics`' i64 values as two i32 (low half
+    first, as an unsigned 32-bit pattern)."""
 
     stage_index: int
     layer_start: int
     layer_end: int
     active_sessions: int  # sessions open on this stage, over all its connections
     lane_count: int
+    metrics: StageMetricValues = field(default_factory=StageMetricValues)
 
     def __post_init__(self) -> None:
-        values = astuple(self)
+        values = self.values()
         if min(values) < 0 or self.layer_start >= self.layer_end:
             _fail("stage status", "non-negative values and layer_start < layer_end", values)
 
+    def values(self) -> tuple[int, ...]:
+        return (self.stage_index, self.layer_start, self.layer_end, self.active_sessions, self.lane_count)
 
-STATUS_VALUE_COUNT = len(fields(StageStatusReport))
+    def wire_values(self) -> list[int]:
+        flat = self.metrics.flat()
+        try:
+            pairs = struct.unpack(f"<{2 * len(flat)}i", struct.pack(f"<{len(flat)}q", *flat))
+        except struct.error as error:
+            raise FrameError(f"stage metrics: expected i64 values ({error})") from error
+        return [*self.values(), *pairs]
+
+    @classmethod
+    def from_wire(cls, values: list[int]) -> StageStatusReport:
+        pairs = values[STATUS_VALUE_COUNT:]
+        flat = struct.unpack(f"<{len(pairs) // 2}q", struct.pack(f"<{len(pairs)}i", *pairs))
+        return cls(*values[:STATUS_VALUE_COUNT], StageMetricValues.from_flat(list(flat)))
+
+
+STATUS_VALUE_COUNT = 5
+STATUS_WIRE_COUNT = STATUS_VALUE_COUNT + 2 * METRIC_VALUE_COUNT
 
 
 @dataclass(frozen=True, slots=True)
@@ -561,9 +603,9 @@ def check_reply_header(h: ReplyHeader) -> None:
             _fail("Ack reply", "no predictions and no draft",
                   (h.predicted, h.predicted_count, h.has_draft))
     elif h.kind == ReplyKind.StageStatus:
-        if h.predicted or h.predicted_count != STATUS_VALUE_COUNT or h.has_draft or h.window_id:
-            _fail("StageStatus reply", f"{STATUS_VALUE_COUNT} status values, no prediction, window "
-                  "or draft", (h.predicted, h.predicted_count, h.window_id, h.has_draft))
+        if h.predicted or h.predicted_count != STATUS_WIRE_COUNT or h.has_draft or h.window_id:
+            _fail("StageStatus reply", f"{STATUS_WIRE_COUNT} status and metric values, no prediction, "
+                  "window or draft", (h.predicted, h.predicted_count, h.window_id, h.has_draft))
     elif h.predicted_count < 1:
         _fail("predicted_count", f">= 1 for {ReplyKind(h.kind).name}", h.predicted_count)
 
@@ -585,7 +627,7 @@ def encode_reply(reply: StageReply) -> bytes:
     draft = reply.draft_tokens
     if (reply.kind == ReplyKind.StageStatus) != (reply.status is not None):
         _fail("reply status", "set on StageStatus replies only", reply.kind.name)
-    tokens = reply.predicted_tokens if reply.status is None else astuple(reply.status)
+    tokens = reply.predicted_tokens if reply.status is None else reply.status.wire_values()
     values = (REPLY_MAGIC, PROTOCOL_VERSION, int(reply.kind), reply.predicted, reply.window_id,
               len(tokens), int(draft is not None), len(draft or ()), reply.draft_compute_us)
     header = _pack(REPLY_HEADER, REPLY_HEADER_FIELDS, values, "reply")
@@ -608,7 +650,11 @@ def decode_reply_body(header: ReplyHeader, body: Buffer) -> StageReply:
     tokens = np.frombuffer(view, dtype=_I32, offset=STATS_BLOCK.size)
     predicted = tokens[:header.predicted_count].tolist()
     if header.kind == ReplyKind.StageStatus:
-        return StageReply(ReplyKind.StageStatus, stats=stats, status=StageStatusReport(*predicted))
+        try:
+            status = StageStatusReport.from_wire(predicted)
+        except ValueError as error:
+            raise FrameError(f"StageStatus reply: {error}") from error
+        return StageReply(ReplyKind.StageStatus, stats=stats, status=status)
     _check_first_prediction(header.predicted, predicted)
     return StageReply(
         kind=ReplyKind(header.kind), predicted=header.predicted, predicted_tokens=predicted,

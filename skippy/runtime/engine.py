@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 from ..model.grammar import GrammarCompiler
 from ..model.llama import StageModel
 from ..protocol.sampling_config import SamplingConfig
+from ..protocol.stage_metrics import StageMetricValues
 from ..telemetry import Telemetry
+from .metrics import StageMetrics
 from .runner import Runner
 from .scheduler import PEER_WAIT_FORWARDS, IterationScheduler, Timed
 from .session import Session, SessionKey, SessionTable
@@ -43,6 +45,7 @@ class StageRuntime:
         self.model = model
         self.prefix_cache = prefix_cache
         self.telemetry = telemetry or Telemetry()
+        self.metrics = StageMetrics()
         self.sessions = SessionTable(lane_count)
         self.runner = Runner(model, ctx_size or model.args.context_length,
                              record_logits=record_logits, grammars=grammars)
@@ -60,6 +63,7 @@ class StageRuntime:
         return self.runner.is_last
 
     def _count_batch(self, size: int) -> None:
+        self.metrics.observe("batch_steps", size)
         if size > 1:
             self.telemetry.count(BATCHED_STEPS_COUNTER)
             self.telemetry.count(BATCH_ROWS_COUNTER, size)
@@ -75,7 +79,8 @@ class StageRuntime:
                 "kv_cache_bytes": 0 if kv is None else kv.max_bytes,
                 "kv_disk_dir": "none" if kv is None or kv.disk_dir is None else kv.disk_dir,
                 "kv_disk_budget": 0 if kv is None else kv.disk_budget_bytes,
-                "otlp_endpoint": self.telemetry.otlp_endpoint or "none"}
+                "otlp_endpoint": self.telemetry.otlp_endpoint or "none",
+                "otlp_protocol": self.telemetry.otlp_protocol}
 
     def log_settings(self, stage_index: int) -> None:
         settings = " ".join(f"{key}={value}" for key, value in self.effective_settings().items())
@@ -83,7 +88,11 @@ class StageRuntime:
 
     # -- sessions -------------------------------------------------------------------
     def open_session(self, key: SessionKey, request_id: int) -> Session:
-        return self.sessions.open(key, request_id)
+        before = len(self.sessions), key in self.sessions and self.sessions.get(key).request_id
+        session = self.sessions.open(key, request_id)
+        if before != (len(self.sessions), request_id):  # every message opens: count new ones only
+            self.metrics.count("sessions_opened")
+        return session
 
     def session(self, key: SessionKey) -> Session:
         return self.sessions.get(key)
@@ -95,12 +104,25 @@ class StageRuntime:
             self.scheduler.forget(session.key)
         if dropped:
             self.telemetry.count("skippy.runtime.orphan_sessions_reclaimed", len(dropped))
+            self.metrics.count("sessions_reclaimed", len(dropped))
         return dropped
+
+    def metric_values(self, connections: int = 0) -> StageMetricValues:
+        """This stage's metrics now (what its StageStatus reply carries)."""
+        sessions = [self.sessions.get(key) for key in self.sessions.keys()]
+        gauges = {"active_sessions": len(sessions), "queue_depth": self.scheduler.depth,
+                  "kv_session_bytes": sum(s.cache.nbytes for s in sessions if s.cache is not None),
+                  "connections": connections}
+        cache = None if self.prefix_cache is None else self.prefix_cache.stats()
+        return self.metrics.values(gauges, cache)
 
     # -- model work -----------------------------------------------------------------
     async def iterate(self, step: Step) -> Timed[StepResult]:
         """A decode or verify step: batched with other sessions' steps."""
-        return await self.scheduler.submit_iteration(step, step.session.key)
+        timed = await self.scheduler.submit_iteration(step, step.session.key)
+        self.metrics.observe_forward("decode" if step.window_id is None else "verify", step.num_rows,
+                                     timed.run_s, timed.wait_s)
+        return timed
 
     async def call(self, fn: Callable[[], T]) -> T:
         """fn() on the runtime's worker, after the work queued before it: other model work
@@ -110,7 +132,9 @@ class StageRuntime:
     async def prefill(self, step: Step) -> Timed[StepResult]:
         """A prompt chunk: in order with this session's other runtime operations (spec
         §6.1), in one forward with other sessions' chunks waiting at the same time."""
-        return await self.scheduler.submit_prefill(step, step.session.key, step.num_rows)
+        timed = await self.scheduler.submit_prefill(step, step.session.key, step.num_rows)
+        self.metrics.observe_forward("prefill", step.num_rows, timed.run_s, timed.wait_s)
+        return timed
 
     async def configure(self, key: SessionKey, sampling: SamplingConfig | None,
                         prompt_token_count: int, skip_draws: int = 0) -> Timed[None]:

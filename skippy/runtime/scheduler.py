@@ -138,6 +138,11 @@ class IterationScheduler:
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def depth(self) -> int:
+        """Commands waiting for the worker now (a gauge: read without the lock)."""
+        return len(self._iterations) + len(self._ops)
+
     # -- submitting (event-loop side) -------------------------------------------------
     def submit_iteration(self, step: Any, key: Hashable) -> asyncio.Future:
         return self._submit(self._iterations, step, key)

@@ -11,6 +11,7 @@ connection that ends without Stop has its sessions reclaimed (spec §3.3).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -140,9 +141,13 @@ class StageConnection:
                     raise msg
                 self.inbox_bytes -= msg.activation.nbytes
                 self._inbox_drained.set()
-                with self.telemetry.span("stage.binary_message", kind=msg.kind.name,
-                                         stage_index=self.config.stage_index,
+                # the child of the span that sent the frame; what it forwards names this span
+                with self.telemetry.span("stage.binary_message", parent=msg.trace_context,
+                                         kind=msg.kind.name, stage_index=self.config.stage_index,
+                                         token_count=msg.token_count,
                                          bytes_in=msg.activation.nbytes) as span:
+                    if msg.trace_context is not None and span.traceparent is not None:
+                        msg = dataclasses.replace(msg, trace_context=span.traceparent)
                     await HANDLERS[msg.kind](self, msg, span)
         except asyncio.CancelledError:
             self.close_reason = self.close_reason or "stage shutting down"

@@ -72,7 +72,8 @@ async def serve_stage(config: StageConfig, topology: Topology | None = None) -> 
     link.use(config.link_conditioning)
     check_model(config.model_path, config.model_fingerprint, f"stage {config.stage_index}")
     sock = bind_listener(config)
-    telemetry = Telemetry(f"skippy-stage{config.stage_index}", config.otlp_endpoint)
+    telemetry = Telemetry(f"skippy-stage{config.stage_index}", config.otlp_endpoint,
+                          otlp_protocol=config.otlp_protocol)
     runtime = load_stage_runtime(config, telemetry)
     runtime.log_settings(config.stage_index)
     server = StageServer(config, runtime, topology=topology, telemetry=telemetry)

@@ -1,0 +1,59 @@
+"""Per-stage figures for a live view (`/v1/stages`): rates and means from two metric samples.
+
+A stage reports only totals (protocol/stage_metrics.py); a rate needs two of them. Stage 0
+keeps, per stage, a sample at least RATE_WINDOW_S old and computes each rate over the time
+since it, so any poller (the chain page, a scrape, /readyz) sees rates over the last few
+seconds however often it asks. Numbers only, JSON-friendly.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..protocol.stage_metrics import StageMetricValues
+
+RATE_WINDOW_S = 2.0
+
+
+def _decode_rows(m: StageMetricValues) -> int:
+    return m.counters["rows.decode"] + m.counters["rows.verify"]
+
+
+def _mean_ms(now: StageMetricValues, then: StageMetricValues | None, name: str) -> float:
+    h = now.histograms[name]
+    count, total = h.count, h.total
+    if then is not None and count > then.histograms[name].count:  # the window's mean, when it saw any
+        count, total = count - then.histograms[name].count, total - then.histograms[name].total
+    return total / count / 1e3 if count else 0.0
+
+
+class StageFigures:
+    def __init__(self) -> None:
+        self._samples: dict[str, list[tuple[float, StageMetricValues]]] = {}  # oldest first, at most 2
+
+    def figures(self, stage_id: str, metrics: StageMetricValues, **extra: float) -> dict[str, float]:
+        now = time.monotonic()
+        samples = self._samples.setdefault(stage_id, [])
+        if metrics.gauges["start_time_s"] != (samples[-1][1].gauges["start_time_s"] if samples else None):
+            samples.clear()  # a restarted stage counts from zero again
+        then_t, then = samples[0] if samples else (now, None)
+        if not samples or now - samples[-1][0] >= RATE_WINDOW_S:
+            samples.append((now, metrics))
+            del samples[:-2]
+        elapsed = now - then_t
+        rate = (lambda a, b: (a - b) / elapsed) if then is not None and elapsed > 0 else (lambda a, b: 0.0)
+        c, g = metrics.counters, metrics.gauges
+        lookups = c["kv_hits"] + c["kv_misses"]
+        return {
+            "tokens_per_s": rate(_decode_rows(metrics), _decode_rows(then) if then else 0),
+            "prefill_tokens_per_s": rate(c["rows.prefill"], then.counters["rows.prefill"] if then else 0),
+            "decode_forward_ms": _mean_ms(metrics, then, "forward_us.decode"),
+            "verify_forward_ms": _mean_ms(metrics, then, "forward_us.verify"),
+            "prefill_forward_ms": _mean_ms(metrics, then, "forward_us.prefill"),
+            "queue_wait_ms": _mean_ms(metrics, then, "queue_wait_us"),
+            "queue_depth": g["queue_depth"],
+            "prefix_cache_hit_rate": c["kv_hits"] / lookups if lookups else 0.0,
+            "kv_session_bytes": g["kv_session_bytes"], "kv_cache_bytes": g["kv_cache_bytes"],
+            "decoded_tokens_total": _decode_rows(metrics), "prefilled_tokens_total": c["rows.prefill"],
+            **extra,
+        }
