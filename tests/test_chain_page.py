@@ -106,6 +106,9 @@ def test_page_in_chromium(served, tmp_path):
             page.wait_for_function("Number(document.getElementById('rate').textContent) > 0", timeout=120_000)
             page.wait_for_function("document.getElementById('active').textContent === '1'", timeout=30_000)
             moving = page.locator("#rate").inner_text()
+            # the stages' own figures move too (stage 0 answers them, asking each stage's totals)
+            page.wait_for_function("[...document.querySelectorAll('.stage')].every(box => "
+                                   "/tokens\\/s\\s+[1-9]/.test(box.innerText))", timeout=30_000)
             page.screenshot(path=str(tmp_path / "chain-page.png"), full_page=True)
             if os.environ.get("SKIPPY_PAGE_SCREENSHOT"):
                 page.screenshot(path=os.environ["SKIPPY_PAGE_SCREENSHOT"], full_page=True)

@@ -32,17 +32,14 @@ class Activity:
         self._clock = clock
         self._token_times: deque[float] = deque()
         self._recent: deque[RequestFigures] = deque(maxlen=RECENT_REQUESTS)
-        self.draft_tokens = self.accepted_tokens = 0
 
     def token(self) -> None:
         now = self._clock()
         self._token_times.append(now)
         self._forget_before(now - RATE_WINDOW_S)
 
-    def finished(self, figures: RequestFigures, speculation: dict) -> None:
+    def finished(self, figures: RequestFigures) -> None:
         self._recent.appendleft(figures)
-        self.draft_tokens += speculation.get("speculative_num_proposed_tokens", 0)
-        self.accepted_tokens += speculation.get("speculative_num_accepted_tokens", 0)
 
     def tokens_per_s(self) -> float:
         now = self._clock()

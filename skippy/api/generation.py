@@ -174,7 +174,7 @@ class Generation:
             time.time(), outcome, self.prefill.num_prompt_tokens, self.prefill.num_cached_tokens, num_tokens,
             (self._first_token_at - self._job.received_at) * 1e3 if num_tokens else None,
             (num_tokens - 1) / decoding_s if num_tokens > 1 and decoding_s > 0 else None,
-        ), self.finished.extra if self.finished is not None else {})
+        ))
 
     def usage(self) -> Usage:
         num_prompt, num_completion = len(self._job.request.prompt_ids), len(self.completion_ids)

@@ -24,7 +24,8 @@ def add_chain_page(app: FastAPI, ctx: ServeContext) -> None:
 
     @app.get("/v1/chain")
     async def chain():
-        stages = [dataclasses.asdict(status) for status in await ctx.backend.status()]
+        # the raw metric totals stay on /metrics; the page shows the rates and means in `figures`
+        stages = [{**dataclasses.asdict(status), "metrics": None} for status in await ctx.backend.status()]
         activity, admission = ctx.activity, ctx.admission
         return {
             "model": ctx.model_names[0],
@@ -32,7 +33,6 @@ def add_chain_page(app: FastAPI, ctx: ServeContext) -> None:
             "tokens_per_s": round(activity.tokens_per_s(), 1),
             "active": admission.num_active,
             "queued": admission.num_waiting,
-            "speculation": {"draft_tokens": activity.draft_tokens, "accepted_tokens": activity.accepted_tokens},
             "recent": activity.recent(),
         }
 
@@ -76,6 +76,11 @@ PAGE = """<!doctype html>
 <script>
 "use strict";
 const history = [];
+const FIGURES = [  // [label, /v1/stages figure, scale, digits]
+  ["tokens/s", "tokens_per_s", 1, 1], ["decode fwd ms", "decode_forward_ms", 1, 2],
+  ["prefill tok/s", "prefill_tokens_per_s", 1, 0], ["queue wait ms", "queue_wait_ms", 1, 2],
+  ["queue depth", "queue_depth", 1, 0], ["cache hit %", "prefix_cache_hit_rate", 100, 0],
+  ["drafts accepted %", "speculative_acceptance", 100, 0], ["KV MiB", "kv_session_bytes", 1 / 1048576, 1]];
 const fmt = (v, digits) => (v === null || v === undefined) ? "-" : Number(v).toFixed(digits);
 function cell(text) { const td = document.createElement("td"); td.textContent = text; return td; }
 function stageBox(stage) {
@@ -89,7 +94,9 @@ function stageBox(stage) {
   kv.className = "kv";
   const rows = [["layers", stage.layer_start + "-" + (stage.layer_end - 1)], ["endpoint", stage.endpoint],
                 ["state", stage.state], ["sessions", stage.active_sessions], ["restarts", stage.restarts]];
-  for (const [key, value] of Object.entries(stage.figures || {})) rows.push([key.replaceAll("_", " "), value]);
+  const f = stage.figures || {};
+  for (const [label, key, scale, digits] of FIGURES)
+    if (key in f) rows.push([label, (f[key] * scale).toFixed(digits)]);
   if (stage.standbys && stage.standbys.length) rows.push(["standbys", stage.standbys.length]);
   for (const [key, value] of rows) {
     const k = document.createElement("span"), v = document.createElement("span");
@@ -124,9 +131,8 @@ function render(data) {
   document.getElementById("rate").textContent = fmt(data.tokens_per_s, 1);
   document.getElementById("active").textContent = data.active;
   document.getElementById("queued").textContent = data.queued;
-  const spec = data.speculation;
-  document.getElementById("accept").textContent =
-    spec.draft_tokens ? fmt(100 * spec.accepted_tokens / spec.draft_tokens, 0) + "%" : "-";
+  const accepted = (data.stages[0].figures || {}).speculative_acceptance;
+  document.getElementById("accept").textContent = accepted ? fmt(100 * accepted, 0) + "%" : "-";
   history.push(data.tokens_per_s);
   if (history.length > 60) history.shift();
   drawSpark();
