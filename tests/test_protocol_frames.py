@@ -37,7 +37,7 @@ GOLDEN = [
     # PrefillEmbd: driver prefill chunk: token ids only, no activation (source -1)
     (StageMessage(K.PrefillEmbd, pos_start=0, token_count=3, request_id=7, session_id=11,
                   tokens=[1, 2, 3]),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "01000000 00000000 03000000 03000000"
      "00000000 00000000 01000000 00000000"
@@ -50,7 +50,7 @@ GOLDEN = [
                   decode_step=1, current_token=42, source_stage_index=0, prompt_token_count=5,
                   tokens=[42], activation_dtype=ActivationDtype.f16, activation_rows=1,
                   activation_width=2, activation=np.array([[1.0, -2.0]], "<f2").tobytes()),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 04000000 00000000"
      "02000000 05000000 01000000 01000000"
      "00000000 00000000 02000000 00000000"
@@ -60,7 +60,7 @@ GOLDEN = [
      "2a000000 003c00c0"),
     # Stop: end of session: header only
     (StageMessage(K.Stop, request_id=7, session_id=11),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "03000000 00000000 00000000 00000000"
      "00000000 00000000 02000000 00000000"
@@ -73,7 +73,7 @@ GOLDEN = [
                   source_stage_index=0, tokens=[4, 5], positions=[3, 4],
                   activation_dtype=ActivationDtype.bf16, activation_rows=2, activation_width=1,
                   activation=bytes.fromhex("803f0040")),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 04000000 00000000"
      "04000000 03000000 02000000 02000000"
      "02000000 00000000 01000000 01000000"
@@ -88,25 +88,26 @@ GOLDEN = [
                   sampling=SamplingConfig(temperature=0.5, top_k=40, logit_bias={50: -100.0},
                                           seed=1234, grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, "{}")),
                   chat_metadata=b'{"tools":[]}'),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "0e000000 00000000 00000000 00000000"
      "00000000 00000000 01000000 28000000"
      "00000000 05000000 00000000 00000000"
      "ffffffff 00000000 00000000 00000000"
-     "5e000000 0c000000",
+     "62000000 0c000000",
      "00000000 0000e03f 00000000 0000f03f"
      "00000000 00000000 00000000 0000f03f"
      "00000000 00000000 00000000 00000000"
      "d2040000 00000000 28000000 40000000"
      "01000000 01000000 02000000 02000000"   # flags HAS_SEED, 1 bias entry, JSON_SCHEMA, 2 bytes
+     "ffffffff"                               # logprobs -1: none
      "32000000 00000000 000059c0 7b7d"        # token 50: -100.0, then the grammar text "{}"
      "7b22746f 6f6c7322 3a5b5d7d"),
     # TryRestorePrefill: prefix to restore as the token sideband, no activation; the
     # CACHE_NAMESPACE flag (bit 16) and its 32-byte digest of prompt_cache_key "tenant-a"
     (StageMessage(K.TryRestorePrefill, token_count=4, request_id=7, session_id=11,
                   tokens=[1, 2, 3, 4], cache_namespace=cache_namespace_digest("tenant-a")),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "11000000 00000000 04000000 04000000"
      "00000000 00000000 01000000 00000100"
@@ -120,7 +121,7 @@ GOLDEN = [
     (StageMessage(K.TryRestorePrefillDecode, pos_start=3, token_count=1, request_id=7,
                   session_id=11, current_token=9, prompt_token_count=3, tokens=[1, 2, 3, 9],
                   sampling=SamplingConfig()),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "12000000 03000000 01000000 04000000"
      "00000000 00000000 01000000 08000000"
@@ -135,7 +136,7 @@ GOLDEN = [
      "00000000 00000000 00000000 00000000"),
     # TrimSession: truncate to token_count=12
     (StageMessage(K.TrimSession, token_count=12, request_id=7, session_id=11),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "13000000 00000000 0c000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -145,7 +146,7 @@ GOLDEN = [
      ""),
     # PredictionReturnOpen: first frame of a prediction-return stream
     (StageMessage(K.PredictionReturnOpen, request_id=7, session_id=11),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "14000000 00000000 00000000 00000000"
      "00000000 00000000 02000000 00000000"
@@ -158,7 +159,7 @@ GOLDEN = [
                   seq_id=5, decode_step=2, prompt_token_count=5, source_stage_index=0,
                   tokens=[9, 10, 11], activation_rows=3, activation_width=1,
                   activation=np.array([0.5, 1.5, -1.0], "<f4").tobytes()),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 0c000000 00000000"
      "15000000 08000000 03000000 03000000"
      "00000000 05000000 02000000 00000000"
@@ -169,7 +170,7 @@ GOLDEN = [
      "0000c03f 000080bf"),
     # RetireVerifyWindow: release verify checkpoints [8, 11)
     (StageMessage(K.RetireVerifyWindow, pos_start=8, token_count=3, request_id=7, session_id=11),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "16000000 08000000 03000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -179,7 +180,7 @@ GOLDEN = [
      ""),
     # DiscardStaleWindows: skip windows 2..4
     (StageMessage(K.DiscardStaleWindows, request_id=7, session_id=11, tokens=[2, 4]),
-     "47534d53 03000000 07000000 00000000"
+     "47534d53 04000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "17000000 00000000 00000000 02000000"
      "00000000 00000000 02000000 00000000"
@@ -189,7 +190,7 @@ GOLDEN = [
      "02000000 04000000"),
     # GetStageStatus: no session, no body; the stage answers with its own status
     (StageMessage(K.GetStageStatus),
-     "47534d53 03000000 00000000 00000000"
+     "47534d53 04000000 00000000 00000000"
      "00000000 00000000 00000000 00000000"
      "18000000 00000000 00000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -223,7 +224,7 @@ def test_header_layout_matches_the_documented_offsets():
                        decode_step=7, current_token=-1, source_stage_index=1, tokens=[5, 6],
                        activation_rows=2, activation_width=1,
                        activation=np.array([1.0, 2.0], "<f4").tobytes())
-    expected = (struct.pack("<I", 0x534D5347) + struct.pack("<i", 3)
+    expected = (struct.pack("<I", 0x534D5347) + struct.pack("<i", 4)
                 + struct.pack("<QQQ", 2**64 - 1, 3, 8)
                 + struct.pack("<5i", 21, 8, 2, 2, 0)
                 + struct.pack("<iiI", 9, 2, 0)
@@ -259,7 +260,7 @@ def test_derived_phase_and_flags():
     assert final.phase.name == "Prefill"
     assert final.flags == 0b101001  # FINAL_CHUNK | SAMPLING | CHAT_METADATA
     assert StageMessage(K.DecodeEmbd).flags == 0
-    assert StageMessage(K.Stop).version == 3
+    assert StageMessage(K.Stop).version == 4
     restore = StageMessage(K.TryRestorePrefill, cache_namespace=bytes(32))
     assert restore.flags == 1 << 16  # CACHE_NAMESPACE
 
@@ -357,7 +358,7 @@ HEADER_CASES = [
     # wrong frame magic (e.g. a reply read as a message)
     (DECODE_PREFILL, "magic", 0x53525059, FrameError, "magic"),
     # a peer of another protocol version fails closed
-    (DECODE_PREFILL, "version", 2, VersionMismatch, "version: expected 3, got 2"),
+    (DECODE_PREFILL, "version", 3, VersionMismatch, "version: expected 4, got 3"),
     # negative counts
     (DECODE_PREFILL, "token_count", -1, FrameError, "token_count: expected >= 0"),
     (DECODE_PREFILL, "pos_start", -5, FrameError, "pos_start"),
@@ -462,7 +463,7 @@ SAMPLING_CASES = [
     ({"temperature": float("nan")}, "temperature"),          # NaN fails SamplingConfig
     ({"presence_penalty": float("inf")}, "presence_penalty"),  # non-finite scalar
     ({"top_p": 0.0}, "top_p"),                                 # SamplingConfig range check
-    ({"sampling_flags": 2}, "sampling.flags"),                 # unknown sampling flag bit
+    ({"sampling_flags": 4}, "sampling.flags"),                 # unknown sampling flag bit
     ({"seed": 5}, "seed"),                                     # a seed without HAS_SEED
     ({"logit_bias_count": 1}, "sampling_bytes"),               # count disagrees with length
     ({"logit_bias_count": MAX_LOGIT_BIAS_COUNT + 1}, "logit_bias_count"),
@@ -478,7 +479,7 @@ def test_sampling_block_validation(fields, fragment):
 def _grammar_block(kind: int, text: bytes) -> bytes:
     """A sampling block (no bias entries) whose grammar fields say `kind` and len(text)."""
     from skippy.protocol.constants import SAMPLING_BLOCK
-    return SAMPLING_BLOCK.pack(0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0, 0, 64, 0, 0, kind, len(text)) + text
+    return SAMPLING_BLOCK.pack(0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0, 0, 64, 0, 0, kind, len(text), -1) + text
 
 
 GRAMMAR_CASES = [
@@ -635,17 +636,18 @@ def test_reply_round_trips(reply):
 def test_reply_golden_bytes():
     wire = encode_reply(StageReply.window([5, 6], 3, StageReplyStats(kv_lookup_hits=1)))
     assert wire[:REPLY_HEADER.size] == unhex(
-        "59505253 03000000 03000000 05000000"   # magic "SRPY", version 3, PredictedTokens, 5
+        "59505253 04000000 03000000 05000000"   # magic "SRPY", version 4, PredictedTokens, 5
         "03000000 02000000 00000000 00000000"   # window 3, 2 predictions, no draft, 0 draft
-        "00000000 00000000")                    # draft_compute_us
+        "00000000 00000000"                     # draft_compute_us
+        "ffffffff 00000000")                    # no logprob block, no prompt entries
     assert wire[REPLY_HEADER.size:REPLY_HEADER.size + 8] == unhex("01000000 00000000")
-    assert wire[256:] == unhex("05000000 06000000")
+    assert wire[264:] == unhex("05000000 06000000")
     status = encode_reply(StageReply.of_status(StageStatusReport(1, 19, 30, 2, 8)))
     assert status[:REPLY_HEADER.size] == unhex(
-        "59505253 03000000 04000000 00000000"   # StageStatus, no prediction
+        "59505253 04000000 04000000 00000000"   # StageStatus, no prediction
         "00000000 05000000 00000000 00000000"   # 5 status values
-        "00000000 00000000")
-    assert status[256:] == unhex("01000000 13000000 1e000000 02000000 08000000")
+        "00000000 00000000 ffffffff 00000000")
+    assert status[264:] == unhex("01000000 13000000 1e000000 02000000 08000000")
 
 
 def _set_reply(wire: bytes, name: str, value: int) -> bytes:
@@ -669,9 +671,9 @@ REPLY_ERROR_CASES = [
     (_set_reply(TOKEN_REPLY, "kind", 5), FrameError, "reply kind"),
     (_set_reply(STATUS_REPLY, "predicted_count", 4), FrameError, "StageStatus"),
     (_set_reply(STATUS_REPLY, "predicted", 1), FrameError, "StageStatus"),
-    (STATUS_REPLY[:256] + unhex("01000000 1e000000 13000000 02000000 08000000"), FrameError,
+    (STATUS_REPLY[:264] + unhex("01000000 1e000000 13000000 02000000 08000000"), FrameError,
      "stage status"),                                                        # layers reversed
-    (STATUS_REPLY[:256] + unhex("01000000 13000000 1e000000 ffffffff 08000000"), FrameError,
+    (STATUS_REPLY[:264] + unhex("01000000 13000000 1e000000 ffffffff 08000000"), FrameError,
      "stage status"),                                                        # -1 sessions
     (_set_reply(TOKEN_REPLY, "has_draft", 2), FrameError, "has_draft"),
     (_set_reply(TOKEN_REPLY, "draft_count", 1), FrameError, "without a draft"),
