@@ -22,6 +22,7 @@ from skippy.protocol.constants import (
     header_offset,
 )
 from skippy.protocol.frames import decode_sampling, encode_sampling, parse_message_header
+from skippy.protocol.logprobs import TokenLogprob
 from skippy.protocol.sampling_config import GrammarSpec
 
 K = MessageKind
@@ -127,13 +128,14 @@ GOLDEN = [
      "00000000 00000000 01000000 08000000"
      "00000000 03000000 00000000 09000000"
      "ffffffff 00000000 00000000 00000000"
-     "50000000 00000000",
+     "54000000 00000000",
      "01000000 02000000 03000000 09000000"
      "00000000 00000000 00000000 0000f03f"
      "00000000 00000000 00000000 0000f03f"
      "00000000 00000000 00000000 00000000"
      "00000000 00000000 00000000 40000000"
-     "00000000 00000000 00000000 00000000"),
+     "00000000 00000000 00000000 00000000"
+     "ffffffff"),
     # TrimSession: truncate to token_count=12
     (StageMessage(K.TrimSession, token_count=12, request_id=7, session_id=11),
      "47534d53 04000000 07000000 00000000"
@@ -613,6 +615,12 @@ REPLY_CASES = [
     StageReply.ack(STATS),
     # one predicted token (the tokens list defaults to [predicted])
     StageReply.token(42),
+    # with its logprob and 2 top pairs, and two prompt tokens' (values exact in f32)
+    StageReply.token(42, logprobs=[TokenLogprob(42, -0.25, ((42, -0.25), (7, -2.5)))],
+                     prompt_logprobs=[TokenLogprob(3, -4.0, ((1, -0.5), (3, -4.0))),
+                                      TokenLogprob(9, -1.0, ((9, -1.0), (2, -1.5)))]),
+    # a verify window's rows, each with its logprob and no top pairs
+    StageReply.window([5, 6], 3, logprobs=[TokenLogprob(5, -0.125), TokenLogprob(6, -8.0)]),
     # a PredictedToken with extra sideband tokens
     StageReply.token(42, STATS, [42, 43, 123]),
     # a verify window's target predictions, echoing window id 7
@@ -660,6 +668,7 @@ def _set_reply(wire: bytes, name: str, value: int) -> bytes:
 TOKEN_REPLY = encode_reply(StageReply.token(42))
 ACK_REPLY = encode_reply(StageReply.ack())
 STATUS_REPLY = encode_reply(StageReply.of_status(StageStatusReport(1, 19, 30, 2, 8)))
+LOGPROB_REPLY = encode_reply(StageReply.token(42, logprobs=[TokenLogprob(42, -0.25, ((42, -0.25),))]))
 
 REPLY_ERROR_CASES = [
     # (wire bytes, error, message fragment)
@@ -684,6 +693,12 @@ REPLY_ERROR_CASES = [
     (TOKEN_REPLY[:-1], FrameError, "reply length"),                           # truncated
     (TOKEN_REPLY + b"\0\0\0\0", FrameError, "reply length"),                  # trailing
     (TOKEN_REPLY[:10], FrameError, "truncated"),
+    (_set_reply(TOKEN_REPLY, "logprob_top", 21), FrameError, "logprob_top"),     # over 20
+    (_set_reply(TOKEN_REPLY, "prompt_logprob_count", 1), FrameError, "without a logprob block"),
+    (_set_reply(ACK_REPLY, "logprob_top", 0), FrameError, "logprob_top"),       # an Ack has none
+    (LOGPROB_REPLY[:268] + struct.pack("<i", 7) + LOGPROB_REPLY[272:], FrameError,
+     "logprobs token"),                                       # an entry for another token than predicted
+    (LOGPROB_REPLY[:-1], FrameError, "reply length"),                         # a truncated block
 ]
 
 
@@ -730,3 +745,27 @@ def test_cache_namespace_digest_is_the_documented_construction():
         assert cache_namespace_digest(key) == expected
     assert cache_namespace_digest(None) is None
     assert cache_namespace_digest("tenant-a") != cache_namespace_digest("tenant-b")
+
+
+def test_logprob_block_layout():
+    """docs/protocol.md §3.6 by hand: prompt entries first, then one per prediction, each the
+    row's (token, logprob) pair and `logprob_top` pairs of i32 + f32."""
+    reply = StageReply.token(42, logprobs=[TokenLogprob(42, -0.25, ((42, -0.25),))],
+                             prompt_logprobs=[TokenLogprob(3, -4.0, ((1, -0.5),))])
+    wire = encode_reply(reply)
+    assert wire[40:48] == struct.pack("<ii", 1, 1)  # logprob_top 1, one prompt entry
+    assert wire[264:] == (struct.pack("<i", 42) + struct.pack("<ifif", 3, -4.0, 1, -0.5)
+                          + struct.pack("<ifif", 42, -0.25, 42, -0.25))
+    with pytest.raises(FrameError, match="one per predicted token"):
+        encode_reply(StageReply.window([5, 6], 3, logprobs=[TokenLogprob(5, -1.0)]))
+    with pytest.raises(FrameError, match="pairs"):
+        encode_reply(StageReply.window([5, 6], 3, logprobs=[TokenLogprob(5, -1.0), TokenLogprob(6, -1.0, ((6, -1.0),))]))
+
+
+def test_sampling_logprobs_round_trip():
+    for config in (SamplingConfig(logprobs=0), SamplingConfig(logprobs=20, prompt_logprobs=True, seed=3)):
+        assert decode_sampling(encode_sampling(config)) == config
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingConfig(prompt_logprobs=True)
+    with pytest.raises(FrameError, match="sampling.logprobs"):
+        decode_message(_sampling_frame(logprobs=21))
