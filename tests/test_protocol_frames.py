@@ -22,6 +22,7 @@ from skippy.protocol.constants import (
     header_offset,
 )
 from skippy.protocol.frames import decode_sampling, encode_sampling, parse_message_header
+from skippy.protocol.logprobs import TokenLogprob
 from skippy.protocol.sampling_config import GrammarSpec
 from skippy.protocol.stage_metrics import (
     COUNTERS, GAUGES, HISTOGRAMS, METRIC_VALUE_COUNT, HistogramValues, StageMetricValues,
@@ -40,7 +41,7 @@ GOLDEN = [
     # PrefillEmbd: driver prefill chunk: token ids only, no activation (source -1)
     (StageMessage(K.PrefillEmbd, pos_start=0, token_count=3, request_id=7, session_id=11,
                   tokens=[1, 2, 3]),
-     "47534d53 04000000 07000000 00000000"
+     "47534d53 05000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "01000000 00000000 03000000 03000000"
      "00000000 00000000 01000000 00000000"
@@ -53,7 +54,7 @@ GOLDEN = [
                   decode_step=1, current_token=42, source_stage_index=0, prompt_token_count=5,
                   tokens=[42], activation_dtype=ActivationDtype.f16, activation_rows=1,
                   activation_width=2, activation=np.array([[1.0, -2.0]], "<f2").tobytes()),
-     "47534d53 04000000 07000000 00000000"
+     "47534d53 05000000 07000000 00000000"
      "0b000000 00000000 04000000 00000000"
      "02000000 05000000 01000000 01000000"
      "00000000 00000000 02000000 00000000"
@@ -63,7 +64,7 @@ GOLDEN = [
      "2a000000 003c00c0"),
     # Stop: end of session: header only
     (StageMessage(K.Stop, request_id=7, session_id=11),
-     "47534d53 04000000 07000000 00000000"
+     "47534d53 05000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "03000000 00000000 00000000 00000000"
      "00000000 00000000 02000000 00000000"
@@ -76,7 +77,7 @@ GOLDEN = [
                   source_stage_index=0, tokens=[4, 5], positions=[3, 4],
                   activation_dtype=ActivationDtype.bf16, activation_rows=2, activation_width=1,
                   activation=bytes.fromhex("803f0040")),
-     "47534d53 04000000 07000000 00000000"
+     "47534d53 05000000 07000000 00000000"
      "0b000000 00000000 04000000 00000000"
      "04000000 03000000 02000000 02000000"
      "02000000 00000000 01000000 01000000"
@@ -91,25 +92,26 @@ GOLDEN = [
                   sampling=SamplingConfig(temperature=0.5, top_k=40, logit_bias={50: -100.0},
                                           seed=1234, grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, "{}")),
                   chat_metadata=b'{"tools":[]}'),
-     "47534d53 04000000 07000000 00000000"
+     "47534d53 05000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "0e000000 00000000 00000000 00000000"
      "00000000 00000000 01000000 28000000"
      "00000000 05000000 00000000 00000000"
      "ffffffff 00000000 00000000 00000000"
-     "5e000000 0c000000",
+     "62000000 0c000000",
      "00000000 0000e03f 00000000 0000f03f"
      "00000000 00000000 00000000 0000f03f"
      "00000000 00000000 00000000 00000000"
      "d2040000 00000000 28000000 40000000"
      "01000000 01000000 02000000 02000000"   # flags HAS_SEED, 1 bias entry, JSON_SCHEMA, 2 bytes
+     "ffffffff"                               # logprobs -1: none
      "32000000 00000000 000059c0 7b7d"        # token 50: -100.0, then the grammar text "{}"
      "7b22746f 6f6c7322 3a5b5d7d"),
     # TryRestorePrefill: prefix to restore as the token sideband, no activation; the
     # CACHE_NAMESPACE flag (bit 16) and its 32-byte digest of prompt_cache_key "tenant-a"
     (StageMessage(K.TryRestorePrefill, token_count=4, request_id=7, session_id=11,
                   tokens=[1, 2, 3, 4], cache_namespace=cache_namespace_digest("tenant-a")),
-     "47534d53 04000000 07000000 00000000"
+     "47534d53 05000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "11000000 00000000 04000000 04000000"
      "00000000 00000000 01000000 00000100"
@@ -123,22 +125,23 @@ GOLDEN = [
     (StageMessage(K.TryRestorePrefillDecode, pos_start=3, token_count=1, request_id=7,
                   session_id=11, current_token=9, prompt_token_count=3, tokens=[1, 2, 3, 9],
                   sampling=SamplingConfig()),
-     "47534d53 04000000 07000000 00000000"
+     "47534d53 05000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "12000000 03000000 01000000 04000000"
      "00000000 00000000 01000000 08000000"
      "00000000 03000000 00000000 09000000"
      "ffffffff 00000000 00000000 00000000"
-     "50000000 00000000",
+     "54000000 00000000",
      "01000000 02000000 03000000 09000000"
      "00000000 00000000 00000000 0000f03f"
      "00000000 00000000 00000000 0000f03f"
      "00000000 00000000 00000000 00000000"
      "00000000 00000000 00000000 40000000"
-     "00000000 00000000 00000000 00000000"),
+     "00000000 00000000 00000000 00000000"
+     "ffffffff"),
     # TrimSession: truncate to token_count=12
     (StageMessage(K.TrimSession, token_count=12, request_id=7, session_id=11),
-     "47534d53 04000000 07000000 00000000"
+     "47534d53 05000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "13000000 00000000 0c000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -148,7 +151,7 @@ GOLDEN = [
      ""),
     # PredictionReturnOpen: first frame of a prediction-return stream
     (StageMessage(K.PredictionReturnOpen, request_id=7, session_id=11),
-     "47534d53 04000000 07000000 00000000"
+     "47534d53 05000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "14000000 00000000 00000000 00000000"
      "00000000 00000000 02000000 00000000"
@@ -161,7 +164,7 @@ GOLDEN = [
                   seq_id=5, decode_step=2, prompt_token_count=5, source_stage_index=0,
                   tokens=[9, 10, 11], activation_rows=3, activation_width=1,
                   activation=np.array([0.5, 1.5, -1.0], "<f4").tobytes()),
-     "47534d53 04000000 07000000 00000000"
+     "47534d53 05000000 07000000 00000000"
      "0b000000 00000000 0c000000 00000000"
      "15000000 08000000 03000000 03000000"
      "00000000 05000000 02000000 00000000"
@@ -172,7 +175,7 @@ GOLDEN = [
      "0000c03f 000080bf"),
     # RetireVerifyWindow: release verify checkpoints [8, 11)
     (StageMessage(K.RetireVerifyWindow, pos_start=8, token_count=3, request_id=7, session_id=11),
-     "47534d53 04000000 07000000 00000000"
+     "47534d53 05000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "16000000 08000000 03000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -182,7 +185,7 @@ GOLDEN = [
      ""),
     # DiscardStaleWindows: skip windows 2..4
     (StageMessage(K.DiscardStaleWindows, request_id=7, session_id=11, tokens=[2, 4]),
-     "47534d53 04000000 07000000 00000000"
+     "47534d53 05000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "17000000 00000000 00000000 02000000"
      "00000000 00000000 02000000 00000000"
@@ -192,7 +195,7 @@ GOLDEN = [
      "02000000 04000000"),
     # GetStageStatus: no session, no body; the stage answers with its own status
     (StageMessage(K.GetStageStatus),
-     "47534d53 04000000 00000000 00000000"
+     "47534d53 05000000 00000000 00000000"
      "00000000 00000000 00000000 00000000"
      "18000000 00000000 00000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -226,7 +229,7 @@ def test_header_layout_matches_the_documented_offsets():
                        decode_step=7, current_token=-1, source_stage_index=1, tokens=[5, 6],
                        activation_rows=2, activation_width=1,
                        activation=np.array([1.0, 2.0], "<f4").tobytes())
-    expected = (struct.pack("<I", 0x534D5347) + struct.pack("<i", 4)
+    expected = (struct.pack("<I", 0x534D5347) + struct.pack("<i", 5)
                 + struct.pack("<QQQ", 2**64 - 1, 3, 8)
                 + struct.pack("<5i", 21, 8, 2, 2, 0)
                 + struct.pack("<iiI", 9, 2, 0)
@@ -262,7 +265,7 @@ def test_derived_phase_and_flags():
     assert final.phase.name == "Prefill"
     assert final.flags == 0b101001  # FINAL_CHUNK | SAMPLING | CHAT_METADATA
     assert StageMessage(K.DecodeEmbd).flags == 0
-    assert StageMessage(K.Stop).version == 4
+    assert StageMessage(K.Stop).version == 5
     restore = StageMessage(K.TryRestorePrefill, cache_namespace=bytes(32))
     assert restore.flags == 1 << 16  # CACHE_NAMESPACE
 
@@ -360,7 +363,7 @@ HEADER_CASES = [
     # wrong frame magic (e.g. a reply read as a message)
     (DECODE_PREFILL, "magic", 0x53525059, FrameError, "magic"),
     # a peer of another protocol version fails closed
-    (DECODE_PREFILL, "version", 2, VersionMismatch, "version: expected 4, got 2"),
+    (DECODE_PREFILL, "version", 4, VersionMismatch, "version: expected 5, got 4"),
     # negative counts
     (DECODE_PREFILL, "token_count", -1, FrameError, "token_count: expected >= 0"),
     (DECODE_PREFILL, "pos_start", -5, FrameError, "pos_start"),
@@ -465,7 +468,7 @@ SAMPLING_CASES = [
     ({"temperature": float("nan")}, "temperature"),          # NaN fails SamplingConfig
     ({"presence_penalty": float("inf")}, "presence_penalty"),  # non-finite scalar
     ({"top_p": 0.0}, "top_p"),                                 # SamplingConfig range check
-    ({"sampling_flags": 2}, "sampling.flags"),                 # unknown sampling flag bit
+    ({"sampling_flags": 4}, "sampling.flags"),                 # unknown sampling flag bit
     ({"seed": 5}, "seed"),                                     # a seed without HAS_SEED
     ({"logit_bias_count": 1}, "sampling_bytes"),               # count disagrees with length
     ({"logit_bias_count": MAX_LOGIT_BIAS_COUNT + 1}, "logit_bias_count"),
@@ -481,7 +484,7 @@ def test_sampling_block_validation(fields, fragment):
 def _grammar_block(kind: int, text: bytes) -> bytes:
     """A sampling block (no bias entries) whose grammar fields say `kind` and len(text)."""
     from skippy.protocol.constants import SAMPLING_BLOCK
-    return SAMPLING_BLOCK.pack(0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0, 0, 64, 0, 0, kind, len(text)) + text
+    return SAMPLING_BLOCK.pack(0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0, 0, 64, 0, 0, kind, len(text), -1) + text
 
 
 GRAMMAR_CASES = [
@@ -615,6 +618,12 @@ REPLY_CASES = [
     StageReply.ack(STATS),
     # one predicted token (the tokens list defaults to [predicted])
     StageReply.token(42),
+    # with its logprob and 2 top pairs, and two prompt tokens' (values exact in f32)
+    StageReply.token(42, logprobs=[TokenLogprob(42, -0.25, ((42, -0.25), (7, -2.5)))],
+                     prompt_logprobs=[TokenLogprob(3, -4.0, ((1, -0.5), (3, -4.0))),
+                                      TokenLogprob(9, -1.0, ((9, -1.0), (2, -1.5)))]),
+    # a verify window's rows, each with its logprob and no top pairs
+    StageReply.window([5, 6], 3, logprobs=[TokenLogprob(5, -0.125), TokenLogprob(6, -8.0)]),
     # a PredictedToken with extra sideband tokens
     StageReply.token(42, STATS, [42, 43, 123]),
     # a verify window's target predictions, echoing window id 7
@@ -638,18 +647,19 @@ def test_reply_round_trips(reply):
 def test_reply_golden_bytes():
     wire = encode_reply(StageReply.window([5, 6], 3, StageReplyStats(kv_lookup_hits=1)))
     assert wire[:REPLY_HEADER.size] == unhex(
-        "59505253 04000000 03000000 05000000"   # magic "SRPY", version 4, PredictedTokens, 5
+        "59505253 05000000 03000000 05000000"   # magic "SRPY", version 5, PredictedTokens, 5
         "03000000 02000000 00000000 00000000"   # window 3, 2 predictions, no draft, 0 draft
-        "00000000 00000000")                    # draft_compute_us
+        "00000000 00000000"                     # draft_compute_us
+        "ffffffff 00000000")                    # no logprob block, no prompt entries
     assert wire[REPLY_HEADER.size:REPLY_HEADER.size + 8] == unhex("01000000 00000000")
-    assert wire[256:] == unhex("05000000 06000000")
+    assert wire[264:] == unhex("05000000 06000000")
     status = encode_reply(StageReply.of_status(StageStatusReport(1, 19, 30, 2, 8)))
     assert status[:REPLY_HEADER.size] == unhex(
-        "59505253 04000000 04000000 00000000"   # StageStatus, no prediction
+        "59505253 05000000 04000000 00000000"   # StageStatus, no prediction
         "00000000 ab000000 00000000 00000000"   # 5 status values + 2 x 83 metric halves
-        "00000000 00000000")
-    assert status[256:276] == unhex("01000000 13000000 1e000000 02000000 08000000")
-    assert status[276:] == bytes(8 * METRIC_VALUE_COUNT)  # every metric 0, as i64 halves
+        "00000000 00000000 ffffffff 00000000")  # no draft; logprob_top -1: no logprob block
+    assert status[264:284] == unhex("01000000 13000000 1e000000 02000000 08000000")
+    assert status[284:] == bytes(8 * METRIC_VALUE_COUNT)  # every metric 0, as i64 halves
 
 
 def _set_reply(wire: bytes, name: str, value: int) -> bytes:
@@ -662,6 +672,7 @@ def _set_reply(wire: bytes, name: str, value: int) -> bytes:
 TOKEN_REPLY = encode_reply(StageReply.token(42))
 ACK_REPLY = encode_reply(StageReply.ack())
 STATUS_REPLY = encode_reply(StageReply.of_status(StageStatusReport(1, 19, 30, 2, 8)))
+LOGPROB_REPLY = encode_reply(StageReply.token(42, logprobs=[TokenLogprob(42, -0.25, ((42, -0.25),))]))
 
 REPLY_ERROR_CASES = [
     # (wire bytes, error, message fragment)
@@ -673,11 +684,11 @@ REPLY_ERROR_CASES = [
     (_set_reply(TOKEN_REPLY, "kind", 5), FrameError, "reply kind"),
     (_set_reply(STATUS_REPLY, "predicted_count", 4), FrameError, "StageStatus"),
     (_set_reply(STATUS_REPLY, "predicted", 1), FrameError, "StageStatus"),
-    (STATUS_REPLY[:256] + unhex("01000000 1e000000 13000000 02000000 08000000") + STATUS_REPLY[276:],
+    (STATUS_REPLY[:264] + unhex("01000000 1e000000 13000000 02000000 08000000") + STATUS_REPLY[284:],
      FrameError, "stage status"),                                            # layers reversed
-    (STATUS_REPLY[:256] + unhex("01000000 13000000 1e000000 ffffffff 08000000") + STATUS_REPLY[276:],
+    (STATUS_REPLY[:264] + unhex("01000000 13000000 1e000000 ffffffff 08000000") + STATUS_REPLY[284:],
      FrameError, "stage status"),                                            # -1 sessions
-    (_set_reply(STATUS_REPLY, "predicted_count", 5)[:276], FrameError, "StageStatus"),  # version 3's 5
+    (_set_reply(STATUS_REPLY, "predicted_count", 5)[:284], FrameError, "StageStatus"),  # version 3's 5
     (_set_reply(TOKEN_REPLY, "has_draft", 2), FrameError, "has_draft"),
     (_set_reply(TOKEN_REPLY, "draft_count", 1), FrameError, "without a draft"),
     # predicted_tokens[0] != predicted
@@ -687,6 +698,12 @@ REPLY_ERROR_CASES = [
     (TOKEN_REPLY[:-1], FrameError, "reply length"),                           # truncated
     (TOKEN_REPLY + b"\0\0\0\0", FrameError, "reply length"),                  # trailing
     (TOKEN_REPLY[:10], FrameError, "truncated"),
+    (_set_reply(TOKEN_REPLY, "logprob_top", 21), FrameError, "logprob_top"),     # over 20
+    (_set_reply(TOKEN_REPLY, "prompt_logprob_count", 1), FrameError, "without a logprob block"),
+    (_set_reply(ACK_REPLY, "logprob_top", 0), FrameError, "logprob_top"),       # an Ack has none
+    (LOGPROB_REPLY[:268] + struct.pack("<i", 7) + LOGPROB_REPLY[272:], FrameError,
+     "logprobs token"),                                       # an entry for another token than predicted
+    (LOGPROB_REPLY[:-1], FrameError, "reply length"),                         # a truncated block
 ]
 
 
@@ -780,10 +797,34 @@ def test_stage_metrics_travel_as_i64_halves_in_a_status_reply():
     metrics = StageMetricValues(counters, gauges, histograms)
     assert len(metrics.flat()) == METRIC_VALUE_COUNT == 83
     wire = encode_reply(StageReply.of_status(StageStatusReport(2, 10, 20, 1, 4, metrics)))
-    first = 256 + 20  # after the header, the stats block and the five status values
+    first = 264 + 20  # after the header, the stats block and the five status values
     assert wire[first:first + 8] == struct.pack("<q", 1 << 40)  # low half, then high half
     decoded = decode_reply(wire).status
     assert decoded.metrics == metrics and decoded.values() == (2, 10, 20, 1, 4)
     assert encode_reply(StageReply.of_status(decoded)) == wire
     with pytest.raises(ValueError, match="COUNTERS"):
         StageMetricValues({}, gauges, histograms)
+
+
+def test_logprob_block_layout():
+    """docs/protocol.md §5.2 by hand: prompt entries first, then one per prediction, each the
+    row's (token, logprob) pair and `logprob_top` pairs of i32 + f32."""
+    reply = StageReply.token(42, logprobs=[TokenLogprob(42, -0.25, ((42, -0.25),))],
+                             prompt_logprobs=[TokenLogprob(3, -4.0, ((1, -0.5),))])
+    wire = encode_reply(reply)
+    assert wire[40:48] == struct.pack("<ii", 1, 1)  # logprob_top 1, one prompt entry
+    assert wire[264:] == (struct.pack("<i", 42) + struct.pack("<ifif", 3, -4.0, 1, -0.5)
+                          + struct.pack("<ifif", 42, -0.25, 42, -0.25))
+    with pytest.raises(FrameError, match="one per predicted token"):
+        encode_reply(StageReply.window([5, 6], 3, logprobs=[TokenLogprob(5, -1.0)]))
+    with pytest.raises(FrameError, match="pairs"):
+        encode_reply(StageReply.window([5, 6], 3, logprobs=[TokenLogprob(5, -1.0), TokenLogprob(6, -1.0, ((6, -1.0),))]))
+
+
+def test_sampling_logprobs_round_trip():
+    for config in (SamplingConfig(logprobs=0), SamplingConfig(logprobs=20, prompt_logprobs=True, seed=3)):
+        assert decode_sampling(encode_sampling(config)) == config
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingConfig(prompt_logprobs=True)
+    with pytest.raises(FrameError, match="sampling.logprobs"):
+        decode_message(_sampling_frame(logprobs=21))

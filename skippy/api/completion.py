@@ -18,6 +18,7 @@ from ..runtime.speculation import SpeculativeSettings
 from .admission import Lease, check_fits
 from .errors import ApiError, to_api_error
 from .generation import Generation, Job, ServeContext, finish
+from .logprobs import LogprobFormatter
 from .schemas import (
     AssistantMessage,
     ChatChoice,
@@ -26,8 +27,10 @@ from .schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     GenerationParams,
     ResponseFormat,
@@ -43,8 +46,8 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0
 
 async def prepare_chat(ctx: ServeContext, body: ChatCompletionRequest, request_id: str, received_at: float) -> Job:
     _check_common(ctx, body)
-    if body.logprobs:
-        raise ApiError(400, "logprobs are not supported by this server; send logprobs=false", param="logprobs")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true; send both, or neither", param="top_logprobs")
     if body.tools and body.tool_choice != "none":
         uses_tools = "tools" in (ctx.tokenizer.chat_template or "")
         reason = (
@@ -63,14 +66,15 @@ async def prepare_chat(ctx: ServeContext, body: ChatCompletionRequest, request_i
 
     prompt_ids = await asyncio.to_thread(ctx.tokenizer.encode_chat, messages, add_generation_prompt=True)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _job(ctx, "chat", body, request_id, received_at, prompt_ids, max_tokens, grammar=grammar)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return _job(ctx, "chat", body, request_id, received_at, prompt_ids, max_tokens, grammar=grammar,
+                logprobs=logprobs)
 
 
 async def prepare_text(ctx: ServeContext, body: CompletionRequest, request_id: str, received_at: float) -> Job:
     _check_common(ctx, body)
-    for name, value, allowed in (("suffix", body.suffix, None), ("logprobs", body.logprobs, None)):
-        if value != allowed:
-            raise ApiError(400, f"{name} is not supported by this server; leave it out", param=name)
+    if body.suffix is not None:
+        raise ApiError(400, "suffix is not supported by this server; leave it out", param="suffix")
     if body.best_of not in (None, 1):
         raise ApiError(400, f"Expected best_of=1, got {body.best_of}: one choice per request", param="best_of")
     prompt = body.prompt
@@ -89,7 +93,8 @@ async def prepare_text(ctx: ServeContext, body: CompletionRequest, request_id: s
         raise ApiError(400, "Expected a non-empty prompt, got one that encodes to no tokens", param="prompt")
     echo = (prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt_ids)) if body.echo else ""
     grammar = await _grammar(ctx, body.response_format)
-    return _job(ctx, "text", body, request_id, received_at, prompt_ids, body.max_tokens, echo, grammar)
+    return _job(ctx, "text", body, request_id, received_at, prompt_ids, body.max_tokens, echo, grammar,
+                logprobs=body.logprobs, prompt_logprobs=body.echo and body.logprobs is not None)
 
 
 def _check_common(ctx: ServeContext, body: GenerationParams) -> None:
@@ -124,7 +129,7 @@ async def _grammar(ctx: ServeContext, response_format: ResponseFormat | None) ->
 
 
 def _job(ctx, kind, body: GenerationParams, request_id, received_at, prompt_ids, max_tokens, echo="",
-         grammar: GrammarSpec | None = None) -> Job:
+         grammar: GrammarSpec | None = None, logprobs: int | None = None, prompt_logprobs: bool = False) -> Job:
     max_tokens = check_fits(len(prompt_ids), max_tokens, ctx.backend.ctx_size)
     temperature = OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
     sampling = SamplingConfig(
@@ -138,6 +143,8 @@ def _job(ctx, kind, body: GenerationParams, request_id, received_at, prompt_ids,
         logit_bias=dict(body.logit_bias or {}),
         seed=body.seed,
         grammar=grammar,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     request = GenerationRequest(request_id, prompt_ids, max_tokens, sampling, ctx.tokenizer.eog_ids,
                                 body.prompt_cache_key, _speculative(ctx, body))
@@ -168,17 +175,34 @@ def _speculative(ctx: ServeContext, body: GenerationParams) -> SpeculativeSettin
 
 
 async def complete(job: Job, generation: Generation) -> ChatCompletion | Completion:
+    formatter = LogprobFormatter(generation.tokenizer)
     text = "".join([piece async for piece in generation.pieces()])
     token_ids = generation.completion_ids if job.return_token_ids else None
     prompt_ids = job.request.prompt_ids if job.return_token_ids else None
     common = dict(id=job.id, created=job.created, model=job.model, usage=generation.usage(),
                   timings=generation.timings(), prompt_token_ids=prompt_ids)  # fmt: skip
+    wants = job.request.sampling.logprobs is not None
     if job.kind == "chat":
         message = AssistantMessage(content=text)
-        choice = ChatChoice(message=message, finish_reason=generation.finish_reason, token_ids=token_ids)
+        logprobs = formatter.chat(generation.logprobs) if wants else None
+        choice = ChatChoice(message=message, finish_reason=generation.finish_reason, token_ids=token_ids,
+                            logprobs=logprobs)
         return ChatCompletion(choices=[choice], **common)
-    choice = CompletionChoice(text=job.echo + text, finish_reason=generation.finish_reason, token_ids=token_ids)
+    logprobs = None
+    if wants:
+        entries, ids = _prompt_entries(job, generation)
+        logprobs = formatter.completion([*entries, *generation.logprobs], [*ids, *generation.completion_ids])
+    choice = CompletionChoice(text=job.echo + text, finish_reason=generation.finish_reason, token_ids=token_ids,
+                              logprobs=logprobs)
     return Completion(choices=[choice], **common)
+
+
+def _prompt_entries(job: Job, generation: Generation) -> tuple[list, list[int]]:
+    """An echoed prompt's logprob entries and ids: its first token has none ([], [] without echo)."""
+    if not job.request.sampling.prompt_logprobs:
+        return [], []
+    prompt_ids = job.request.prompt_ids
+    return [None, *(generation.prefill.prompt_logprobs or [])], list(prompt_ids)
 
 
 async def stream(job: Job, generation: Generation, lease: Lease) -> AsyncIterator[bytes]:
@@ -188,18 +212,19 @@ async def stream(job: Job, generation: Generation, lease: Lease) -> AsyncIterato
     the backend session are released however the stream ends, client disconnect included.
     """
     chunk = _chat_chunk if job.kind == "chat" else _text_chunk
+    logprobs = _ChunkLogprobs(job, generation, LogprobFormatter(generation.tokenizer))
     try:
         try:
             prompt_ids = job.request.prompt_ids if job.return_token_ids else None
             if job.kind == "chat":
                 yield sse(_chat_chunk(job, ChatDelta(role="assistant", content=""), prompt_token_ids=prompt_ids))
             elif job.echo or prompt_ids:
-                yield sse(_text_chunk(job, job.echo, prompt_token_ids=prompt_ids))
+                yield sse(_text_chunk(job, job.echo, prompt_token_ids=prompt_ids, logprobs=logprobs.prompt()))
             async for piece in generation.pieces():
-                yield sse(chunk(job, piece))
+                yield sse(chunk(job, piece, logprobs=logprobs.take()))
             token_ids = generation.completion_ids if job.return_token_ids else None
             yield sse(chunk(job, None, finish_reason=generation.finish_reason, timings=generation.timings(),
-                            token_ids=token_ids))  # fmt: skip
+                            token_ids=token_ids, logprobs=logprobs.take()))  # fmt: skip
             if job.include_usage:
                 yield sse(_usage_chunk(job, generation.usage()))
         except Exception as exc:
@@ -209,14 +234,47 @@ async def stream(job: Job, generation: Generation, lease: Lease) -> AsyncIterato
         await finish(generation, lease)
 
 
-def _chat_chunk(job: Job, content: ChatDelta | str | None, *, finish_reason=None, token_ids=None, **extra):
+class _ChunkLogprobs:
+    """A stream's logprobs: each chunk carries those of the tokens that arrived for it, and a
+    text stream's offsets run on from chunk to chunk (None throughout when none were asked)."""
+
+    def __init__(self, job: Job, generation: Generation, formatter: LogprobFormatter):
+        self._job, self._generation, self._formatter = job, generation, formatter
+        self._wants = job.request.sampling.logprobs is not None
+        self._offset = 0
+
+    def prompt(self) -> CompletionLogprobs | None:
+        entries, ids = _prompt_entries(self._job, self._generation)
+        return self._text(entries, ids) if entries else None
+
+    def take(self) -> ChatLogprobs | CompletionLogprobs | None:
+        if not self._wants:
+            return None
+        generation = self._generation
+        entries = generation.take_logprobs()
+        if not entries:
+            return None
+        if self._job.kind == "chat":
+            return self._formatter.chat(entries)
+        return self._text(entries, generation.completion_ids[len(generation.logprobs) - len(entries):
+                                                             len(generation.logprobs)])
+
+    def _text(self, entries: list, ids: list[int]) -> CompletionLogprobs:
+        out = self._formatter.completion(entries, ids, self._offset)
+        self._offset += sum(len(token) for token in out.tokens)
+        return out
+
+
+def _chat_chunk(job: Job, content: ChatDelta | str | None, *, finish_reason=None, token_ids=None,
+                logprobs=None, **extra):
     delta = content if isinstance(content, ChatDelta) else ChatDelta(content=content)
-    choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason, token_ids=token_ids)
+    choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason, token_ids=token_ids, logprobs=logprobs)
     return ChatCompletionChunk(id=job.id, created=job.created, model=job.model, choices=[choice], **extra)
 
 
-def _text_chunk(job: Job, text: str | None, *, finish_reason=None, token_ids=None, **extra):
-    choice = CompletionChoice(text=text or "", finish_reason=finish_reason, token_ids=token_ids)
+def _text_chunk(job: Job, text: str | None, *, finish_reason=None, token_ids=None, logprobs=None, **extra):
+    choice = CompletionChoice(text=text or "", finish_reason=finish_reason, token_ids=token_ids,
+                              logprobs=logprobs)
     return Completion(id=job.id, created=job.created, model=job.model, choices=[choice], **extra)
 
 

@@ -77,6 +77,8 @@ class Generation:
         self.finished: Finished | None = None
         self.finish_reason: str | None = None
         self.completion_ids: list[int] = []
+        self.logprobs: list = []  # TokenLogprob per completion token, when the request asked
+        self._num_logprobs_taken = 0
         self._is_abandoned = False
         self._is_failed = False
         self._is_closed = False
@@ -86,6 +88,8 @@ class Generation:
         """Wait for the first event, so failures before any output still get their HTTP status."""
         self._pump = asyncio.create_task(self._run_backend())
         self._pending = await self._next_event()
+        if isinstance(self._pending, PrefillDone):  # the prompt's figures (and logprobs) are known now
+            self.prefill = self._pending
 
     async def _run_backend(self) -> None:
         try:
@@ -120,8 +124,10 @@ class Generation:
             match event:
                 case PrefillDone():
                     self.prefill = event
-                case Token(token_id=token_id):
+                case Token(token_id=token_id, logprob=logprob):
                     self._count_token(token_id)
+                    if logprob is not None:
+                        self.logprobs.append(logprob)
                     text = self._text.push(token_id)
                     if text:
                         yield text
@@ -132,6 +138,15 @@ class Generation:
                     text = self._text.flush()
                     if text:
                         yield text
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._ctx.tokenizer
+
+    def take_logprobs(self) -> list:
+        """The completion tokens' logprob entries not taken yet (a streamed chunk's)."""
+        taken, self._num_logprobs_taken = self.logprobs[self._num_logprobs_taken:], len(self.logprobs)
+        return taken
 
     async def _next_event(self):
         timeout = self._ctx.backend_timeout_s or None

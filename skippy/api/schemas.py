@@ -149,6 +149,7 @@ class ChatCompletionRequest(GenerationParams):
 
 
 class CompletionRequest(GenerationParams):
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt alone (its logprobs)
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
@@ -186,6 +187,30 @@ class Timings(BaseModel):
     predicted_per_second: float
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape; the prompt's first token (echo) has None everywhere."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -194,7 +219,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
     token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
 
@@ -226,7 +251,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
 
@@ -239,7 +264,7 @@ class ChatCompletionChunk(_Response):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
 

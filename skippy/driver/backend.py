@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from ..protocol.logprobs import TokenLogprob
 from ..protocol.sampling_config import GrammarSpec, SamplingConfig
 from ..protocol.stage_metrics import StageMetricValues
 from ..protocol.stats import StageReplyStats
@@ -39,8 +40,8 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("Expected a non-empty prompt")
-        if self.max_tokens < 1:
-            raise ValueError(f"Expected max_tokens >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:  # 0: the prompt alone (its logprobs, with echo), no completion
+            raise ValueError(f"Expected max_tokens >= 0, got {self.max_tokens}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +51,14 @@ class PrefillDone:
     prefill_ms: float
     restore_decision: str = ""  # the prefix restore's outcome ("" when none was tried)
     hit_stage_mask: int = 0     # the stages whose prefix cache hit (bit i: stage i)
+    # sampling.prompt_logprobs: every prompt token's logprob after the first (which has none)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Token:
     token_id: int
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass(frozen=True, slots=True)

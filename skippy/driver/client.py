@@ -261,7 +261,8 @@ class ChainClient:
                         first_token_at = time.perf_counter()
                         timings = session.timings  # the one clock: usage, `timings`, metrics, logs
                         yield PrefillDone(len(prompt_ids), timings.restored_tokens, timings.first_token_s * 1e3,
-                                          timings.restore_decision, session.stats.kv_hit_stage_mask)
+                                          timings.restore_decision, session.stats.kv_hit_stage_mask,
+                                          session.prompt_logprobs)
                         tokens = decoder.tokens(prompt_ids, first)
                     else:
                         tokens = decoder.resume(session, await session.prefill(decoder.replay_tokens()))
@@ -272,9 +273,9 @@ class ChainClient:
                         self.telemetry.count("stage0.recoveries")
                     try:
                         async with contextlib.aclosing(tokens) as stream:
-                            async for token in stream:
+                            async for token, logprob in stream:
                                 num_tokens += 1
-                                yield Token(token)
+                                yield Token(token, logprob)
                         timings.decode_s = time.perf_counter() - first_token_at  # first token to last
                         stop_started = time.perf_counter()
                         try:

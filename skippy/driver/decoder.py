@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..protocol.logprobs import TokenLogprob
 from ..runtime.proposers import Proposer
 from ..runtime.speculation import AdaptiveWindow, SpeculationStats, SpeculativeSettings, Speculator
 from ..telemetry import Telemetry
@@ -36,6 +37,15 @@ if TYPE_CHECKING:
     from .session import ChainSession
 
 RETIRE_ALL = 1 << 30  # a RetireVerifyWindow count that covers every window based at or after a position
+Emitted = tuple[int, TokenLogprob | None]  # a token and its logprob entry (None: none asked for)
+
+
+def _paired(tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None) -> list[Emitted]:
+    """The tokens a prediction's rows emit, in row order, each with its row's entry."""
+    if logprobs is None:
+        return [(token, None) for token in tokens]
+    assert all(entry.token == token for token, entry in zip(tokens, logprobs))
+    return list(zip(tokens, logprobs))
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +60,12 @@ class ChainDecoder:
 
         decoder = ChainDecoder(session, max_tokens=64, stop_ids=eog, ctx_size=2048,
                                proposer=create_proposer("ngram-suffix"), settings=settings)
-        async for token in decoder.tokens(prompt_ids, first_token): ...
+        async for token, logprob in decoder.tokens(prompt_ids, first_token): ...
         decoder.finish_reason   # "stop", "length" or "context"
+
+    Each token comes with its logprob entry (None when the request asked for none): the
+    final stage returns one per predicted row, and an emitted token is always the target
+    of its row (a plain step's only row, or a verify window's row i for its i-th token).
     """
 
     def __init__(self, session: ChainSession, *, max_tokens: int, stop_ids: Collection[int],
@@ -71,12 +85,12 @@ class ChainDecoder:
         self._is_heavy = proposer is not None and proposer.name == "draft"  # a model forward
         self._next_window_id = 1
 
-    async def tokens(self, prompt: Sequence[int], first_token: int) -> AsyncIterator[int]:
+    async def tokens(self, prompt: Sequence[int], first_token: int) -> AsyncIterator[Emitted]:
         """The tokens to emit, in order, starting with the prefill's `first_token`."""
-        for token in self.spec.start(prompt, first_token):
-            yield token
-        async for token in self._steps():  # none when the first token already ended it
-            yield token
+        for emitted in _paired(self.spec.start(prompt, first_token), self.session.last_logprobs):
+            yield emitted
+        async for emitted in self._steps():  # none when the first token already ended it
+            yield emitted
         self.finish_reason = self.finish_reason or self.spec.finish_reason
 
     @property
@@ -90,17 +104,17 @@ class ChainDecoder:
         token, as the interrupted step would have returned)."""
         return list(self.spec.history)
 
-    async def resume(self, session: ChainSession, next_token: int) -> AsyncIterator[int]:
+    async def resume(self, session: ChainSession, next_token: int) -> AsyncIterator[Emitted]:
         """Go on decoding on `session`, which has prefilled `replay_tokens()` and predicted
         `next_token`. Windows that were in flight are gone; the proposer proposes again."""
         self.session = session
-        for token in self.spec.settle([], [next_token]).tokens:
-            yield token
-        async for token in self._steps():
-            yield token
+        for emitted in _paired(self.spec.settle([], [next_token]).tokens, session.last_logprobs):
+            yield emitted
+        async for emitted in self._steps():
+            yield emitted
         self.finish_reason = self.finish_reason or self.spec.finish_reason
 
-    async def _steps(self) -> AsyncIterator[int]:
+    async def _steps(self) -> AsyncIterator[Emitted]:
         """The one decode loop: a verify window whenever the proposer has drafts (none without
         speculation), else one plain step of the current token."""
         spec, session = self.spec, self.session
@@ -122,12 +136,13 @@ class ChainDecoder:
                 started = time.perf_counter()
                 token = await session.decode(spec.current, pos_start=position)
                 self.stats.verify_seconds += time.perf_counter() - started
-                for token in spec.settle([], [token]).tokens:
-                    yield token
+                for emitted in _paired(spec.settle([], [token]).tokens, session.last_logprobs):
+                    yield emitted
                 continue
             window = inflight.popleft()
             started = time.perf_counter()
             targets = await session.wait_window(window.window_id)
+            logprobs = session.last_logprobs
             self.stats.verify_seconds += time.perf_counter() - started
             assert window.tokens[0] == spec.current and window.base == spec.num_committed_positions
             outcome = spec.settle(window.tokens[1:], targets)
@@ -144,8 +159,8 @@ class ChainDecoder:
                 inflight.clear()
             else:  # no later window is based at window.base: stage 0 need not wait
                 await session.retire(window.base, 1, wait=False)
-            for token in outcome.tokens:
-                yield token
+            for emitted in _paired(outcome.tokens, logprobs):
+                yield emitted
 
     async def _plan(self, inflight: deque[_Window]) -> _Window | None:
         """The next window to send, or None: nothing proposed, or no room left for one.

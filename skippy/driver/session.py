@@ -21,7 +21,8 @@ from ..protocol import (
     StageReplyStats, lookup_observation, merge, prefill_compute_observation, record_observation,
     restore_missed_below,
 )
-from ..runtime import SampleMode, Step
+from ..protocol.logprobs import TokenLogprob
+from ..runtime import SampleMode, Step, StepResult
 from ..runtime.engine import StageRuntime
 from ..runtime.prefix_identity import cacheable_prefix_length
 from ..stage.downstream import DownstreamLink, LinkBroken
@@ -111,6 +112,10 @@ class ChainSession:
         self.timings = SessionTimings()
         self.stopped = False
         self.waiter: asyncio.Queue = asyncio.Queue()
+        # the logprobs of the last prediction received (one per predicted token; None when the
+        # request asked for none), and the prompt's, from the first-token reply (prompt logprobs)
+        self.last_logprobs: list[TokenLogprob] | None = None
+        self.prompt_logprobs: list[TokenLogprob] | None = None
         self.session = env.runtime.open_session(self.key, request_id)
         self.session.cache_namespace = self.cache_namespace = cache_namespace
         self.out_dtype = env.out_dtype
@@ -128,11 +133,13 @@ class ChainSession:
         return Step(self.session, start, len(tokens), tokens, sample=sample if here else SampleMode.NONE,
                     out_dtype=None if here else self.out_dtype, window_id=window_id)
 
-    def _deliver(self, tokens: list[int] | None, window_id: int | None) -> None:
+    def _deliver(self, result: StepResult, window_id: int | None) -> None:
         """A prediction sampled here goes where the return stream puts a final stage's."""
+        tokens = result.tokens
         if tokens is not None:
-            self.waiter.put_nowait(StageReply.token(tokens[0]) if window_id is None
-                                   else StageReply.window(tokens, window_id))
+            self.waiter.put_nowait(
+                StageReply.token(tokens[0], logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs)
+                if window_id is None else StageReply.window(tokens, window_id, logprobs=result.logprobs))
 
     def _message(self, kind: MessageKind, **fields) -> StageMessage:
         return StageMessage(kind, request_id=self.request_id, session_id=self.session_id,
@@ -172,6 +179,7 @@ class ChainSession:
             if wanted:
                 self.stats = merge(self.stats, item.stats)
                 self.draws += len(item.predicted_tokens)
+                self.last_logprobs = item.logprobs
                 return item
             # else: a late answer to a window that was discarded as stale; ignore it
 
@@ -186,10 +194,11 @@ class ChainSession:
     async def prefill(self, tokens: Sequence[int]) -> int:
         """Prefill `tokens` at the current position, in chunks; returns the first prediction.
         A prompt (position 0) first tries a chain restore of its longest cached prefix and
-        then prefills only the rest."""
+        then prefills only the rest, unless it asks for prompt logprobs: restored rows have no
+        logits, so such a prompt is always computed in full (and still recorded)."""
         started = time.perf_counter()
         runtime, link = self.env.runtime, self.link
-        if self.position == 0 and runtime.prefix_cache is not None:
+        if self.position == 0 and runtime.prefix_cache is not None and not self.sampling.prompt_logprobs:
             restored, first = await self._restore(tokens)
             if first is not None:  # TryRestorePrefillDecode: the first token came with it
                 self.timings.prefilled_tokens += 1
@@ -215,7 +224,7 @@ class ChainSession:
                                                 tokens=chunk), timed.value.rows)
             if is_last:
                 await self._guard("prefill", self._send_predicting(msg))
-                self._deliver(timed.value.tokens, None)
+                self._deliver(timed.value, None)
                 # recorded on the worker while the stages below compute (spec §4.3)
                 recording = runtime.record_prefix(self.key)
             else:
@@ -223,6 +232,7 @@ class ChainSession:
                 self.stats = merge(self.stats, await self._guard("prefill", link.note_deferred()))
         self.timings.prefill_s += time.perf_counter() - started
         reply = await self._guard("prefill (first token)", self._prediction())
+        self.prompt_logprobs = reply.prompt_logprobs
         self.timings.first_token_s = time.perf_counter() - started
         await self._record(recording)
         return reply.predicted
@@ -334,7 +344,7 @@ class ChainSession:
             current_token=tokens[0], decode_step=self.decode_step, seq_id=window_id or 0),
             timed.value.rows)
         await self._guard(f"{kind.name} step {self.decode_step}", self._send_predicting(msg))
-        self._deliver(timed.value.tokens, window_id)
+        self._deliver(timed.value, window_id)
 
     async def retire(self, start: int, count: int, *, wait: bool = True) -> None:
         """RetireVerifyWindow on every stage. `wait` False does not wait for stage 0's own

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from skippy.protocol.logprobs import TokenLogprob
 from skippy.protocol.sampling_config import SamplingConfig
 
 if TYPE_CHECKING:
@@ -28,6 +29,26 @@ def greedy(logits: Tensor) -> int | list[int]:
     if logits.dim() == 1:
         return int(logits.argmax())
     return logits.argmax(dim=-1).tolist()
+
+
+def token_logprobs(logits: Tensor, tokens: Sequence[int], num_top: int) -> list[TokenLogprob]:
+    """Each row's log-softmax at its token, and its `num_top` most likely (token, logprob).
+
+    From the raw logits of [N, V] (one row per token): the model's distribution, before
+    bias, penalties, a grammar's mask and temperature (docs/architecture.md, "Logprobs").
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(tokens):
+        raise ValueError(f"Expected [{len(tokens)}, V] logits, got {tuple(logits.shape)}")
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=logits.device)
+    chosen = log_probs.gather(1, ids[:, None])[:, 0].tolist()
+    if num_top:
+        values, top_ids = log_probs.topk(num_top, dim=-1)  # sorted, most likely first
+        tops = [tuple(zip(row_ids, row_values))
+                for row_ids, row_values in zip(top_ids.tolist(), values.tolist())]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(int(token), value, top) for token, value, top in zip(tokens, chosen, tops)]
 
 
 def penalty_window(history: Sequence[int], last_n: int) -> list[int]:

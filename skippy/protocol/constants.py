@@ -13,8 +13,9 @@ from typing import NamedTuple
 
 # Version of this Python wire format. Frames, replies and READY carry it; any other
 # value fails closed (spec §2.11): peers must upgrade together.
-PROTOCOL_VERSION = 4   # 2: the CACHE_NAMESPACE section; 3: a grammar in the sampling block;
-                       # 4: the TRACE_CONTEXT section, stage metrics in StageStatus
+PROTOCOL_VERSION = 5   # 2: the CACHE_NAMESPACE section; 3: a grammar in the sampling block;
+                       # 4: the TRACE_CONTEXT section, stage metrics in StageStatus;
+                       # 5: logprobs (a count in the sampling block, a block in replies)
 
 # Magics are u32 written little-endian; the ASCII spelling is the value read
 # most-significant byte first, as the spec writes READY's 0x53524459 ("SRDY").
@@ -82,6 +83,10 @@ class SamplingFlags(IntFlag):
     """Flag word inside the sampling block (§2.3, our layout)."""
 
     HAS_SEED = 1 << 0
+    PROMPT_LOGPROBS = 1 << 1  # the final stage also returns every prompt token's logprob
+
+
+KNOWN_SAMPLING_FLAGS = SamplingFlags.HAS_SEED | SamplingFlags.PROMPT_LOGPROBS
 
 
 class GrammarKind(IntEnum):
@@ -127,6 +132,7 @@ MAX_LOGIT_BIAS_COUNT   = 256        # logit-bias entries in a sampling block    
 MAX_GRAMMAR_BYTES      = 256 * 1024 # a grammar's UTF-8 text in a sampling block  (ours)
 MAX_PREDICTED_COUNT    = 262_144    # predicted tokens in one reply               (§2.5)
 MAX_DRAFT_COUNT        = 262_144    # native MTP draft tokens in one reply        (§2.5 row 5)
+MAX_PROMPT_LOGPROB_COUNT = 262_144  # prompt logprob entries in one reply        (ours)
 NAMESPACE_BYTES        = 32         # prefix-cache namespace digest (ours, §4.2 item 7)
 TRACE_CONTEXT_BYTES    = 25         # W3C trace context: 16-byte trace id, 8-byte span id, flags (ours)
 MIN_AUTH_TOKEN_BYTES   = 1          # auth preamble token length                  (§2.1)
@@ -185,8 +191,9 @@ SAMPLING_FIELDS = (
     HeaderField("logit_bias_count",   "I"),  # 68
     HeaderField("grammar_kind",       "I"),  # 72   GrammarKind, 0 = none
     HeaderField("grammar_bytes",      "I"),  # 76   UTF-8 grammar text after the bias entries
+    HeaderField("logprobs",           "i"),  # 80   top logprobs per row; -1 = no logprobs
 )
-SAMPLING_BLOCK = struct.Struct("<" + "".join(f.fmt for f in SAMPLING_FIELDS))  # 80 bytes
+SAMPLING_BLOCK = struct.Struct("<" + "".join(f.fmt for f in SAMPLING_FIELDS))  # 84 bytes
 LOGIT_BIAS_ENTRY = struct.Struct("<id")  # token id, bias: 12 bytes, ascending token ids
 MAX_SAMPLING_BYTES = (SAMPLING_BLOCK.size + MAX_LOGIT_BIAS_COUNT * LOGIT_BIAS_ENTRY.size
                       + MAX_GRAMMAR_BYTES)
@@ -202,11 +209,16 @@ REPLY_HEADER_FIELDS = (
     HeaderField("has_draft",        "i"),  # 24   0 or 1
     HeaderField("draft_count",      "i"),  # 28
     HeaderField("draft_compute_us", "q"),  # 32
+    HeaderField("logprob_top",      "i"),  # 40   top pairs per logprob entry; -1 = no logprob block
+    HeaderField("prompt_logprob_count", "i"),  # 44   prompt entries before the predicted ones
 )
-REPLY_HEADER = struct.Struct("<" + "".join(f.fmt for f in REPLY_HEADER_FIELDS))  # 40 bytes
+REPLY_HEADER = struct.Struct("<" + "".join(f.fmt for f in REPLY_HEADER_FIELDS))  # 48 bytes
+# A logprob entry: (token id, logprob) for the row's token, then `logprob_top` pairs of the
+# row's most likely tokens; every pair is an i32 and an f32.
+LOGPROB_PAIR = struct.Struct("<if")
 STATS_FIELD_COUNT = 27                                       # §2.6
 STATS_BLOCK = struct.Struct(f"<{STATS_FIELD_COUNT}q")        # 216 bytes
-REPLY_FIXED_BYTES = REPLY_HEADER.size + STATS_BLOCK.size     # 256 bytes
+REPLY_FIXED_BYTES = REPLY_HEADER.size + STATS_BLOCK.size     # 264 bytes
 
 AUTH_PREFIX = struct.Struct("<IB")  # magic, token length; the token bytes follow  (§2.1)
 READY = struct.Struct("<Ii")        # magic, protocol version                      (§2.1)

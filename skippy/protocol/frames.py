@@ -20,14 +20,16 @@ from typing import NoReturn
 import numpy as np
 
 from .constants import (
-    ACTIVATION_ITEMSIZE, ACTIVATION_NUMPY_DTYPE, I32_MAX, I32_MIN, KIND_INFO, KNOWN_STATE_FLAGS,
-    LOGIT_BIAS_ENTRY, MAX_ACTIVATION_BYTES, MAX_DRAFT_COUNT, MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS_COUNT,
-    MAX_METADATA_BYTES, MAX_PREDICTED_COUNT, MAX_SAMPLING_BYTES, MAX_SIDEBAND_COUNT,
+    ACTIVATION_ITEMSIZE, ACTIVATION_NUMPY_DTYPE, I32_MAX, I32_MIN, KIND_INFO, KNOWN_SAMPLING_FLAGS,
+    KNOWN_STATE_FLAGS, LOGIT_BIAS_ENTRY, LOGPROB_PAIR, MAX_ACTIVATION_BYTES, MAX_DRAFT_COUNT,
+    MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS_COUNT, MAX_METADATA_BYTES, MAX_PREDICTED_COUNT,
+    MAX_PROMPT_LOGPROB_COUNT, MAX_SAMPLING_BYTES, MAX_SIDEBAND_COUNT,
     MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, MESSAGE_MAGIC, NAMESPACE_BYTES, NAMESPACE_KINDS,
     PROTOCOL_VERSION, TRACE_CONTEXT_BYTES, REPLY_HEADER, REPLY_HEADER_FIELDS, REPLY_MAGIC, SAMPLING_BLOCK, STATS_BLOCK,
     ActivationDtype, GrammarKind, MessageKind, Phase, ReplyKind, SamplingFlags, StateFlags,
 )
 from .errors import FrameError, VersionMismatch
+from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from .sampling_config import GrammarSpec, SamplingConfig
 from .stage_metrics import METRIC_VALUE_COUNT, StageMetricValues
 from .stats import StageReplyStats, decode_stats, encode_stats
@@ -304,6 +306,8 @@ def encode_sampling(cfg: SamplingConfig) -> bytes:
     _require(len(entries) <= MAX_LOGIT_BIAS_COUNT, "sampling.logit_bias",
              f"<= {MAX_LOGIT_BIAS_COUNT} entries", len(entries))
     flags = SamplingFlags.HAS_SEED if cfg.seed is not None else SamplingFlags(0)
+    if cfg.prompt_logprobs:
+        flags |= SamplingFlags.PROMPT_LOGPROBS
     grammar = cfg.grammar
     text = b"" if grammar is None else grammar.text.encode("utf-8")
     try:
@@ -311,7 +315,7 @@ def encode_sampling(cfg: SamplingConfig) -> bytes:
             cfg.temperature, cfg.top_p, cfg.min_p, cfg.repetition_penalty, cfg.presence_penalty,
             cfg.frequency_penalty, 0 if cfg.seed is None else cfg.seed, cfg.top_k,
             cfg.penalty_last_n, int(flags), len(entries), 0 if grammar is None else int(grammar.kind),
-            len(text))]
+            len(text), -1 if cfg.logprobs is None else cfg.logprobs)]
         parts += [LOGIT_BIAS_ENTRY.pack(token, bias) for token, bias in entries]
     except struct.error as error:
         raise FrameError(f"sampling block: a value does not fit its wire type ({error}); "
@@ -323,7 +327,8 @@ def decode_sampling(buf: Buffer) -> SamplingConfig:
     _require(len(buf) >= SAMPLING_BLOCK.size, "sampling block", f">= {SAMPLING_BLOCK.size} bytes",
              len(buf))
     (temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed,
-     top_k, penalty_last_n, flags, bias_count, grammar_kind, grammar_bytes) = SAMPLING_BLOCK.unpack_from(buf, 0)
+     top_k, penalty_last_n, flags, bias_count, grammar_kind, grammar_bytes,
+     logprobs) = SAMPLING_BLOCK.unpack_from(buf, 0)
     _require(bias_count <= MAX_LOGIT_BIAS_COUNT, "sampling.logit_bias_count",
              f"<= {MAX_LOGIT_BIAS_COUNT}", bias_count)
     _require(grammar_bytes <= MAX_GRAMMAR_BYTES, "sampling.grammar_bytes", f"<= {MAX_GRAMMAR_BYTES}",
@@ -332,8 +337,9 @@ def decode_sampling(buf: Buffer) -> SamplingConfig:
     expected = grammar_at + grammar_bytes
     _require(len(buf) == expected, "sampling_bytes",
              f"{expected} for {bias_count} logit-bias entries and {grammar_bytes} grammar bytes", len(buf))
-    _require(flags & ~int(SamplingFlags.HAS_SEED) == 0, "sampling.flags",
-             f"only bits {int(SamplingFlags.HAS_SEED):#x}", f"{flags:#x}")
+    _require(flags & ~int(KNOWN_SAMPLING_FLAGS) == 0, "sampling.flags",
+             f"only bits {int(KNOWN_SAMPLING_FLAGS):#x}", f"{flags:#x}")
+    _require(-1 <= logprobs <= MAX_TOP_LOGPROBS, "sampling.logprobs", f"-1..{MAX_TOP_LOGPROBS}", logprobs)
     has_seed = bool(flags & SamplingFlags.HAS_SEED)
     _require(has_seed or seed == 0, "sampling.seed", "0 without HAS_SEED", seed)
     logit_bias: dict[int, float] = {}
@@ -351,7 +357,9 @@ def decode_sampling(buf: Buffer) -> SamplingConfig:
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
             logit_bias=logit_bias, seed=seed if has_seed else None,
-            grammar=_decode_grammar(grammar_kind, buf[grammar_at:expected]))
+            grammar=_decode_grammar(grammar_kind, buf[grammar_at:expected]),
+            logprobs=None if logprobs < 0 else logprobs,
+            prompt_logprobs=bool(flags & SamplingFlags.PROMPT_LOGPROBS))
     except ValueError as error:  # UnicodeDecodeError included
         raise FrameError(f"sampling block: {error}") from error
     _check_sampling_values(cfg)
@@ -531,7 +539,10 @@ class StageReply:
     `predicted_tokens[0] == predicted` for the prediction kinds (a PredictedToken
     built with no tokens gets `[predicted]`). `draft_tokens` is the optional native
     MTP draft, kept apart so it is never confused with target predictions.
-    `status` is set on StageStatus replies only.
+    `status` is set on StageStatus replies only. `logprobs` (a request that asked for
+    them) is one entry per predicted token, `prompt_logprobs` one per prompt token after
+    the first (a request with prompt logprobs, on its first-token reply); every entry of
+    a reply has the same number of top pairs.
     """
 
     kind: ReplyKind
@@ -542,6 +553,8 @@ class StageReply:
     draft_tokens: list[int] | None = None
     draft_compute_us: int = 0
     status: StageStatusReport | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", ReplyKind(self.kind))
@@ -558,15 +571,17 @@ class StageReply:
 
     @classmethod
     def token(cls, predicted: int, stats: StageReplyStats | None = None,
-              predicted_tokens: list[int] | None = None) -> StageReply:
+              predicted_tokens: list[int] | None = None, logprobs: list[TokenLogprob] | None = None,
+              prompt_logprobs: list[TokenLogprob] | None = None) -> StageReply:
         return cls(ReplyKind.PredictedToken, predicted, predicted_tokens or [predicted],
-                   stats=stats or StageReplyStats())
+                   stats=stats or StageReplyStats(), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @classmethod
     def window(cls, predicted_tokens: list[int], window_id: int,
-               stats: StageReplyStats | None = None) -> StageReply:
+               stats: StageReplyStats | None = None,
+               logprobs: list[TokenLogprob] | None = None) -> StageReply:
         return cls(ReplyKind.PredictedTokens, predicted_tokens[0] if predicted_tokens else 0,
-                   list(predicted_tokens), window_id, stats or StageReplyStats())
+                   list(predicted_tokens), window_id, stats or StageReplyStats(), logprobs=logprobs)
 
     @classmethod
     def of_status(cls, status: StageStatusReport) -> StageReply:
@@ -579,7 +594,17 @@ class ReplyHeader(namedtuple("ReplyHeader", [f.name for f in REPLY_HEADER_FIELDS
     @property
     def body_bytes(self) -> int:
         """Bytes after the fixed part (header + stats block)."""
-        return 4 * (self.predicted_count + self.draft_count)
+        return 4 * (self.predicted_count + self.draft_count) + _LOGPROB_PAIR_BYTES * self.num_logprob_pairs
+
+    @property
+    def num_logprob_pairs(self) -> int:
+        if self.logprob_top < 0:
+            return 0
+        return (self.prompt_logprob_count + self.predicted_count) * (1 + self.logprob_top)
+
+
+_LOGPROB_PAIR_BYTES = LOGPROB_PAIR.size
+_PAIR_DTYPE = np.dtype([("token", "<i4"), ("logprob", "<f4")])
 
 
 def check_reply_header(h: ReplyHeader) -> None:
@@ -608,6 +633,19 @@ def check_reply_header(h: ReplyHeader) -> None:
                   "window or draft", (h.predicted, h.predicted_count, h.window_id, h.has_draft))
     elif h.predicted_count < 1:
         _fail("predicted_count", f">= 1 for {ReplyKind(h.kind).name}", h.predicted_count)
+    if not -1 <= h.logprob_top <= MAX_TOP_LOGPROBS:
+        _fail("logprob_top", f"-1..{MAX_TOP_LOGPROBS}", h.logprob_top)
+    if not 0 <= h.prompt_logprob_count <= MAX_PROMPT_LOGPROB_COUNT:
+        _fail("prompt_logprob_count", f"0..{MAX_PROMPT_LOGPROB_COUNT}", h.prompt_logprob_count)
+    if h.logprob_top >= 0 and h.kind not in _PREDICTION_KINDS:
+        _fail("logprob_top", f"-1 for {ReplyKind(h.kind).name}", h.logprob_top)
+    if h.logprob_top < 0 and h.prompt_logprob_count:
+        _fail("prompt_logprob_count", "0 without a logprob block", h.prompt_logprob_count)
+    if h.prompt_logprob_count and h.kind != ReplyKind.PredictedToken:
+        _fail("prompt_logprob_count", "0 except on PredictedToken", h.prompt_logprob_count)
+
+
+_PREDICTION_KINDS = frozenset({ReplyKind.PredictedToken, ReplyKind.PredictedTokens})
 
 
 def _check_first_prediction(predicted: int, tokens: list[int] | np.ndarray) -> None:
@@ -628,8 +666,9 @@ def encode_reply(reply: StageReply) -> bytes:
     if (reply.kind == ReplyKind.StageStatus) != (reply.status is not None):
         _fail("reply status", "set on StageStatus replies only", reply.kind.name)
     tokens = reply.predicted_tokens if reply.status is None else reply.status.wire_values()
+    logprob_block, top, num_prompt = _encode_logprobs(reply)
     values = (REPLY_MAGIC, PROTOCOL_VERSION, int(reply.kind), reply.predicted, reply.window_id,
-              len(tokens), int(draft is not None), len(draft or ()), reply.draft_compute_us)
+              len(tokens), int(draft is not None), len(draft or ()), reply.draft_compute_us, top, num_prompt)
     header = _pack(REPLY_HEADER, REPLY_HEADER_FIELDS, values, "reply")
     check_reply_header(ReplyHeader(*values))
     _check_first_prediction(reply.predicted, reply.predicted_tokens)
@@ -637,7 +676,48 @@ def encode_reply(reply: StageReply) -> bytes:
         arrays = struct.pack(f"<{len(tokens) + len(draft or ())}i", *tokens, *(draft or ()))
     except struct.error as error:
         raise FrameError(f"reply tokens: expected i32 token ids ({error})") from error
-    return header + encode_stats(reply.stats) + arrays
+    return header + encode_stats(reply.stats) + arrays + logprob_block
+
+
+def _encode_logprobs(reply: StageReply) -> tuple[bytes, int, int]:
+    """(the logprob block, logprob_top, prompt_logprob_count); (b"", -1, 0) without one."""
+    if reply.logprobs is None:
+        if reply.prompt_logprobs:
+            _fail("reply logprobs", "set with prompt_logprobs", None)
+        return b"", -1, 0
+    if len(reply.logprobs) != len(reply.predicted_tokens):
+        _fail("reply logprobs", f"one per predicted token ({len(reply.predicted_tokens)})",
+              len(reply.logprobs))
+    entries = [*(reply.prompt_logprobs or ()), *reply.logprobs]
+    top = len(entries[0].top) if entries else 0
+    for index, entry in enumerate(entries):
+        if len(entry.top) != top:
+            _fail(f"reply logprobs[{index}].top", f"{top} pairs (as every entry)", len(entry.top))
+    for entry, token in zip(reply.logprobs, reply.predicted_tokens):
+        if entry.token != token:
+            _fail("reply logprobs token", f"the predicted token {token}", entry.token)
+    pairs = np.empty((len(entries), 1 + top), dtype=_PAIR_DTYPE)
+    for row, entry in enumerate(entries):
+        pairs[row, 0] = (entry.token, entry.logprob)
+        for column, pair in enumerate(entry.top, 1):
+            pairs[row, column] = pair
+    return pairs.tobytes(), top, len(reply.prompt_logprobs or ())
+
+
+def _decode_logprobs(header: ReplyHeader, view: memoryview, offset: int, predicted: list[int]):
+    """(logprobs, prompt_logprobs) from the block at `offset`; (None, None) without one."""
+    if header.logprob_top < 0:
+        return None, None
+    top = header.logprob_top
+    pairs = np.frombuffer(view, dtype=_PAIR_DTYPE, offset=offset).reshape(-1, 1 + top)
+    tokens, logprobs = pairs["token"].tolist(), pairs["logprob"].tolist()
+    entries = [TokenLogprob(row_tokens[0], row_logprobs[0], tuple(zip(row_tokens[1:], row_logprobs[1:])))
+               for row_tokens, row_logprobs in zip(tokens, logprobs)]
+    num_prompt = header.prompt_logprob_count
+    for entry, token in zip(entries[num_prompt:], predicted):
+        if entry.token != token:
+            _fail("reply logprobs token", f"the predicted token {token}", entry.token)
+    return entries[num_prompt:], (entries[:num_prompt] or None) if num_prompt else None
 
 
 def decode_reply_body(header: ReplyHeader, body: Buffer) -> StageReply:
@@ -647,7 +727,8 @@ def decode_reply_body(header: ReplyHeader, body: Buffer) -> StageReply:
     if len(view) != expected:
         _fail("reply length", f"{expected} bytes after the header", len(view))
     stats = decode_stats(view[:STATS_BLOCK.size])
-    tokens = np.frombuffer(view, dtype=_I32, offset=STATS_BLOCK.size)
+    num_ids = header.predicted_count + header.draft_count
+    tokens = np.frombuffer(view, dtype=_I32, offset=STATS_BLOCK.size, count=num_ids)
     predicted = tokens[:header.predicted_count].tolist()
     if header.kind == ReplyKind.StageStatus:
         try:
@@ -656,11 +737,12 @@ def decode_reply_body(header: ReplyHeader, body: Buffer) -> StageReply:
             raise FrameError(f"StageStatus reply: {error}") from error
         return StageReply(ReplyKind.StageStatus, stats=stats, status=status)
     _check_first_prediction(header.predicted, predicted)
+    logprobs, prompt_logprobs = _decode_logprobs(header, view, STATS_BLOCK.size + 4 * num_ids, predicted)
     return StageReply(
         kind=ReplyKind(header.kind), predicted=header.predicted, predicted_tokens=predicted,
         window_id=header.window_id, stats=stats,
         draft_tokens=tokens[header.predicted_count:].tolist() if header.has_draft else None,
-        draft_compute_us=header.draft_compute_us)
+        draft_compute_us=header.draft_compute_us, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def decode_reply(buf: Buffer) -> StageReply:

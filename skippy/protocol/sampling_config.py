@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .constants import MAX_GRAMMAR_BYTES, GrammarKind
+from .logprobs import MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,10 @@ class SamplingConfig:
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     grammar: GrammarSpec | None = None  # None: any token may follow
+    # None: no logprobs (nobody pays for them); n: every sampled token's logprob and the
+    # row's n most likely (token, logprob) pairs
+    logprobs: int | None = None
+    prompt_logprobs: bool = False  # also every prompt token's (echo): the head runs on every prompt row
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
@@ -64,6 +69,10 @@ class SamplingConfig:
             raise ValueError(f"Expected repetition_penalty > 0, got {self.repetition_penalty}")
         if self.penalty_last_n < -1:
             raise ValueError(f"Expected penalty_last_n >= -1, got {self.penalty_last_n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"Expected logprobs None or in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs and self.logprobs is None:
+            raise ValueError("Expected a logprobs count with prompt_logprobs, got None")
 
     @property
     def is_greedy(self) -> bool:

@@ -11,7 +11,7 @@ import torch
 from ..model.errors import ContextOverflowError
 from ..model.grammar import GrammarCompiler
 from ..model.llama import Segment, StageModel
-from ..model.sampling import RequestSampler
+from ..model.sampling import RequestSampler, token_logprobs
 from ..protocol.constants import ActivationDtype
 from ..protocol.sampling_config import SamplingConfig
 from .session import Session, SessionError, VerifyCheckpoint
@@ -115,44 +115,86 @@ class Runner:
             offsets.append(row)
             row += s.num_rows
         sampled = self._sample(steps, offsets, hidden)
-        for step, offset, index, aligned_from, tokens in zip(steps, offsets, indices, aligned,
-                                                              sampled):
+        for step, offset, index, aligned_from, (tokens, logprobs, prompt_logprobs) in zip(
+                steps, offsets, indices, aligned, sampled):
             rows = None
             if step.out_dtype is not None:
                 rows = tensor_to_rows(hidden[offset:offset + step.num_rows], step.out_dtype)
-            results[index] = StepResult(rows, tokens, aligned_from)
+            results[index] = StepResult(rows, tokens, aligned_from, logprobs, prompt_logprobs)
+
+    def _wants_prompt_logprobs(self, step: Step) -> bool:
+        """A prompt chunk of a request with prompt logprobs, on the stage with the head."""
+        sampling = step.session.sampling
+        return (self.is_last and sampling is not None and sampling.prompt_logprobs
+                and step.window_id is None and step.start < step.session.prompt_token_count)
 
     def _sample(self, steps: list[Step], offsets: list[int], hidden: torch.Tensor) -> list:
+        """(tokens, logprobs, prompt logprobs) per step; (None, None, None) where it samples nothing."""
         picks: list[int] = []  # hidden rows whose logits are needed
-        for step, offset in zip(steps, offsets):
-            if step.sample is SampleMode.LAST:
-                picks.append(offset + step.num_rows - 1)
-            elif step.sample is SampleMode.ALL:
+        every_row = [self._wants_prompt_logprobs(step) for step in steps]
+        for step, offset, is_every in zip(steps, offsets, every_row):
+            if step.sample is SampleMode.ALL or is_every:
                 picks.extend(range(offset, offset + step.num_rows))
+            elif step.sample is SampleMode.LAST:
+                picks.append(offset + step.num_rows - 1)
         if not picks:
-            return [None] * len(steps)
+            return [(None, None, None)] * len(steps)
         if not self.is_last:
             raise ValueError(f"stage {self.model.layers} has no output head to sample with")
         logits = self.model.compute_logits(hidden[picks] if len(picks) < hidden.shape[0] else hidden)
         out, row = [], 0
-        for step in steps:
-            if step.sample is SampleMode.NONE:
-                out.append(None)
-                continue
+        for step, is_every in zip(steps, every_row):
             session = step.session
+            prompt_logprobs = None
+            if is_every:
+                prompt_logprobs = self._prompt_logprobs(step, logits[row:row + step.num_rows])
+                row += step.num_rows - (step.sample is SampleMode.LAST)  # the last row samples
+            if step.sample is SampleMode.NONE:
+                out.append((None, None, None))
+                continue
             sampler = session.sampler or self._new_sampler(session)
             if step.sample is SampleMode.LAST:
-                mine = logits[row]
-                out.append([sampler.sample(mine, session.history(step.start + step.num_rows))])
+                mine = logits[row:row + 1]
+                tokens = [sampler.sample(mine[0], session.history(step.start + step.num_rows))]
                 row += 1
             else:
                 mine = logits[row:row + step.num_rows]
                 drafts = session.ledger[step.start + 1:step.start + step.num_rows]
-                out.append(list(sampler.sample(mine, session.history(step.start + 1), drafts)))
+                tokens = list(sampler.sample(mine, session.history(step.start + 1), drafts))
                 row += step.num_rows
+            num_top = session.sampling.logprobs if session.sampling is not None else None
+            logprobs = None if num_top is None else token_logprobs(mine, tokens, num_top)
+            out.append((tokens, logprobs, prompt_logprobs))
             if self.record_logits:
-                self.last_logits[session.key] = mine.clone()
+                self.last_logits[session.key] = (mine[0] if step.sample is SampleMode.LAST else mine).clone()
         return out
+
+    @staticmethod
+    def _prompt_logprobs(step: Step, logits: torch.Tensor) -> list | None:
+        """Note the logprobs of the prompt tokens this chunk's rows predict; on the chunk that
+        samples (the prompt's last), return every prompt token's after the first, in order.
+
+        Row p predicts the token at p + 1: within the chunk it is the ledger's next token; the
+        chunk's last row waits in the session for the next chunk's first token."""
+        session, start, num_top = step.session, step.start, step.session.sampling.logprobs
+        prompt_end = session.prompt_token_count
+        if start == 0:
+            session.prompt_logprobs, session.pending_prompt_row = [], None
+        pending, session.pending_prompt_row = session.pending_prompt_row, None
+        if pending is not None and pending[0] == start - 1:
+            session.prompt_logprobs += token_logprobs(pending[1][None], session.ledger[start:start + 1],
+                                                      num_top)
+        last = start + step.num_rows - 1
+        num_known = max(0, min(last, prompt_end - 1) - start)  # rows whose next prompt token is here
+        if num_known:
+            session.prompt_logprobs += token_logprobs(
+                logits[:num_known], session.ledger[start + 1:start + 1 + num_known], num_top)
+        if last + 1 < prompt_end:
+            session.pending_prompt_row = (last, logits[-1].clone())
+        if step.sample is SampleMode.NONE:
+            return None
+        done, session.prompt_logprobs = session.prompt_logprobs, []
+        return done
 
     # -- session operations ---------------------------------------------------------
     def configure(self, session: Session, sampling: SamplingConfig | None, skip_draws: int = 0) -> None:

@@ -8,6 +8,7 @@ from enum import Enum
 import numpy as np
 
 from ..protocol.constants import ActivationDtype
+from ..protocol.logprobs import TokenLogprob
 from .session import Session
 
 
@@ -43,3 +44,6 @@ class StepResult:
     rows: np.ndarray | None = None      # output activation in `out_dtype`
     tokens: list[int] | None = None     # sampled token(s): one for LAST, one per row for ALL
     auto_aligned_from: int | None = None  # the session length before an auto-align trim
+    logprobs: list[TokenLogprob] | None = None  # one per sampled token, when the request asked
+    # the prompt's tokens after the first (a request with prompt logprobs, on its last prompt chunk)
+    prompt_logprobs: list[TokenLogprob] | None = None

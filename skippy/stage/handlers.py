@@ -119,10 +119,11 @@ async def on_predicting(conn: StageConnection, msg: StageMessage, span: Span) ->
             verify_window_request_count=int(link is None), verify_window_token_count=msg.token_count,
             verify_window_max_tokens=msg.token_count))
     if link is None:
-        tokens = timed.value.tokens
-        stats = conn.take_stats()
-        reply = (StageReply.window(tokens, msg.seq_id, stats) if is_window
-                 else StageReply.token(tokens[0], stats))
+        result = timed.value
+        tokens, stats = result.tokens, conn.take_stats()
+        reply = (StageReply.window(tokens, msg.seq_id, stats, result.logprobs) if is_window
+                 else StageReply.token(tokens[0], stats, logprobs=result.logprobs,
+                                       prompt_logprobs=result.prompt_logprobs))
         await conn.return_prediction(msg, reply)
     if msg.kind == MessageKind.PrefillFinalEmbd:  # the prompt is in: record it (spec §4.3)
         await _record(conn, msg, span)
@@ -265,7 +266,8 @@ async def _restore_decode(conn: StageConnection, msg: StageMessage, session, lin
     timed = await conn.runtime.prefill(conn.step(session, step_msg, sample))
     _note_compute(conn, msg, span, timed)
     if link is None:
-        await conn.return_prediction(msg, StageReply.token(timed.value.tokens[0]))
+        result = timed.value
+        await conn.return_prediction(msg, StageReply.token(result.tokens[0], logprobs=result.logprobs))
         return True, stats
     down = (await link.request(conn.forwarded(msg, timed.value.rows))).stats
     missed, extra = restore_missed_below(down)
