@@ -87,6 +87,7 @@ class GrammarKind(IntEnum):
 
     JSON_OBJECT = 1  # any JSON object (OpenAI's response_format json_object); no grammar text
     JSON_SCHEMA = 2  # the JSON Schema in the grammar text (response_format json_schema)
+    LARK = 3  # a lark grammar in llguidance's dialect (enforced tool calls: api/tools.py writes it)
 
 
 class ActivationDtype(IntEnum):
