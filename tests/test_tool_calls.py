@@ -111,27 +111,28 @@ def test_forced_choices_give_valid_calls_on_both_templates(servers, choice):
     for url in servers:
         client = sdk(url)
         tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
-        for question in QUESTIONS:
+        for index, question in enumerate(QUESTIONS[:2]):
             request = dict(model=MODEL, messages=[{"role": "user", "content": question}], tools=TOOLS,
-                           tool_choice=tool_choice, temperature=0, max_tokens=MAX_TOKENS)
+                           tool_choice=tool_choice, parallel_tool_calls=False, temperature=0, max_tokens=MAX_TOKENS)
             response = client.chat.completions.create(**request)
             choice_ = response.choices[0]
             assert choice_.finish_reason == "tool_calls", choice_
             calls = assert_valid(choice_.message.tool_calls,
                                  PARAMETERS.keys() if choice == "required" else {choice})
-            streamed, finish_reason, _ = streamed_calls(client, **request)
-            assert finish_reason == "tool_calls" and streamed == calls
+            if index == 0:
+                streamed, finish_reason, _ = streamed_calls(client, **request)
+                assert finish_reason == "tool_calls" and streamed == calls
 
 
 def test_parallel_calls_and_sampling_stay_valid(servers):
     # sampled (temperature 1, seeds) and with parallel calls allowed: still only valid calls
     for url in servers:
         client = sdk(url)
-        for seed in range(4):
+        for seed in range(2):
             response = client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "Weather in Paris and in Rome, please."}],
                 tools=TOOLS, tool_choice="required", parallel_tool_calls=True, temperature=1.0, seed=seed,
-                max_tokens=160)
+                max_tokens=120)
             if response.choices[0].finish_reason == "length":
                 continue  # a sampled list of calls may run past max_tokens; every finished one is checked
             assert_valid(response.choices[0].message.tool_calls)
@@ -141,7 +142,7 @@ def test_a_two_stage_chain_gives_the_same_calls(servers, two_stages):
     plain, _ = servers
     for question in QUESTIONS[:2]:
         request = dict(model=MODEL, messages=[{"role": "user", "content": question}], tools=TOOLS,
-                       tool_choice="required", temperature=0, max_tokens=MAX_TOKENS)
+                       tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=MAX_TOKENS)
         here = sdk(plain).chat.completions.create(**request).choices[0].message.tool_calls
         there = sdk(two_stages).chat.completions.create(**request).choices[0].message.tool_calls
         assert assert_valid(there) == assert_valid(here)
@@ -199,7 +200,7 @@ def test_langchain_bind_tools(servers, two_stages):
     for url in (*servers, two_stages):
         llm = ChatOpenAI(model=MODEL, base_url=url + "/v1", api_key="unused", temperature=0, max_tokens=MAX_TOKENS,
                          max_retries=0)
-        bound = llm.bind_tools([get_weather], tool_choice="required")
+        bound = llm.bind_tools([get_weather], tool_choice="required", parallel_tool_calls=False)
         question = HumanMessage("What is the weather in Paris?")
         reply = bound.invoke([question])
         assert len(reply.tool_calls) >= 1

@@ -33,6 +33,7 @@ from .errors import ApiError
 # one space after "," and ":", no free whitespace a small model could fill until max_tokens.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_TOOLS = 128
+MAX_PARALLEL_CALLS = 8  # an enforced reply's calls: a small model may otherwise repeat calls until max_tokens
 
 
 class ToolFormat(enum.Enum):
@@ -168,18 +169,16 @@ class ToolPlan:
         one = _lark_json(self._call_schema())
         key = self.format
         if key is ToolFormat.GENERIC:
-            calls = {"type": "array", "items": self._call_schema(), "minItems": 1}
-            if not self.parallel:
-                calls["maxItems"] = 1
+            calls = {"type": "array", "items": self._call_schema(), "minItems": 1,
+                     "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
             body = _lark_json({"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"]})
             rules = [f"calls: {body}"]
         elif key is ToolFormat.HERMES:
-            repeat = ' ("\\n" call)*' if self.parallel else ""
+            repeat = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if self.parallel else ""
             rules = [f"calls: call{repeat}", f'call: "<tool_call>\\n" {one} "\\n</tool_call>"']
         elif key is ToolFormat.MISTRAL:
-            calls = {"type": "array", "items": self._call_schema(), "minItems": 1}
-            if not self.parallel:
-                calls["maxItems"] = 1
+            calls = {"type": "array", "items": self._call_schema(), "minItems": 1,
+                     "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
             rules = [f'calls: "[TOOL_CALLS]" {_lark_json(calls)}']
         else:  # Llama 3.x: one JSON object a reply
             rules = [f"calls: {one}"]
@@ -187,7 +186,7 @@ class ToolPlan:
 
     def _call_schema(self) -> dict[str, Any]:
         key = self.format.arguments_key
-        options = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
+        options = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: _closed(f["parameters"])},
                     "required": ["name", key], "additionalProperties": False} for f in self._offered()]
         return options[0] if len(options) == 1 else {"anyOf": options}
 
@@ -370,6 +369,14 @@ def _function(tool: Any, where: str) -> dict[str, Any]:
     if function.get("description"):
         fields["description"] = str(function["description"])
     return fields
+
+
+def _closed(parameters: dict[str, Any]) -> dict[str, Any]:
+    """The parameters schema without keys it does not name, unless it says otherwise (as
+    OpenAI's strict mode): a small model otherwise invents keys until max_tokens."""
+    if "properties" in parameters and "additionalProperties" not in parameters:
+        return {**parameters, "additionalProperties": False}
+    return parameters
 
 
 def _lark_json(schema: dict[str, Any]) -> str:
