@@ -107,7 +107,7 @@ class ChatOutput:
 
     def message(self) -> AssistantMessage:
         content = "".join(self._content)
-        reasoning = "".join(self._reasoning) if self._thought is not None else None
+        reasoning = "".join(self._reasoning) or None
         if self.calls:
             return AssistantMessage(content=content or None, reasoning_content=reasoning,
                                     tool_calls=[call.to_openai() for call in self.calls])
