@@ -140,6 +140,7 @@ def test_langchain_use_responses_api(url):
     assert reply.text
     streamed = "".join(chunk.text for chunk in llm.stream("Say hello."))
     assert streamed == reply.text
-    called = llm.bind_tools([get_weather], tool_choice="required", parallel_tool_calls=False).invoke("What is the weather in Paris?")
+    bound = llm.bind_tools([get_weather], tool_choice="required", parallel_tool_calls=False)
+    called = bound.invoke("What is the weather in Paris?")
     assert called.tool_calls and called.tool_calls[0]["name"] == "get_weather"
     jsonschema.validate(called.tool_calls[0]["args"], get_weather.args_schema.model_json_schema())
