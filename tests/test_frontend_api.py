@@ -357,8 +357,8 @@ def test_400s(stack, body, param):
 
 def test_unhonourable_features_are_400s_that_say_so(client, stack):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        chat(client, stack, tools=tools)
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        chat(client, stack, tools=tools, tool_choice={"type": "function", "function": {"name": "get_time"}})
     with pytest.raises(openai.BadRequestError, match="response_format cannot be honoured: .*Invalid type"):
         chat(client, stack, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "strin"}}})

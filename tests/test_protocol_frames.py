@@ -489,7 +489,8 @@ def _grammar_block(kind: int, text: bytes) -> bytes:
 
 GRAMMAR_CASES = [
     # (grammar kind on the wire, grammar bytes, message fragment)
-    (3, b"", "grammar_kind"),                   # an unknown kind
+    (4, b"", "grammar_kind"),                   # an unknown kind
+    (int(GrammarKind.LARK), b"", "grammar text"),            # a lark grammar needs its text
     (0, b"{}", "grammar_bytes"),                # text without a kind
     (int(GrammarKind.JSON_OBJECT), b"{}", "grammar text"),   # json_object carries no text
     (int(GrammarKind.JSON_SCHEMA), b"", "grammar text"),     # a schema needs its text

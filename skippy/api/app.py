@@ -3,6 +3,8 @@
     GET  /v1/models                model list (one model)
     POST /v1/chat/completions      chat, streaming (SSE) or not
     POST /v1/completions           text completion, streaming (SSE) or not
+    POST /v1/responses             OpenAI's Responses API over the chat path (responses.py)
+    GET  /v1/responses/{id}        a kept response
     GET  /v1/stages                each stage: id, layer range, endpoint, state, sessions, restarts
     GET  /health                   liveness: the process answers
     GET  /readyz                   readiness: every stage reachable (503 names the one that is not)
@@ -21,6 +23,7 @@ import dataclasses
 import hmac
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -39,6 +42,7 @@ from .errors import ApiError, to_api_error
 from .generation import ServeContext, finish, start_generation
 from .metrics import Metrics
 from .page import add_chain_page
+from .responses import ResponseRun, ResponsesRequest, ResponseStore, events, respond_once
 from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StageInfo, StageList
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -155,10 +159,31 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
     app.post("/v1/completions")(completion_route(CompletionRequest, prepare_text))
     add_chain_page(app, ctx)
 
+    kept = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        received_at = time.perf_counter()
+        body = ResponsesRequest.model_validate_json(await request.body())
+        conversation = body.conversation(kept)
+        job = await prepare_chat(ctx, body.to_chat(conversation), request.state.request_id, received_at)
+        run = ResponseRun(body, job, conversation, kept, lambda text: len(tokenizer.encode(text, False)))
+        return await _respond(ctx, job, request, lambda _, generation: respond_once(run, generation),
+                              lambda _, generation, lease: _then_finish(events(run, generation), generation, lease))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        found = kept.get(response_id)
+        if found is None:
+            raise ApiError(404, f"Response with id {response_id!r} not found", param="response_id",
+                           code="response_not_found")
+        return found["response"]
+
     return app
 
 
-async def _respond(ctx: ServeContext, job, request: Request) -> Response:
+async def _respond(ctx: ServeContext, job, request: Request, complete=complete, stream=stream) -> Response:
+    """Run `job`: `stream`'s SSE bytes, or `complete`'s object as JSON (a pydantic model or a dict)."""
     generation, lease = await start_generation(ctx, job)
     if job.is_stream:
         return EventStreamResponse(stream(job, generation, lease))
@@ -173,7 +198,18 @@ async def _respond(ctx: ServeContext, job, request: Request) -> Response:
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(work.result().model_dump(mode="json"))
+        result = work.result()
+        return JSONResponse(result if isinstance(result, dict) else result.model_dump(mode="json"))
+    finally:
+        await finish(generation, lease)
+
+
+async def _then_finish(events, generation, lease):
+    """`events`, then the generation's session and lane freed however the stream ends."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield event
     finally:
         await finish(generation, lease)
 

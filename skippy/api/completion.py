@@ -16,6 +16,7 @@ from ..protocol.constants import GrammarKind
 from ..protocol.sampling_config import GrammarSpec, SamplingConfig
 from ..runtime.speculation import SpeculativeSettings
 from .admission import Lease, check_fits
+from .chat_output import ChatOutput, ChatShape, render_chat
 from .errors import ApiError, to_api_error
 from .generation import Generation, Job, ServeContext, finish
 from .logprobs import LogprobFormatter
@@ -48,27 +49,19 @@ async def prepare_chat(ctx: ServeContext, body: ChatCompletionRequest, request_i
     _check_common(ctx, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true; send both, or neither", param="top_logprobs")
-    if body.tools and body.tool_choice != "none":
-        uses_tools = "tools" in (ctx.tokenizer.chat_template or "")
-        reason = (
-            "this server does not parse tool calls from the output"
-            if uses_tools
-            else "the model's chat template has no tool support (it never reads `tools`)"
-        )
-        raise ApiError(400, f"tools cannot be honoured: {reason}. Send the request without tools.", param="tools")
-    grammar = await _grammar(ctx, body.response_format)
     messages = []
     for message in body.messages:
-        fields = message.model_dump()
+        fields = message.model_dump(exclude_none=True)
         if fields["role"] == "developer":  # OpenAI's newer name for the system role
             fields["role"] = "system"
-        messages.append(fields)
-
-    prompt_ids = await asyncio.to_thread(ctx.tokenizer.encode_chat, messages, add_generation_prompt=True)
+        messages.append(dict(fields, content=message.content))
+    prompt_ids, shape, grammar = await render_chat(ctx, body, messages)
+    if grammar is None:
+        grammar = await _grammar(ctx, body.response_format)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _job(ctx, "chat", body, request_id, received_at, prompt_ids, max_tokens, grammar=grammar,
-                logprobs=logprobs)
+                logprobs=logprobs, shape=None if shape.is_plain else shape)
 
 
 async def prepare_text(ctx: ServeContext, body: CompletionRequest, request_id: str, received_at: float) -> Job:
@@ -129,7 +122,8 @@ async def _grammar(ctx: ServeContext, response_format: ResponseFormat | None) ->
 
 
 def _job(ctx, kind, body: GenerationParams, request_id, received_at, prompt_ids, max_tokens, echo="",
-         grammar: GrammarSpec | None = None, logprobs: int | None = None, prompt_logprobs: bool = False) -> Job:
+         grammar: GrammarSpec | None = None, logprobs: int | None = None, prompt_logprobs: bool = False,
+         shape: ChatShape | None = None) -> Job:
     max_tokens = check_fits(len(prompt_ids), max_tokens, ctx.backend.ctx_size)
     temperature = OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
     sampling = SamplingConfig(
@@ -153,7 +147,7 @@ def _job(ctx, kind, body: GenerationParams, request_id, received_at, prompt_ids,
         kind=kind, id=prefix + request_id, created=int(time.time()), model=body.model, received_at=received_at,
         request=request, stop=tuple(body.stop or ()), is_stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        return_token_ids=body.return_token_ids, echo=echo,
+        return_token_ids=body.return_token_ids, echo=echo, shape=shape,
     )  # fmt: skip
 
 
@@ -183,10 +177,14 @@ async def complete(job: Job, generation: Generation) -> ChatCompletion | Complet
                   timings=generation.timings(), prompt_token_ids=prompt_ids)  # fmt: skip
     wants = job.request.sampling.logprobs is not None
     if job.kind == "chat":
-        message = AssistantMessage(content=text)
+        finish_reason, message = generation.finish_reason, AssistantMessage(content=text)
+        if job.shape is not None:
+            output = ChatOutput(job.shape)
+            output.push(text)
+            output.flush()
+            finish_reason, message = output.finish_reason(finish_reason), output.message()
         logprobs = formatter.chat(generation.logprobs) if wants else None
-        choice = ChatChoice(message=message, finish_reason=generation.finish_reason, token_ids=token_ids,
-                            logprobs=logprobs)
+        choice = ChatChoice(message=message, finish_reason=finish_reason, token_ids=token_ids, logprobs=logprobs)
         return ChatCompletion(choices=[choice], **common)
     logprobs = None
     if wants:
@@ -220,10 +218,18 @@ async def stream(job: Job, generation: Generation, lease: Lease) -> AsyncIterato
                 yield sse(_chat_chunk(job, ChatDelta(role="assistant", content=""), prompt_token_ids=prompt_ids))
             elif job.echo or prompt_ids:
                 yield sse(_text_chunk(job, job.echo, prompt_token_ids=prompt_ids, logprobs=logprobs.prompt()))
+            output = ChatOutput(job.shape) if job.shape is not None else None
             async for piece in generation.pieces():
-                yield sse(chunk(job, piece, logprobs=logprobs.take()))
+                # a piece the output holds back (a possible tool call) keeps its logprobs for the next delta
+                for delta in output.push(piece) if output else (piece,):
+                    yield sse(chunk(job, delta, logprobs=logprobs.take()))
+            finish_reason = generation.finish_reason
+            if output is not None:
+                for delta in output.flush():
+                    yield sse(chunk(job, delta, logprobs=logprobs.take()))
+                finish_reason = output.finish_reason(finish_reason)
             token_ids = generation.completion_ids if job.return_token_ids else None
-            yield sse(chunk(job, None, finish_reason=generation.finish_reason, timings=generation.timings(),
+            yield sse(chunk(job, None, finish_reason=finish_reason, timings=generation.timings(),
                             token_ids=token_ids, logprobs=logprobs.take()))  # fmt: skip
             if job.include_usage:
                 yield sse(_usage_chunk(job, generation.usage()))

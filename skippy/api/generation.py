@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 
@@ -24,6 +24,9 @@ from .admission import Admission, Lease
 from .metrics import Metrics
 from .schemas import PromptTokensDetails, Timings, Usage
 from .streaming import StopTextStream
+
+if TYPE_CHECKING:
+    from .chat_output import ChatShape
 
 ABANDON_WAIT_S = 5.0  # how long a consumer that left waits for the backend's next event before cancelling
 
@@ -54,6 +57,7 @@ class Job:
     include_usage: bool
     return_token_ids: bool
     echo: str = ""  # text completions with echo=true start with the prompt
+    shape: ChatShape | None = None  # a chat reply split into reasoning, content, tool calls; None: all content
 
 
 class Generation:

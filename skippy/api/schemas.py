@@ -142,8 +142,11 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # checked in tools.py
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (as vLLM): template variables
+    reasoning_effort: str | None = None  # "none" turns a thinking template's thought off
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -211,9 +214,33 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class ToolCallFunction(BaseModel):
+    name: str | None = Field(None, exclude_if=_omit_none)
+    arguments: str | None = Field(None, exclude_if=_omit_none)  # JSON text (a fragment, in a delta)
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed tool call: the first delta of a call carries its id, type and name."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=_omit_none)
+    type: Literal["function"] | None = Field(None, exclude_if=_omit_none)
+    function: ToolCallFunction
+
+    @classmethod
+    def opening(cls, index: int, call) -> ToolCallDelta:
+        return cls(index=index, id=call.id, type="function", function=ToolCallFunction(name=call.name, arguments=""))
+
+    @classmethod
+    def arguments_of(cls, index: int, call) -> ToolCallDelta:
+        return cls(index=index, function=ToolCallFunction(arguments=call.arguments))
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = Field(None, exclude_if=_omit_none)
+    tool_calls: list[dict[str, Any]] | None = Field(None, exclude_if=_omit_none)
 
 
 class ChatChoice(BaseModel):
@@ -246,6 +273,8 @@ class ChatCompletion(_Response):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_omit_none)
     content: str | None = Field(None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(None, exclude_if=_omit_none)
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=_omit_none)
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,4 +1,4 @@
-"""Constrained decoding: a request's grammar (JSON mode, a JSON Schema) as a token mask.
+"""Constrained decoding: a request's grammar (JSON mode, a JSON Schema, a lark grammar) as a token mask.
 
 The engine is llguidance (docs/architecture.md, "Structured outputs", says why). A
 `GrammarCompiler` belongs to one tokenizer and keeps an LRU of compiled grammars keyed
@@ -94,22 +94,32 @@ class GrammarCompiler:
                 self._compiled.move_to_end(key)
                 return matcher
         engine = self._tokenizer_engine()
-        schema = JSON_OBJECT_SCHEMA if spec.kind == GrammarKind.JSON_OBJECT else spec.text
-        try:
-            if not isinstance(json.loads(schema), dict):
-                raise GrammarError("Expected a JSON Schema object, got a JSON value of another type")
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        except ValueError as error:  # json.JSONDecodeError included
-            raise GrammarError(f"Expected a valid JSON Schema: {error}") from None
+        if spec.kind == GrammarKind.LARK:
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_lark(spec.text)
+            except ValueError as error:
+                raise GrammarError(f"Expected a valid lark grammar: {error}") from None
+        else:
+            grammar = _json_grammar(JSON_OBJECT_SCHEMA if spec.kind == GrammarKind.JSON_OBJECT else spec.text)
         # The constructor compiles (the lexer over the whole vocabulary) with the GIL released.
         matcher = llguidance.LLMatcher(engine, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"The JSON Schema cannot be used for constrained decoding: {matcher.get_error()}")
+            what = "lark grammar" if spec.kind == GrammarKind.LARK else "JSON Schema"
+            raise GrammarError(f"The {what} cannot be used for constrained decoding: {matcher.get_error()}")
         with self._lock:
             self._compiled[key] = matcher
             while len(self._compiled) > self._max_cached:
                 self._compiled.popitem(last=False)
         return matcher
+
+
+def _json_grammar(schema: str) -> str:
+    try:
+        if not isinstance(json.loads(schema), dict):
+            raise GrammarError("Expected a JSON Schema object, got a JSON value of another type")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as error:  # json.JSONDecodeError included
+        raise GrammarError(f"Expected a valid JSON Schema: {error}") from None
 
 
 class GrammarState:

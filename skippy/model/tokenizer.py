@@ -152,6 +152,11 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_template_source
 
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """This tokenizer with another chat template (a served model's template override)."""
+        return Tokenizer(self._backend, bos_id=self._bos_id, eos_id=self._eos_id, add_bos=self._add_bos,
+                         chat_template=source)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`. Special-token text such as "<|im_start|>" always becomes its single id."""
         # The backend's own post-processor is bypassed so BOS follows add_bos alone, for both sources.

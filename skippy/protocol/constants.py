@@ -15,7 +15,8 @@ from typing import NamedTuple
 # value fails closed (spec §2.11): peers must upgrade together.
 PROTOCOL_VERSION = 5   # 2: the CACHE_NAMESPACE section; 3: a grammar in the sampling block;
                        # 4: the TRACE_CONTEXT section, stage metrics in StageStatus;
-                       # 5: logprobs (a count in the sampling block, a block in replies)
+                       # 5: logprobs (a count in the sampling block, a block in replies),
+                       #    the LARK grammar kind (enforced tool calls)
 
 # Magics are u32 written little-endian; the ASCII spelling is the value read
 # most-significant byte first, as the spec writes READY's 0x53524459 ("SRDY").
@@ -94,6 +95,7 @@ class GrammarKind(IntEnum):
 
     JSON_OBJECT = 1  # any JSON object (OpenAI's response_format json_object); no grammar text
     JSON_SCHEMA = 2  # the JSON Schema in the grammar text (response_format json_schema)
+    LARK = 3  # a lark grammar in llguidance's dialect (enforced tool calls: api/tools.py writes it)
 
 
 class ActivationDtype(IntEnum):

@@ -14,7 +14,7 @@ class GrammarSpec:
     token the grammar does not allow, and compiles `text` itself (model/grammar.py).
 
     `text` is the JSON Schema for JSON_SCHEMA, exactly as the client sent it (it keys
-    each stage's compile cache), and empty for JSON_OBJECT.
+    each stage's compile cache), the lark grammar for LARK, and empty for JSON_OBJECT.
     """
 
     kind: GrammarKind
@@ -22,8 +22,9 @@ class GrammarSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", GrammarKind(self.kind))
-        if (self.kind == GrammarKind.JSON_SCHEMA) != bool(self.text):
-            raise ValueError(f"Expected grammar text exactly for {GrammarKind.JSON_SCHEMA.name}, got "
+        if (self.kind != GrammarKind.JSON_OBJECT) != bool(self.text):
+            raise ValueError(f"Expected grammar text exactly for {GrammarKind.JSON_SCHEMA.name} and "
+                             f"{GrammarKind.LARK.name}, got "
                              f"{len(self.text)} characters for {self.kind.name}")
         if len(self.text.encode("utf-8")) > MAX_GRAMMAR_BYTES:
             raise ValueError(f"Expected a grammar of at most {MAX_GRAMMAR_BYTES} bytes, got "
