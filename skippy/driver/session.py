@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 from ..protocol import (
     LOOKUP_ERROR, ActivationDtype, MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply,
-    StageReplyStats, lookup_observation, merge, prefill_compute_observation, record_observation,
-    restore_missed_below,
+    StageReplyStats, activation_fields, lookup_observation, merge, prefill_compute_observation,
+    record_observation, restore_missed_below,
 )
 from ..protocol.logprobs import TokenLogprob
 from ..runtime import SampleMode, Step, StepResult
@@ -65,6 +65,7 @@ class NoStagesBelow:
 
     stages_below = False  # a prefix restore is complete at stage 0; nothing overlaps a window
     broken = False
+    pending_deferred = 0
 
     async def flush(self) -> None:
         pass
@@ -141,13 +142,14 @@ class ChainSession:
                 StageReply.token(tokens[0], logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs)
                 if window_id is None else StageReply.window(tokens, window_id, logprobs=result.logprobs))
 
-    def _message(self, kind: MessageKind, **fields) -> StageMessage:
+    def _message(self, kind: MessageKind, rows=None, **fields) -> StageMessage:
+        """A message of this session; `rows`: stage 0's output activation it carries (None:
+        nothing to carry, or stage 0 sampled the step itself)."""
+        if rows is not None:
+            fields.update(activation_fields(rows, self.out_dtype, 0))
         return StageMessage(kind, request_id=self.request_id, session_id=self.session_id,
                             prompt_token_count=self.prompt_token_count, trace_context=self.trace_context,
                             **fields)
-
-    def _with_rows(self, msg: StageMessage, rows) -> StageMessage:
-        return msg if rows is None else msg.with_activation(rows, self.out_dtype, 0)  # None: sampled here
 
     async def _guard(self, phase: str, coro):
         try:
@@ -167,21 +169,23 @@ class ChainSession:
         return reply
 
     async def _prediction(self, window_id: int | None = None) -> StageReply:
-        deadline = time.monotonic() + self.env.reply_timeout_s
-        while True:
-            item = await asyncio.wait_for(self.waiter.get(), max(0.0, deadline - time.monotonic()))
-            if isinstance(item, BaseException):
-                raise item
-            if window_id is None:
-                wanted = item.kind == ReplyKind.PredictedToken
-            else:
-                wanted = item.kind == ReplyKind.PredictedTokens and item.window_id == window_id
-            if wanted:
-                self.stats = merge(self.stats, item.stats)
-                self.draws += len(item.predicted_tokens)
-                self.last_logprobs = item.logprobs
-                return item
-            # else: a late answer to a window that was discarded as stale; ignore it
+        # asyncio.timeout, not wait_for: wait_for wraps the get in a task of its own, one
+        # more task switch per token on the decode path
+        async with asyncio.timeout(self.env.reply_timeout_s):
+            while True:
+                item = await self.waiter.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if window_id is None:
+                    wanted = item.kind == ReplyKind.PredictedToken
+                else:
+                    wanted = item.kind == ReplyKind.PredictedTokens and item.window_id == window_id
+                if wanted:
+                    self.stats = merge(self.stats, item.stats)
+                    self.draws += len(item.predicted_tokens)
+                    self.last_logprobs = item.logprobs
+                    return item
+                # else: a late answer to a window that was discarded as stale; ignore it
 
     # -- the request's messages -------------------------------------------------------------
     async def configure(self) -> None:
@@ -220,8 +224,7 @@ class ChainSession:
             self.position += size
             offset += size
             kind = MessageKind.PrefillFinalEmbd if is_last else MessageKind.PrefillEmbd
-            msg = self._with_rows(self._message(kind, pos_start=step.start, token_count=size,
-                                                tokens=chunk), timed.value.rows)
+            msg = self._message(kind, timed.value.rows, pos_start=step.start, token_count=size, tokens=chunk)
             if is_last:
                 await self._guard("prefill", self._send_predicting(msg))
                 self._deliver(timed.value, None)
@@ -296,10 +299,10 @@ class ChainSession:
         last = int(tokens[len(prefix)])
         step = Step(self.session, len(prefix), 1, [last], out_dtype=self.out_dtype)
         timed = await self.env.runtime.prefill(step)
-        return self._with_rows(self._message(
-            MessageKind.TryRestorePrefillDecode, pos_start=len(prefix), token_count=1,
+        return self._message(
+            MessageKind.TryRestorePrefillDecode, timed.value.rows, pos_start=len(prefix), token_count=1,
             tokens=prefix + [last], current_token=last, sampling=self.sampling,
-            cache_namespace=self.cache_namespace), timed.value.rows)
+            cache_namespace=self.cache_namespace)
 
     async def _record(self, recording) -> None:
         """Wait for a record submitted to the worker and count it in the request's stats."""
@@ -309,7 +312,8 @@ class ChainSession:
 
     async def _send_predicting(self, msg: StageMessage) -> None:
         link = self.link
-        self.stats = merge(self.stats, await link.drain())  # spec §2.6: drain before predictions
+        if link.pending_deferred:  # spec §2.6: drain before predictions
+            self.stats = merge(self.stats, await link.drain())
         await link.send(msg)
 
     async def decode(self, token: int, *, pos_start: int | None = None) -> int:
@@ -339,10 +343,8 @@ class ChainSession:
                           window_id)
         timed = await self.env.runtime.iterate(step)
         start, self.position = self.position, self.position + len(tokens)
-        msg = self._with_rows(self._message(
-            kind, pos_start=start, token_count=len(tokens), tokens=tokens,
-            current_token=tokens[0], decode_step=self.decode_step, seq_id=window_id or 0),
-            timed.value.rows)
+        msg = self._message(kind, timed.value.rows, pos_start=start, token_count=len(tokens), tokens=tokens,
+                            current_token=tokens[0], decode_step=self.decode_step, seq_id=window_id or 0)
         await self._guard(f"{kind.name} step {self.decode_step}", self._send_predicting(msg))
         self._deliver(timed.value, window_id)
 

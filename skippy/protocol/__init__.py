@@ -14,8 +14,8 @@ from .constants import (
 )
 from .errors import AuthError, FrameError, ProtocolError, VersionMismatch
 from .frames import (
-    StageMessage, StageReply, StageStatusReport, cache_namespace_digest, decode_message, decode_reply,
-    encode_message, encode_message_parts, encode_reply,
+    StageMessage, StageReply, StageStatusReport, activation_fields, cache_namespace_digest, decode_message,
+    decode_reply, encode_message, encode_message_parts, encode_reply,
 )
 from .handshake import AuthPreamble, Ready
 from .sampling_config import SamplingConfig
@@ -32,7 +32,7 @@ __all__ = [
     "ActivationDtype", "AuthError", "AuthPreamble", "FrameError", "KIND_INFO", "KvCacheConfig", "LinkConditioning",
     "MessageKind", "PROTOCOL_VERSION", "PeerEndpoint", "Phase", "ProtocolError", "Ready",
     "ReplyKind", "SamplingConfig", "StageConfig", "StageMessage", "StageReply", "StageReplyStats",
-    "StageStatusReport", "StateFlags", "TlsConfig", "Topology", "TopologyStage", "VersionMismatch",
+    "StageStatusReport", "StateFlags", "activation_fields", "TlsConfig", "Topology", "TopologyStage", "VersionMismatch",
     "cache_namespace_digest", "client_handshake",
     "decode_message", "decode_reply", "encode_message", "encode_message_parts", "encode_reply",
     "expects_reply", "is_control", "is_loopback", "is_generation_control", "is_prefix_cache_control",

@@ -56,6 +56,12 @@ def _empty_i32() -> np.ndarray:
 
 
 def _as_i32_array(name: str, values: object) -> np.ndarray:
+    if type(values) is list and all(type(v) is int for v in values):
+        # the decode path's case (a list of a few Python ints): numpy checks the range itself
+        try:
+            return np.array(values, dtype=_I32)
+        except OverflowError:
+            pass  # the general path below words the error
     array = np.asarray(values)
     if array.dtype != _I32 and array.size:
         if (array.dtype.kind not in "iuO"
@@ -67,6 +73,12 @@ def _as_i32_array(name: str, values: object) -> np.ndarray:
     if array.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D sequence, got shape {array.shape}")
     return array
+
+
+def activation_fields(rows: np.ndarray, dtype: ActivationDtype, source_stage_index: int) -> dict:
+    """The StageMessage fields that carry `rows` (a wire-dtype array) from `source_stage_index`."""
+    return dict(source_stage_index=source_stage_index, activation_dtype=dtype, activation_rows=rows.shape[0],
+                activation_width=rows.shape[1], activation=memoryview(rows).cast("B"))
 
 
 def _byte_view(buf: object) -> memoryview:
@@ -156,9 +168,7 @@ class StageMessage:
 
     def with_activation(self, rows: np.ndarray, dtype: ActivationDtype, source_stage_index: int) -> StageMessage:
         """This message carrying `rows` (wire-dtype array) from `source_stage_index` instead."""
-        return replace(self, source_stage_index=source_stage_index, activation_dtype=dtype,
-                       activation_rows=rows.shape[0], activation_width=rows.shape[1],
-                       activation=memoryview(rows).cast("B"))
+        return replace(self, **activation_fields(rows, dtype, source_stage_index))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StageMessage):

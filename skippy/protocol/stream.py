@@ -18,6 +18,7 @@ from .frames import (
 from .handshake import AuthPreamble, Ready, auth_token_length, check_auth, token_bytes
 
 HANDSHAKE_TIMEOUT_S = 20.0  # READY read timeout used by the direct-return dial (spec §2.7)
+ONE_WRITE_BYTES = 64 * 1024  # frames up to this size leave in one write (see write_message)
 
 
 async def _read_exactly(reader: asyncio.StreamReader, nbytes: int, what: str) -> bytes:
@@ -52,10 +53,16 @@ async def read_message(reader: asyncio.StreamReader) -> StageMessage | None:
 
 
 async def write_message(writer: asyncio.StreamWriter, msg: StageMessage) -> None:
-    # One write per section: writelines() would join (copy) the activation into one
-    # buffer first, while write() sends straight from it when the socket has room.
-    for part in encode_message_parts(msg):
-        writer.write(part)
+    # A small frame (a decode step's one row) goes out in one write: with TCP_NODELAY each
+    # write is a send() and a packet of its own, and the reader wakes once per packet.
+    # A large one (a prompt chunk) goes one write per section, so the activation is sent
+    # straight from its buffer instead of being copied into a joined one first.
+    parts = encode_message_parts(msg)
+    if sum(memoryview(part).nbytes for part in parts) <= ONE_WRITE_BYTES:
+        writer.write(b"".join(parts))
+    else:
+        for part in parts:
+            writer.write(part)
     await writer.drain()
 
 
