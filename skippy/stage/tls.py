@@ -108,7 +108,10 @@ def refusal_reason(error: OSError) -> str:
     """Why a peer's TLS handshake failed, in words, with OpenSSL's code where there is one."""
     code = getattr(error, "reason", None)
     if isinstance(error, ssl.SSLCertVerificationError):
-        return f"its certificate is not from this chain's CA ({code}: {error.verify_message})"
+        # OpenSSL's X509_V_ERR_*: no issuer here, a self-signed one, a signature from another key
+        other_ca = error.verify_code in (2, 7, 18, 19, 20)
+        what = "is not from this chain's CA" if other_ca else "failed verification"
+        return f"its certificate {what} ({code}: {error.verify_message})"
     words = {"TLSV1_ALERT_UNKNOWN_CA": "it does not trust this listener's certificate, from another chain's CA?",
              "SSLV3_ALERT_BAD_CERTIFICATE": "it refused this listener's certificate",
              "PEER_DID_NOT_RETURN_A_CERTIFICATE": "it sent no client certificate",
