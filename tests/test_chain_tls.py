@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
+import ssl
 import subprocess
 import sys
 
@@ -70,9 +72,17 @@ def test_a_chain_off_loopback_runs_over_mutual_tls(tmp_path):
                 await open_connection(stage_endpoint, auth_token=stage1.auth_token)
             tls.use(right)  # the right CA, the wrong token: refused by the token check inside TLS
             assert await query_stage_status(stage_endpoint, "not-the-chain-token") is None
+            assert await query_stage_status(stage_endpoint, stage1.auth_token) is not None  # still serving
             tls.use(None)
 
         asyncio.run(probes())
+        # the stage said whom it refused and why, once each, without a traceback
+        log = (tmp_path / "stage-1.log").read_text()
+        refused = [line for line in log.splitlines() if "TLS handshake from" in line]
+        assert len(refused) == 2, log
+        assert "level=WARNING" in refused[0] and f"stage 1: TLS handshake from {host}:" in refused[0]
+        assert "does not speak TLS" in refused[0] and "another CA" in refused[1], refused
+        assert "Traceback" not in log
     finally:
         if server is not None:
             server.stop()
@@ -99,3 +109,67 @@ def test_insecure_listens_off_loopback_with_a_warning(caplog):
     with caplog.at_level("WARNING", logger="skippy.stage"):
         tls.check_exposure("stage 1", "0.0.0.0", auth_token=None, tls=None, insecure=True)
     assert "--insecure" in caplog.text and "open to the network" in caplog.text
+
+
+def test_a_listener_logs_each_refused_tls_handshake_once_and_keeps_serving(tmp_path, caplog, monkeypatch):
+    """Every way a dialer fails TLS gets one WARNING naming its address and why; a repeat
+    within a minute is counted, not logged; good dialers are served throughout."""
+    host = local_address()
+    right = tls.issue_certificates(tmp_path / "a" / "tls", {"stage": host, "peer": host})
+    stranger = tls.issue_certificates(tmp_path / "b" / "tls", {"stranger": host})["stranger"].resolved(tmp_path / "b")
+    monkeypatch.setattr(tls, "_refusals", {})
+
+    async def echo(reader, writer):
+        writer.write(await reader.readexactly(4))
+        await writer.drain()
+        writer.close()
+
+    async def dial(port: int, context: ssl.SSLContext | None, data: bytes = b"ping") -> bytes | None:
+        try:
+            reader, writer = await asyncio.open_connection(host, port, ssl=context)
+            writer.write(data)
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(4), 10)
+            writer.close()
+            return answer
+        except (ssl.SSLError, ConnectionError):
+            return None
+
+    async def main() -> None:
+        tls.use(right["stage"].resolved(tmp_path / "a"))
+        server = await tls.start_server(echo, host, 0, where="stage 1")
+        port = server.sockets[0].getsockname()[1]
+        tls.use(right["peer"].resolved(tmp_path / "a"))
+        good = tls.client_context(host)
+        tls.use(stranger)
+        other_ca = tls.client_context(host)  # trusts another CA only: hangs up on the stage's certificate
+        other_cert = ssl.create_default_context(cafile=str(tmp_path / "a" / "tls" / "ca.pem"))
+        other_cert.load_cert_chain(stranger.cert_file, stranger.key_file)  # trusts the stage, is not trusted
+        no_cert = ssl.create_default_context(cafile=str(tmp_path / "a" / "tls" / "ca.pem"))
+        try:
+            assert await dial(port, good) == b"ping"
+            assert await dial(port, other_ca) is None
+            for _ in range(3):
+                assert not await dial(port, other_cert)
+            assert not await dial(port, no_cert)
+            assert not await dial(port, None, b"plain TCP, no TLS at all" * 4)
+            assert await dial(port, good) == b"ping"  # still serving
+            monkeypatch.setattr(tls, "REFUSAL_LOG_EVERY_S", 0.0)
+            assert not await dial(port, other_cert)
+            await asyncio.sleep(0.2)  # the listener's side of the last refusal
+        finally:
+            server.close()
+            tls.use(None)
+
+    with caplog.at_level(logging.WARNING, logger="skippy.stage"):
+        asyncio.run(main())
+    lines = [record for record in caplog.records if "TLS handshake from" in record.getMessage()]
+    messages = [record.getMessage() for record in lines]
+    assert all(record.levelno == logging.WARNING and record.exc_info is None for record in lines)
+    assert all(message.startswith(f"stage 1: TLS handshake from {host}:") for message in messages), messages
+    assert len(messages) == 5, messages  # the 2nd and 3rd of the same refusal: counted only
+    assert "another CA" in messages[0] and "hung up" in messages[0]
+    assert "not from this chain's CA (CERTIFICATE_VERIFY_FAILED" in messages[1]
+    assert "sent no client certificate" in messages[2]
+    assert "does not speak TLS (plain TCP?) (WRONG_VERSION_NUMBER)" in messages[3]
+    assert "not from this chain's CA" in messages[4] and "(2 more like it from" in messages[4]

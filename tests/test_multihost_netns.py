@@ -6,14 +6,13 @@ the first. Needs root and `ip` (iproute2), as CI has."""
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import shutil
 import subprocess
 import sys
 
 import pytest
 
+from netns_support import namespace_hosts, run_in, start_in
 from test_model_identity import renamed_copy
 
 pytestmark = pytest.mark.slow
@@ -21,45 +20,11 @@ CLI = [sys.executable, "-m", "skippy.cli"]
 PROMPT = "The capital of France is"
 
 
-def sh(*command: str) -> None:
-    subprocess.run(command, check=True, capture_output=True)
-
-
 @pytest.fixture
 def hosts():
     """Three namespaces on one bridge: [(namespace, address)]; removed afterwards."""
-    tag = secrets.token_hex(2)
-    bridge, names = f"skbr{tag}", [f"sk{tag}h{i}" for i in range(3)]
-    sh("ip", "link", "add", bridge, "type", "bridge")
-    sh("ip", "link", "set", bridge, "up")
-    try:
-        for i, name in enumerate(names):
-            sh("ip", "netns", "add", name)
-            sh("ip", "link", "add", f"{name}a", "type", "veth", "peer", "name", f"{name}b")
-            sh("ip", "link", "set", f"{name}a", "master", bridge, "up")
-            sh("ip", "link", "set", f"{name}b", "netns", name)
-            sh("ip", "-n", name, "addr", "add", f"10.213.{int(tag, 16) % 250}.{i + 1}/24", "dev", f"{name}b")
-            sh("ip", "-n", name, "link", "set", f"{name}b", "up")
-            sh("ip", "-n", name, "link", "set", "lo", "up")
-        yield [(name, f"10.213.{int(tag, 16) % 250}.{i + 1}") for i, name in enumerate(names)]
-    finally:
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
-
-
-def in_host(namespace: str, *command: str, **options) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", "netns", "exec", namespace, *command], capture_output=True, text=True,
-                          timeout=300, **options)
-
-
-def start_in(namespace: str, *command: str, log_path) -> subprocess.Popen:
-    process = subprocess.Popen(["ip", "netns", "exec", namespace, *command], stdout=subprocess.PIPE,
-                               stderr=open(log_path, "w"), text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for line in process.stdout:
-        if "ready" in line:
-            return process
-    raise AssertionError(f"{' '.join(command)} exited with {process.wait()}; see {log_path}")
+    with namespace_hosts(3) as made:
+        yield [(host.namespace, host.address) for host in made]
 
 
 ASK = """
@@ -87,7 +52,7 @@ def test_a_chain_across_three_namespaces_over_tls(hosts, gguf_path, tmp_path):
         serve = start_in(ns0, *CLI, "serve", "--topology", str(plan / "topology.json"), "--model", str(gguf_path),
                          "--port", "9337", "--threads", "1", log_path=tmp_path / "serve.log")
         stages.append(serve)
-        asked = in_host(ns0, sys.executable, "-c", ASK, "http://127.0.0.1:9337", PROMPT)
+        asked = run_in(ns0, sys.executable, "-c", ASK, "http://127.0.0.1:9337", PROMPT)
         assert asked.returncode == 0, asked.stderr
         answer = json.loads(asked.stdout)["choices"][0]
         one_process = subprocess.run([*CLI, "generate", "--raw", "--json", "--max-tokens", "12", PROMPT],
@@ -97,7 +62,7 @@ def test_a_chain_across_three_namespaces_over_tls(hosts, gguf_path, tmp_path):
         serve.wait(timeout=60)
 
         # a wrong token: refused, and the error says so
-        wrong = in_host(ns0, *CLI, "generate", "--topology", str(plan / "topology.json"), "--model", str(gguf_path),
+        wrong = run_in(ns0, *CLI, "generate", "--topology", str(plan / "topology.json"), "--model", str(gguf_path),
                         "--auth-token", "not-the-chain-token", "--raw", "--max-tokens", "2", PROMPT)
         assert wrong.returncode == 2 and "auth token" in wrong.stderr, wrong.stderr
         # a certificate from another CA: stage 0's TLS from another plan
@@ -110,12 +75,12 @@ def test_a_chain_across_three_namespaces_over_tls(hosts, gguf_path, tmp_path):
         shutil.copytree(other / "tls", stranger / "tls")
         config = json.loads((plan / "stage-0.json").read_text())  # the right token, the wrong CA
         (stranger / "stage-0.json").write_text(json.dumps(config))
-        refused = in_host(ns0, *CLI, "generate", "--topology", str(stranger / "topology.json"), "--model",
+        refused = run_in(ns0, *CLI, "generate", "--topology", str(stranger / "topology.json"), "--model",
                           str(gguf_path), "--raw", "--max-tokens", "2", PROMPT)
         assert refused.returncode == 2 and "certificate verify failed" in refused.stderr, refused.stderr
         # a different model file on a stage's host
         different = renamed_copy(gguf_path, tmp_path / "different.gguf")
-        mismatch = in_host(ns1, *CLI, "stage", "--config", str(plan / "stage-1.json"), "--model", str(different))
+        mismatch = run_in(ns1, *CLI, "stage", "--config", str(plan / "stage-1.json"), "--model", str(different))
         assert mismatch.returncode == 2 and "fingerprint" in mismatch.stderr
     finally:
         for process in reversed(stages):

@@ -63,7 +63,7 @@ class ReturnListener:
 
     async def start(self) -> str:
         host, port = parse_endpoint(self.bind_addr, allow_port_zero=True)
-        self._server = await asyncio.start_server(self._serve, host, port, ssl=tls.server_context(host))
+        self._server = await tls.start_server(self._serve, host, port, where="stage 0's return listener")
         bound = self._server.sockets[0].getsockname()
         return f"{host}:{bound[1]}" if ":" not in host else f"[{host}]:{bound[1]}"
 

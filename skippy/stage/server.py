@@ -53,12 +53,8 @@ class StageServer:
 
     async def start(self, sock: socket.socket | None = None) -> str:
         """Listen on the config's bind address, or on `sock` (already bound)."""
-        context = tls.server_context(self.config.bind_host)  # TLS off loopback
-        if sock is not None:
-            self._server = await asyncio.start_server(self._accept, sock=sock, ssl=context)
-        else:
-            self._server = await asyncio.start_server(self._accept, self.config.bind_host,
-                                                      self.config.bind_port, ssl=context)
+        self._server = await tls.start_server(self._accept, self.config.bind_host, self.config.bind_port, sock=sock,
+                                              where=f"stage {self.config.stage_index}")  # TLS off loopback
         log.info("stage %d (%s) listening on %s, layers [%d, %d)", self.config.stage_index,
                  self.config.stage_id, self.endpoint, self.config.layer_start,
                  self.config.layer_end)
