@@ -125,10 +125,11 @@ def test_which_peers_a_batch_waits_for(peer_wait_forwards, last_submit_ago, wait
         now = time.perf_counter()
         scheduler._forward_s = 0.04
         scheduler._cadences = {"peer": _Cadence(last_submit=now - last_submit_ago, period_s=0.1)}
-        deadline = scheduler._peer_deadline(since=now)
+        deadline, awaited = scheduler._peer_deadline(since=now)
         if waits_s is None:
-            assert deadline is None
+            assert deadline is None and awaited == set()
         else:  # two float64 sums of the same terms in another order: a few ulps of `now` apart
+            assert awaited == {"peer"}  # its arrival, the last awaited, wakes the worker
             assert deadline == pytest.approx(now + waits_s + scheduler.batch_wait_s, abs=4 * math.ulp(now + 1.0))
     finally:
         scheduler.shutdown()

@@ -133,6 +133,7 @@ class IterationScheduler:
         self._ops: deque[_Command] = deque()
         self._cadences: dict[Hashable, _Cadence] = {}
         self._forward_s: float | None = None   # smoothed run time of one batched forward
+        self._awaited: set[Hashable] | None = None  # peers the worker waits for (None: not waiting)
         self._closed = False
         self._last_kind = "op"
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
@@ -167,6 +168,11 @@ class IterationScheduler:
                     self._cadences[key] = _Cadence(command.submitted)
                 else:
                     cadence.observe(command.submitted)
+                awaited = self._awaited
+                if awaited is not None and key in awaited:
+                    awaited.discard(key)
+                    if awaited:  # the worker waits for more of this wave: waking it now only
+                        return command.future  # costs a GIL hand-off to the loop delivering them
             self._cv.notify()
         return command.future
 
@@ -229,26 +235,29 @@ class IterationScheduler:
         """Called with the lock held: wait for the decoding sessions due back soon."""
         since = time.perf_counter()
         while not self._closed and not self._ops:  # never hold other work back to wait
-            deadline = self._peer_deadline(since)
+            deadline, self._awaited = self._peer_deadline(since)
             remaining = deadline - time.perf_counter() if deadline is not None else 0.0
             if remaining <= 0:
+                self._awaited = None
                 return
             self._cv.wait(remaining)
+        self._awaited = None
 
-    def _peer_deadline(self, since: float) -> float | None:
-        """The latest time worth waiting until for a missing peer; None: run now.
+    def _peer_deadline(self, since: float) -> tuple[float | None, set[Hashable]]:
+        """The latest time worth waiting until for a missing peer (None: run now), and the
+        peers worth that wait.
 
         A straggler due within a fraction of a forward is worth its wait: batched, its
         row adds less to this forward than a forward of its own would cost. A peer of
         the other pipeline wave is due about one forward away, beyond the budget."""
         waiting = {c.key for c in self._iterations}
         if len(waiting) >= self.max_batch_steps:
-            return None
+            return None, set()
         now = time.perf_counter()
         forward_s = self._forward_s or 0.0
         budget = min(MAX_PEER_WAIT_S, max(self.batch_wait_s, self.peer_wait_forwards * forward_s))
         latest = since + budget + self.batch_wait_s
-        deadline = None
+        deadline, awaited = None, set()
         for key, cadence in list(self._cadences.items()):
             if cadence.is_stale(now):
                 del self._cadences[key]
@@ -259,7 +268,8 @@ class IterationScheduler:
             due = since + self.batch_wait_s if expected is None else expected + self.batch_wait_s
             if due <= latest:
                 deadline = due if deadline is None else max(deadline, due)
-        return deadline
+                awaited.add(key)
+        return deadline, awaited
 
     def _run_iterations(self, batch: list[_Command]) -> None:
         results, started, finished = self._forward(batch)
