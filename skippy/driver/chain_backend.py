@@ -20,8 +20,8 @@ from contextlib import aclosing
 from ..protocol import StageStatusReport, Topology, cache_namespace_digest
 from ..stage.downstream import LinkBroken, query_stage_status
 from .backend import (
-    BackendError, Finished, GenerationEvent, GenerationRequest, PrefillDone, Readiness, StageStatus, StageUnavailable,
-    StandbyStatus,
+    BackendError, Finished, GenerationEvent, GenerationRequest, PrefillDone, Readiness, StageStatus,
+    StageUnavailable, StandbyStatus,
 )
 from .client import ChainClient
 from .stage_figures import StageFigures

@@ -88,9 +88,9 @@ class StageRuntime:
 
     # -- sessions -------------------------------------------------------------------
     def open_session(self, key: SessionKey, request_id: int) -> Session:
-        before = len(self.sessions), key in self.sessions and self.sessions.get(key).request_id
         session = self.sessions.open(key, request_id)
-        if before != (len(self.sessions), request_id):  # every message opens: count new ones only
+        if session.is_new:  # every message of a request opens its session: count the first only
+            session.is_new = False
             self.metrics.count("sessions_opened")
         return session
 

@@ -58,6 +58,7 @@ class Session:
     verify_windows: dict[int, VerifyCheckpoint] = field(default_factory=dict)
     discarded_windows: list[tuple[int, int]] = field(default_factory=list)  # [min, max] ranges
     num_auto_aligns: int = 0
+    is_new: bool = True  # not yet counted as opened (stage metrics)
     # prompt logprobs (final stage): the entries so far, and the last chunk's last row's logits,
     # (position, tensor), whose token comes with the next chunk
     prompt_logprobs: list = field(default_factory=list)

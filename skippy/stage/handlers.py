@@ -305,7 +305,8 @@ async def on_stage_status(conn: StageConnection, msg: StageMessage, span: Span) 
     config = conn.config
     await conn.reply(StageReply.of_status(StageStatusReport(
         config.stage_index, config.layer_start, config.layer_end, len(conn.runtime.sessions),
-        config.lane_count, conn.runtime.metric_values(connections=len(conn.server.connections) - 1)))) # not this query)
+        config.lane_count,
+        conn.runtime.metric_values(connections=len(conn.server.connections) - 1))))  # not this query
 
 
 HANDLERS: dict[MessageKind, Handler] = {
