@@ -147,7 +147,7 @@ class ChatTemplate:
         """The prompt text for `messages`; `extra` reaches the template as variables (e.g. tools)."""
         # transformers always passes tools and documents: `tools is not none` must be false without any.
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None, "documents": None,
-                     "add_generation_prompt": add_generation_prompt, **extra}
+                     **extra, "add_generation_prompt": add_generation_prompt}
         normalized = normalize_messages(messages)
         try:
             try:
