@@ -56,7 +56,8 @@ ARGUMENTS = {"city": "Zürich", "unit": "c"}
 CALL = {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": ARGUMENTS}}
 CONVERSATIONS = {
     "user": [{"role": "user", "content": "What's 'fish & chips' <in> Zürich? 🙂"}],
-    "system": [{"role": "system", "content": "  Answer in one word.  "}, {"role": "user", "content": "Capital of France?"}],
+    "system": [{"role": "system", "content": "  Answer in one word.  "},
+               {"role": "user", "content": "Capital of France?"}],
     "multi_turn": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "Name a colour."}],
