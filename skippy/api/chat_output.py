@@ -1,7 +1,7 @@
 """A chat reply's shape: the prompt a request's tools and reasoning need, and the text out split
 into reasoning, content and tool calls (whole, or as OpenAI's streamed deltas).
 
-    render_chat(ctx, body, messages)   -> (prompt ids, ChatShape, the grammar a forced call needs)
+    render_chat(ctx, body)             -> (prompt ids, ChatShape, the grammar a forced call needs)
     ChatOutput(shape)                  text pieces in -> ChatDelta pieces out; .message() at the end
 
 Reasoning is split first (a thought may mention a call it never makes), then the rest goes
@@ -18,7 +18,7 @@ from ..protocol.constants import GrammarKind
 from ..protocol.sampling_config import GrammarSpec
 from .errors import ApiError
 from .reasoning import RESERVED_VARIABLES, Reasoning, ReasoningStream
-from .schemas import AssistantMessage, ChatCompletionRequest, ChatDelta, ToolCallDelta
+from .schemas import AssistantMessage, ChatCompletionRequest, ChatDelta, ChatMessage, ToolCallDelta
 from .tools import ToolCall, ToolCallStream, ToolPlan
 
 
@@ -33,10 +33,10 @@ class ChatShape:
         return self.tools is None and not (self.reasoning and self.reasoning.splits)
 
 
-async def render_chat(ctx, body: ChatCompletionRequest,
-                      messages: list[dict[str, Any]]) -> tuple[list[int], ChatShape, GrammarSpec | None]:
-    """The prompt ids for `messages` with the request's tools and reasoning switch, the reply's
+async def render_chat(ctx, body: ChatCompletionRequest) -> tuple[list[int], ChatShape, GrammarSpec | None]:
+    """The prompt ids for the request's messages with its tools and reasoning switch, the reply's
     shape, and, for a forced tool choice, the grammar that makes the reply a valid call."""
+    messages = [chat_message(message) for message in body.messages]
     template = ctx.tokenizer.chat_template
     plan = ToolPlan.build(template, body.tools, body.tool_choice, body.parallel_tool_calls)
     reasoning = Reasoning.for_request(template, body.chat_template_kwargs, body.reasoning_effort)
@@ -64,6 +64,15 @@ async def render_chat(ctx, body: ChatCompletionRequest,
             raise ApiError(400, f"tools cannot be enforced: {exc}", param="tools",
                            code="invalid_tool_schema") from None
     return prompt_ids, ChatShape(reasoning, starts_in_thought, plan), grammar
+
+
+def chat_message(message: ChatMessage) -> dict[str, Any]:
+    """A request message as the template reads it: the fields the client sent (its tool_calls,
+    tool_call_id, name, reasoning_content, ...), with OpenAI's newer "developer" as "system"."""
+    fields = message.model_dump(exclude_none=True)
+    if fields["role"] == "developer":
+        fields["role"] = "system"
+    return fields
 
 
 class ChatOutput:

@@ -49,13 +49,7 @@ async def prepare_chat(ctx: ServeContext, body: ChatCompletionRequest, request_i
     _check_common(ctx, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true; send both, or neither", param="top_logprobs")
-    messages = []
-    for message in body.messages:
-        fields = message.model_dump(exclude_none=True)
-        if fields["role"] == "developer":  # OpenAI's newer name for the system role
-            fields["role"] = "system"
-        messages.append(dict(fields, content=message.content))
-    prompt_ids, shape, grammar = await render_chat(ctx, body, messages)
+    prompt_ids, shape, grammar = await render_chat(ctx, body)
     if grammar is None:
         grammar = await _grammar(ctx, body.response_format)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -81,6 +81,7 @@ class ToolPlan:
 
     format: ToolFormat
     functions: tuple[dict[str, Any], ...]  # each {"name", "description"?, "parameters"}
+    declared: tuple[dict[str, Any], ...]  # the request's tools as sent: what a template renders
     choice: str  # "auto" or "required"
     forced_name: str | None  # a named tool_choice: only this function
     parallel: bool
@@ -113,7 +114,7 @@ class ToolPlan:
         elif choice not in ("auto", "required"):
             raise ApiError(400, f"Expected tool_choice 'none', 'auto', 'required' or a named function, got "
                                 f"{choice!r}", param="tool_choice")
-        return cls(ToolFormat.detect(template), functions, choice, forced_name,
+        return cls(ToolFormat.detect(template), functions, tuple(copy.deepcopy(list(tools))), choice, forced_name,
                    parallel=parallel_tool_calls is not False and forced_name is None)
 
     @property
@@ -125,8 +126,9 @@ class ToolPlan:
         return self.format is not ToolFormat.GENERIC
 
     def template_tools(self) -> list[dict[str, Any]]:
-        """`tools` as templates read them (transformers' shape: OpenAI's)."""
-        return [{"type": "function", "function": dict(f)} for f in self.functions]
+        """`tools` for the template: the client's own objects, key order and all, since templates
+        write them out with `tojson` or key by key (as transformers gets them from its caller)."""
+        return copy.deepcopy(list(self.declared))
 
     # ---- the prompt ----------------------------------------------------------------
 

@@ -4,7 +4,11 @@ Templates come from model files, which we do not control, so they run in jinja's
 immutable sandbox. The environment mirrors transformers'
 `utils/chat_template_utils._cached_compile_jinja_template`: trim_blocks and
 lstrip_blocks, loop controls, a `tojson` that keeps non-ASCII text, and the
-`raise_exception` / `strftime_now` helpers templates call.
+`raise_exception` / `strftime_now` helpers templates call. What a template sees
+mirrors its `apply_chat_template` too: keys set to None are left out, a message's
+reasoning under any of its names is offered under each, and `tools` and
+`documents` are None unless given. tests/test_reference_templates.py holds real
+models' templates to that.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' order of preference
 
 
 class ChatTemplateError(ValueError):
@@ -93,10 +98,12 @@ def flatten_content(content: Any, where: str) -> str:
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Check roles and content, and return copies whose content is a plain string.
+    """Check roles and content, and return copies as transformers hands them to a template:
+    content a plain string, keys whose value is None left out (OpenAI clients send
+    `tool_calls: null`, which templates testing `'tool_calls' in message` misread), and
+    reasoning under each of its names (Qwen3's template reads `reasoning_content`).
 
-    An assistant message that carries `tool_calls` may have no content; it is
-    passed on as None, which is what templates written for tool calls test for.
+    An assistant message that carries `tool_calls` may have no content.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ChatTemplateError(f"Expected messages to be a list of objects, got {type(messages).__name__}.")
@@ -108,13 +115,16 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         role = message.get("role")
         if role not in ROLES:
             raise ChatTemplateError(f"Expected {where}.role to be one of {sorted(ROLES)}, got {role!r}.")
+        plain = {key: value for key, value in message.items() if value is not None}
         content = message.get("content")
-        if content is None and role == "assistant" and message.get("tool_calls"):
-            normalized.append(dict(message, content=None))
-            continue
-        if content is None:
+        if content is not None:
+            plain["content"] = flatten_content(content, where)
+        elif not (role == "assistant" and message.get("tool_calls")):
             raise ChatTemplateError(f"Expected {where}.content to be a string or a list of text parts, got nothing.")
-        normalized.append(dict(message, content=flatten_content(content, where)))
+        reasoning = next((plain[key] for key in REASONING_KEYS if key in plain), None)
+        if reasoning is not None:
+            plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
+        normalized.append(plain)
     return normalized
 
 
@@ -135,20 +145,20 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
         """The prompt text for `messages`; `extra` reaches the template as variables (e.g. tools)."""
-        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra}
+        # transformers always passes tools and documents: `tools is not none` must be false without any.
+        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None, "documents": None,
+                     **extra, "add_generation_prompt": add_generation_prompt}
         normalized = normalize_messages(messages)
         try:
             try:
-                return self._template.render(messages=normalized, add_generation_prompt=add_generation_prompt,
-                                             **variables)
-            except TypeError:
-                if all(m["content"] is not None for m in normalized):
+                return self._template.render(messages=normalized, **variables)
+            except (TypeError, jinja2.exceptions.UndefinedError):
+                if all("content" in m for m in normalized):
                     raise
-                # A template without tool-call support concatenates content: a tool call's absent
-                # content is then empty text (as llama.cpp's server sends it).
-                normalized = [dict(m, content=m["content"] or "") for m in normalized]
-                return self._template.render(messages=normalized, add_generation_prompt=add_generation_prompt,
-                                             **variables)
+                # A template that reads every message's content (Qwen3's) fails on a tool call without
+                # any, in transformers too; llama.cpp's server renders such content as empty text.
+                normalized = [dict(m, content=m.get("content", "")) for m in normalized]
+                return self._template.render(messages=normalized, **variables)
         except TypeError as error:
             raise ChatTemplateError(f"The chat template cannot render this conversation: {error}") from error
         except jinja2.exceptions.TemplateError as error:
