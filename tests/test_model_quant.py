@@ -131,16 +131,16 @@ def matmul_bound(x: np.ndarray, weight: GroupAffine) -> np.ndarray:
     """|kernel - exact| per output [M, N], for x [M, K] and the kernel's weights.
 
     The kernel rounds x to two int8 levels per group of 32: dx = max|x| / 127, then the
-    remainder (at most dx / 2) with dr = dx / 127, so each value is off by at most
+    remainder (at most dx / 2) with dr = dx / 128, so each value is off by at most
     dr * (1/2 + 256u) (the 256u from rounding 1/dr times codes up to 64) plus u * dx
     (rounding the remainder); a zero stays zero. Every part of a weight multiplies
     the rounded x, so the error is sum_i w_i e_i. Its float32 arithmetic, worst case:
-    per group two products of three factors and two exact integer dots, G groups
-    summed twice over: (G + 6) u of the terms."""
+    per group one integer dot (exact, rounded once to float32) times two factors and
+    the offset's product, G groups summed: within (G + 6) u of the terms."""
     u = unit_roundoff()
     m, k = x.shape
     dx = np.abs(x.reshape(m, k // 32, 32)).max(-1, keepdims=True) / 127  # [M, G, 1]
-    step = dx / 127 * (0.5 + 256 * u) + u * dx
+    step = dx / 128 * (0.5 + 256 * u) + u * dx
     step = (step * (x.reshape(m, k // 32, 32) != 0)).reshape(m, k)
     codes_part = np.abs(np.repeat(weight.scale.astype(np.float64), 32, axis=1) * weight.codes)  # |s c| [N, K]
     offset_part = np.abs(np.repeat(weight.offset.astype(np.float64), 32, axis=1))

@@ -66,52 +66,70 @@ static inline float cache_value(const void *base, int f16, size_t at) {
     return f16 ? (float)((const _Float16 *)base)[at] : ((const float *)base)[at];
 }
 
+#ifdef SKIPPY_AVX512
+/* attend_group for hd = 16 n with AVX-512 (8 rows of 100 keys: 25% faster than with a
+   running maximum and the value sums stored back every key) */
+static inline __attribute__((always_inline)) void attend_group_avx512(
+    const int n, const float *qj, int group, const void *k, const void *v, int f16, int T, float scale,
+    float *sj, float *oj) {
+    /* scores: every key's dot products with the group's rows, then each row's maximum
+       in a pass of its own (a running maximum would chain every key on the last) */
+    for (int t = 0; t < T; t++) {
+        __m512 row[MAX_HEAD_DIM / 16];
+        for (int i = 0; i < n; i++) row[i] = load16(k, f16, (size_t)t * (16 * n) + 16 * i);
+        for (int g = 0; g < group; g++) {
+            const float *qg = qj + g * (16 * n);
+            __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), row[0]);
+            for (int i = 1; i < n; i++) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), row[i], dot);
+            sj[(size_t)g * T + t] = _mm512_reduce_add_ps(dot) * scale;
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float *s = sj + (size_t)g * T;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        int t = 0;
+        for (; t + 16 <= T; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
+        float m = _mm512_reduce_max_ps(top);
+        for (; t < T; t++) m = s[t] > m ? s[t] : m;
+        for (t = 0; t < T; t++) s[t] -= m;
+        exp_n(s, T, s);
+    }
+    /* values: each row's sums in registers over every key (a value row is read once a
+       row of the group, from L1) */
+    for (int g = 0; g < group; g++) {
+        const float *s = sj + (size_t)g * T;
+        __m512 o[MAX_HEAD_DIM / 16];
+        for (int i = 0; i < n; i++) o[i] = _mm512_setzero_ps();
+        float sum = 0.f;
+        for (int t = 0; t < T; t++) {
+            const __m512 p = _mm512_set1_ps(s[t]);
+            sum += s[t];
+            for (int i = 0; i < n; i++) o[i] = _mm512_fmadd_ps(p, load16(v, f16, (size_t)t * (16 * n) + 16 * i), o[i]);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / sum);
+        for (int i = 0; i < n; i++) _mm512_storeu_ps(oj + g * (16 * n) + 16 * i, _mm512_mul_ps(o[i], inv));
+    }
+}
+#endif
+
 /* The `group` query rows qj [group, hd] sharing one KV head over its keys/values
    k, v [T, hd] (float16 when f16, else float32); scratch sj [group, T]; out oj [group, hd].
    Softmax in float32 after subtracting the row's maximum, as every attention kernel
-   does. Each cached row is read (and widened from float16) once for all of the group. */
+   does. Each cached key row is read (and widened from float16) once for all of the group. */
 static void attend_group(const float *qj, int group, int hd, const void *k, const void *v, int f16, int T,
                          float scale, float *sj, float *oj) {
-    float best[group], total[group];
-    for (int g = 0; g < group; g++) best[g] = -INFINITY, total[g] = 0.f;
 #ifdef SKIPPY_AVX512
     if (hd % 16 == 0) {
-        __m512 row[MAX_HEAD_DIM / 16];
-        for (int t = 0; t < T; t++) {
-            for (int i = 0; i < hd / 16; i++) row[i] = load16(k, f16, (size_t)t * hd + 16 * i);
-            for (int g = 0; g < group; g++) {
-                __m512 dot = _mm512_setzero_ps();
-                for (int i = 0; i < hd / 16; i++) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qj + g * hd + 16 * i), row[i], dot);
-                const float score = _mm512_reduce_add_ps(dot) * scale;
-                sj[(size_t)g * T + t] = score;
-                best[g] = score > best[g] ? score : best[g];
-            }
+        switch (hd) { /* constant sizes keep a row's vectors in registers */
+        case 64: attend_group_avx512(4, qj, group, k, v, f16, T, scale, sj, oj); return;
+        case 128: attend_group_avx512(8, qj, group, k, v, f16, T, scale, sj, oj); return;
+        case 256: attend_group_avx512(16, qj, group, k, v, f16, T, scale, sj, oj); return;
+        default: attend_group_avx512(hd / 16, qj, group, k, v, f16, T, scale, sj, oj); return;
         }
-        for (int g = 0; g < group; g++) {
-            float *s = sj + (size_t)g * T;
-            for (int t = 0; t < T; t++) s[t] -= best[g];
-            exp_n(s, T, s);
-            for (int i = 0; i < hd; i++) oj[g * hd + i] = 0.f;
-        }
-        for (int t = 0; t < T; t++) {
-            for (int i = 0; i < hd / 16; i++) row[i] = load16(v, f16, (size_t)t * hd + 16 * i);
-            for (int g = 0; g < group; g++) {
-                const float p = sj[(size_t)g * T + t];
-                total[g] += p;
-                const __m512 pv = _mm512_set1_ps(p);
-                float *o = oj + g * hd;
-                for (int i = 0; i < hd / 16; i++)
-                    _mm512_storeu_ps(o + 16 * i, _mm512_fmadd_ps(pv, row[i], _mm512_loadu_ps(o + 16 * i)));
-            }
-        }
-        for (int g = 0; g < group; g++) {
-            const __m512 inv = _mm512_set1_ps(1.f / total[g]);
-            for (int i = 0; i < hd / 16; i++)
-                _mm512_storeu_ps(oj + g * hd + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(oj + g * hd + 16 * i), inv));
-        }
-        return;
     }
 #endif
+    float best[group], total[group];
+    for (int g = 0; g < group; g++) best[g] = -INFINITY, total[g] = 0.f;
     for (int g = 0; g < group; g++) {
         const float *qh = qj + (size_t)g * hd;
         float *s = sj + (size_t)g * T, *oh = oj + (size_t)g * hd;
