@@ -213,7 +213,7 @@ int skippy_qmatmul(const float *x, int M, int K, const uint8_t *w, const uint16_
         return -2;
     }
     quantize_rows(x, M, K, q, dx, sx);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(guided)
     for (int b = 0; b < N / LANES; b++) {
 #ifdef SKIPPY_VNNI
         block_vnni(b, M, G, bits, w, wd, wm, q, dx, sx, y, N, accumulate);

@@ -192,7 +192,7 @@ int skippy_decode_attention(const float *qkv, int S, int H, int KVH, int hd, voi
         max_t = pos[s] + 1 > max_t ? pos[s] + 1 : max_t;
     }
     int status = 0;
-    #pragma omp parallel for schedule(static) if (S > 1) reduction(| : status)
+    #pragma omp parallel for schedule(guided) if (S > 1) reduction(| : status)
     for (int s = 0; s < S; s++) {
         float *scores = malloc(sizeof(float) * group * max_t);
         if (!scores) {
