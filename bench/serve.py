@@ -4,6 +4,10 @@ A `skippy serve` subprocess (the same command a user runs) answers streaming cha
 requests from this process at concurrency 1, 4 and 8. The reference is the
 `skippy generate` path with no HTTP at concurrency 1: `generate_tokens` in this
 process for --stages 1, a `LocalChain` driven by its `ChainClient` for --stages N.
+llama.cpp (llama-cpp-python, same GGUF, same prompt ids, greedy with the same end
+tokens banned) runs one stream in this process in every round too, when it imports:
+its server runs one request at a time, so its single-stream rate is the bar for our
+aggregate (issue 12: 8 streams on 2 stages >= 3x).
 Every request uses the same prompt ids and runs exactly --max-tokens tokens
 (greedy, end-of-generation tokens banned by logit_bias in both paths, so both do
 the same sampling work). One round runs every configuration once, in turn; the
@@ -24,6 +28,8 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +155,77 @@ class Direct:
             self.loop.run_until_complete(self.chain.close())
 
 
+class LlamaCpp:
+    """One greedy stream through llama-cpp-python, timed per token as the others are."""
+
+    def __init__(self, path: Path, threads: int):
+        import llama_cpp
+        import numpy as np
+
+        self.llama_cpp, self.np = llama_cpp, np
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_batch=512, n_threads=threads,
+                                   n_threads_batch=threads, logits_all=False, verbose=False)
+        self.vocab_size = self.llm.n_vocab()
+
+    def _next(self) -> int:
+        logits = self.np.ctypeslib.as_array(self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1),
+                                            shape=(self.vocab_size,)).copy()
+        for token, bias in NO_EOS.items():
+            logits[token] += bias
+        return int(logits.argmax())
+
+    def generate(self, prompt_ids: list[int], max_tokens: int) -> list[float]:
+        """The perf_counter time of each token (CLOCK_MONOTONIC: comparable across processes)."""
+        self.llm.reset()
+        self.llm.eval(prompt_ids)
+        token, token_times = self._next(), [time.perf_counter()]
+        while len(token_times) < max_tokens:
+            self.llm.eval([token])
+            token = self._next()
+            token_times.append(time.perf_counter())
+        return token_times
+
+
+class LlamaCppProcess:
+    """LlamaCpp in a child process of its own: this one shortened libgomp's spin for the
+    co-located stages, and llama.cpp's OpenMP threads would then sleep between its ops
+    (it decodes ~3x slower with a passive wait policy)."""
+
+    def __init__(self, path: Path, threads: int):
+        env = {key: value for key, value in os.environ.items() if key != "GOMP_SPINCOUNT"}
+        self.process = subprocess.Popen([sys.executable, __file__, "--llama-cpp-worker", str(path), str(threads)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        if self.process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the llama.cpp worker exited with {self.process.wait()}")
+
+    def generate(self, prompt_ids: list[int], max_tokens: int) -> Sample:
+        started = time.perf_counter()
+        self.process.stdin.write(json.dumps([prompt_ids, max_tokens]) + "\n")
+        self.process.stdin.flush()
+        return sample(started, json.loads(self.process.stdout.readline()))
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
+
+
+def llama_cpp_worker(path: str, threads: int) -> None:
+    engine = LlamaCpp(Path(path), threads)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        prompt_ids, max_tokens = json.loads(line)
+        print(json.dumps(engine.generate(prompt_ids, max_tokens)), flush=True)
+
+
+def load_llama_cpp(path: Path, threads: int | None) -> LlamaCppProcess | None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama.cpp skipped: llama_cpp is not importable (pip install -e '.[bench-llamacpp]')", flush=True)
+        return None
+    return LlamaCppProcess(path, threads or os.cpu_count() or 1)
+
+
 # ---- the run ------------------------------------------------------------------------
 
 
@@ -192,16 +269,19 @@ def main() -> None:
     print(f"loading: skippy serve --stages {args.stages}, and the direct reference ...", flush=True)
     server = Server(args)
     direct = Direct(args, path, loop)
+    llama = load_llama_cpp(path, args.threads)
     client = httpx.AsyncClient(timeout=600)
     url = server.url + "/v1/chat/completions"
     print(server.ready_line, flush=True)
-    names = ["direct c=1", *[f"http c={c}" for c in args.concurrency]]
+    names = ["direct c=1", *[f"http c={c}" for c in args.concurrency]] + (["llama.cpp c=1"] if llama else [])
     results: dict[str, list[list[Sample]]] = {name: [] for name in names}
     try:
         for round_index in range(args.rounds + 1):  # round 0 warms up
             runs = {"direct c=1": [direct.generate(prompt_ids, tokenizer.eog_ids)]}
             for c in args.concurrency:
                 runs[f"http c={c}"] = loop.run_until_complete(http_round(client, url, body, c))
+            if llama is not None:
+                runs["llama.cpp c=1"] = [llama.generate(prompt_ids, args.max_tokens)]
             for name, samples in runs.items():
                 assert all(s.num_tokens == args.max_tokens for s in samples), (name, [s.num_tokens for s in samples])
                 if round_index:
@@ -212,6 +292,8 @@ def main() -> None:
         loop.run_until_complete(client.aclose())
         direct.close()
         server.close()
+        if llama is not None:
+            llama.close()
 
     table = {}
     for name, rounds in results.items():
@@ -240,7 +322,17 @@ def main() -> None:
         for c in args.concurrency:
             if c != 1:
                 print(f"aggregate c={c} / c=1: {table[f'http c={c}'][2] / http1[2]:.2f}x")
+    if "llama.cpp c=1" in table:
+        reference = table["llama.cpp c=1"]
+        print(f"llama.cpp c=1: decode {reference[1]:.2f} tok/s, aggregate {reference[2]:.2f}")
+        for c in args.concurrency:
+            ours = table[f"http c={c}"]
+            print(f"http c={c} / llama.cpp c=1: aggregate {ours[2] / reference[2]:.2f}x, "
+                  f"decode per stream {ours[1] / reference[1]:.2f}x")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--llama-cpp-worker"]:
+        llama_cpp_worker(sys.argv[2], int(sys.argv[3]))
+    else:
+        main()
