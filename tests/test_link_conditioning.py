@@ -44,7 +44,9 @@ def test_delay_bandwidth_order_and_stalls():
     delayed = run(arrivals(LinkConditioning(delay_ms=50), frames))
     assert [f for _, f in delayed] == frames and all(0.05 <= at < 0.09 for at, _ in delayed)
     capped = run(arrivals(LinkConditioning(mbps=2), frames))  # 50 ms a frame, back to back
-    assert [at for at, _ in capped] == pytest.approx([0.05, 0.1, 0.15, 0.2], abs=0.03)
+    # A busy machine can only make a frame later, so the schedule is a floor; the ceiling is loose.
+    assert [f for _, f in capped] == frames
+    assert all(0.05 * (i + 1) - 0.005 <= at < 0.05 * (i + 1) + 0.25 for i, (at, _) in enumerate(capped))
     stalled = run(arrivals(LinkConditioning(stall_ms=100, stall_p=1.0), frames[:1]))
     assert stalled[0][0] >= 0.1
 

@@ -218,7 +218,7 @@ class ChainSession:
             chunk = list(tokens[offset:offset + size])
             is_last = index == len(sizes) - 1
             step = self._step(self.position, chunk, SampleMode.LAST if is_last else SampleMode.NONE)
-            timed = await runtime.prefill(step)
+            timed = await runtime.prefill(step, last=is_last)
             self.stats = merge(self.stats, prefill_compute_observation(0, int(timed.run_s * 1e6),
                                                                       size))
             self.position += size

@@ -92,6 +92,7 @@ class StageRuntime:
         if session.is_new:  # every message of a request opens its session: count the first only
             session.is_new = False
             self.metrics.count("sessions_opened")
+            self.scheduler.announce(key)
         return session
 
     def session(self, key: SessionKey) -> Session:
@@ -129,10 +130,11 @@ class StageRuntime:
         of this process (a draft model's forward) belongs on this thread (model/threads.py)."""
         return (await self.scheduler.submit_op(fn)).value
 
-    async def prefill(self, step: Step) -> Timed[StepResult]:
+    async def prefill(self, step: Step, *, last: bool = True) -> Timed[StepResult]:
         """A prompt chunk: in order with this session's other runtime operations (spec
-        §6.1), in one forward with other sessions' chunks waiting at the same time."""
-        timed = await self.scheduler.submit_prefill(step, step.session.key, step.num_rows)
+        §6.1), in one forward with other sessions' chunks waiting at the same time. `last`:
+        the prompt's last chunk, after which the session decodes."""
+        timed = await self.scheduler.submit_prefill(step, step.session.key, step.num_rows, last=last)
         self.metrics.observe_forward("prefill", step.num_rows, timed.run_s, timed.wait_s)
         return timed
 
@@ -140,15 +142,15 @@ class StageRuntime:
                         prompt_token_count: int, skip_draws: int = 0) -> Timed[None]:
         session = self.sessions.get(key)
         session.prompt_token_count = prompt_token_count
-        return await self.scheduler.submit_op(lambda: self.runner.configure(session, sampling, skip_draws))
+        return await self.scheduler.submit_op(lambda: self.runner.configure(session, sampling, skip_draws), key)
 
     async def trim(self, key: SessionKey, num_tokens: int) -> Timed[int]:
         session = self.sessions.get(key)
-        return await self.scheduler.submit_op(lambda: self.runner.trim(session, num_tokens))
+        return await self.scheduler.submit_op(lambda: self.runner.trim(session, num_tokens), key)
 
     async def retire(self, key: SessionKey, start: int, count: int) -> Timed[int]:
         session = self.sessions.get(key)
-        return await self.scheduler.submit_op(lambda: self.runner.retire(session, start, count))
+        return await self.scheduler.submit_op(lambda: self.runner.retire(session, start, count), key)
 
     async def drop(self, key: SessionKey) -> Timed[bool]:
         """Stop's reset. The reset passes through the worker, so it is ordered after any
@@ -160,7 +162,7 @@ class StageRuntime:
                 session.cache = None  # free the KV memory on the owner thread
             return session is not None
 
-        timed = await self.scheduler.submit_op(reset)
+        timed = await self.scheduler.submit_op(reset, key)
         self.sessions.drop(key)
         self.scheduler.forget(key)
         return timed
@@ -175,7 +177,7 @@ class StageRuntime:
             return Timed(0, 0.0, 0.0)
         runner = self.runner
         return await self.scheduler.submit_op(lambda: cache.restore(
-            session, tokens, longest=longest, new_cache=lambda: runner.model.new_cache(runner.ctx_size)))
+            session, tokens, longest=longest, new_cache=lambda: runner.model.new_cache(runner.ctx_size)), key)
 
     def record_prefix(self, key: SessionKey) -> asyncio.Future:
         """Record the session's prefill (a Timed[RecordResult] future: submitted now, so it runs
@@ -187,14 +189,14 @@ class StageRuntime:
             future = asyncio.get_running_loop().create_future()
             future.set_result(Timed(RecordResult(0, 0), 0.0, 0.0))
             return future
-        return self.scheduler.submit_op(lambda: cache.record(session))
+        return self.scheduler.submit_op(lambda: cache.record(session), key)
 
     async def rollback_prefix(self, key: SessionKey) -> Timed[None]:
         """Drop a restore that the chain did not complete: the session holds nothing again."""
         session, cache = self.sessions.get(key), self.prefix_cache
         if cache is None:
             return Timed(None, 0.0, 0.0)
-        return await self.scheduler.submit_op(lambda: cache.rollback(session))
+        return await self.scheduler.submit_op(lambda: cache.rollback(session), key)
 
     def close(self) -> None:
         self.scheduler.shutdown()

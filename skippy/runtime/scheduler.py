@@ -6,8 +6,17 @@ Everyone else submits commands and awaits asyncio futures:
   are waiting together run as ONE batched forward (spec §6.5, "direct iterations").
 * `submit_prefill(step)`: a prompt chunk, queued in order with the ops; chunks of other
   sessions queued right behind it run in the same forward (8 prompts arriving together
-  cost one stage forward of their rows instead of eight).
-* `submit_op(fn)`: any other runtime work (trim, drop, configure...), run alone.
+  cost one stage forward of their rows instead of eight). Sessions opened together
+  (`announce`) have their first chunks gathered: the worker waits up to
+  `PROMPT_GATHER_S` for the chunks of sessions announced but not yet heard from, since
+  8 requests arriving together reach the worker a few ms apart, and a forward of the
+  first alone puts it out of step with the rest for the whole decode (on 2 stages
+  sharing 2 cores it also ran that session's decode steps beside the others' prefill).
+  While it gathers, other sessions' ops run (their prefix-cache restores come before
+  their chunks), and after a last chunk the session counts as a decoding peer due at once,
+  so the first decode steps of sessions prefilled together also share one forward.
+* `submit_op(fn, key)`: any other runtime work (trim, drop, configure...), run alone, in
+  order with the ops and chunks of its session `key` (None: of no one session, or of all).
 
 Each turn the worker takes one kind of work, alternating when both are waiting so
 neither starves. A single stream never waits. When several sessions are decoding,
@@ -51,8 +60,15 @@ PEER_WAIT_FORWARDS = 0.25  # wait for a peer due back within this many forwards'
 ONE_WAVE_PEER_WAIT_FORWARDS = 2.0  # stages sharing cores: every decoding session in one wave
 MAX_PEER_WAIT_S = 0.25    # never idle longer than this for a peer, however slow the forward
 MAX_PREFILL_ROWS = 1024   # prompt rows of several sessions that may share one forward
+PROMPT_GATHER_S = 0.01    # the longest wait for the first chunks of sessions opened together
+ANNOUNCE_HORIZON_S = 2.0  # a session opened this long ago without a chunk is not waited for (at a
+                          # stage below, the first chunk comes after the stages above computed it)
+FIRST_STEP_HORIZON_S = 1.0  # a prefilled session not back with a step within this is not waited for
 CADENCE_SMOOTHING = 0.3   # weight of the newest gap in a session's cadence
 LATE_FACTOR = 2.0         # a session this many cadences overdue has stopped decoding
+LATE_TOLERANCE = 0.25     # a peer due back is waited for until this part of its period past due
+                          # (8 streams served on 2 stages: the API's work for the last token
+                          # spreads the next steps' arrivals over 3-5 ms of a ~25 ms period)
 
 
 class SchedulerBusyError(RuntimeError):
@@ -88,8 +104,12 @@ class _Cadence:
     """When a decoding session last submitted a step, and its smoothed step period."""
     last_submit: float
     period_s: float | None = None
+    awaiting_first: bool = False  # prefilled, no step yet: its first comes after the chain's prefill
 
     def observe(self, now: float) -> None:
+        if self.awaiting_first:  # the gap since the prefill is no step period
+            self.awaiting_first, self.last_submit = False, now
+            return
         gap = now - self.last_submit
         self.period_s = gap if self.period_s is None else (
             (1 - CADENCE_SMOOTHING) * self.period_s + CADENCE_SMOOTHING * gap)
@@ -99,8 +119,12 @@ class _Cadence:
         return None if self.period_s is None else self.last_submit + self.period_s
 
     def is_stale(self, now: float) -> bool:
-        horizon = RECENT_DECODER_S if self.period_s is None else max(RECENT_DECODER_S,
-                                                                     LATE_FACTOR * self.period_s)
+        if self.awaiting_first:
+            horizon = FIRST_STEP_HORIZON_S
+        elif self.period_s is None:
+            horizon = RECENT_DECODER_S
+        else:
+            horizon = max(RECENT_DECODER_S, LATE_FACTOR * self.period_s)
         return now - self.last_submit > horizon
 
 
@@ -110,8 +134,9 @@ class _Command:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     submitted: float
-    key: Hashable = None
+    key: Hashable = None               # the session (None: an op of no one session)
     prefill_rows: int = 0              # > 0: a prompt chunk (the payload is its step)
+    last_chunk: bool = False           # the prompt's last chunk: the session decodes next
 
 
 class IterationScheduler:
@@ -134,6 +159,7 @@ class IterationScheduler:
         self._cadences: dict[Hashable, _Cadence] = {}
         self._forward_s: float | None = None   # smoothed run time of one batched forward
         self._awaited: set[Hashable] | None = None  # peers the worker waits for (None: not waiting)
+        self._announced: dict[Hashable, float] = {}  # sessions opened, first chunk not yet submitted
         self._closed = False
         self._last_kind = "op"
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
@@ -148,22 +174,33 @@ class IterationScheduler:
     def submit_iteration(self, step: Any, key: Hashable) -> asyncio.Future:
         return self._submit(self._iterations, step, key)
 
-    def submit_prefill(self, step: Any, key: Hashable, rows: int) -> asyncio.Future:
-        return self._submit(self._ops, step, key, max(1, rows))
+    def submit_prefill(self, step: Any, key: Hashable, rows: int, *, last: bool = True) -> asyncio.Future:
+        return self._submit(self._ops, step, key, max(1, rows), last)
 
-    def submit_op(self, fn: Callable[[], T]) -> asyncio.Future:
-        return self._submit(self._ops, fn, None)
+    def submit_op(self, fn: Callable[[], T], key: Hashable = None) -> asyncio.Future:
+        return self._submit(self._ops, fn, key)
 
-    def _submit(self, queue: deque, payload: Any, key: Hashable, prefill_rows: int = 0) -> asyncio.Future:
+    def announce(self, key: Hashable) -> None:
+        """A session opened: its first prompt chunk is on its way (see PROMPT_GATHER_S)."""
+        with self._cv:
+            self._announced[key] = time.perf_counter()
+
+    def _submit(self, queue: deque, payload: Any, key: Hashable, prefill_rows: int = 0,
+                last_chunk: bool = False) -> asyncio.Future:
         loop = asyncio.get_running_loop()
-        command = _Command(payload, loop.create_future(), loop, time.perf_counter(), key, prefill_rows)
+        command = _Command(payload, loop.create_future(), loop, time.perf_counter(), key, prefill_rows,
+                           last_chunk)
         with self._cv:
             if self._closed:
                 raise SchedulerClosedError("the runtime is shut down")
             if len(self._iterations) + len(self._ops) >= self.capacity:
                 raise SchedulerBusyError(f"generation queue full ({self.capacity} commands)")
             queue.append(command)
+            if prefill_rows and self._announced.pop(key, None) is not None:
+                self._cv.notify()  # the worker may be gathering first chunks
+                return command.future
             if queue is self._iterations:
+                self._announced.pop(key, None)  # decoding without a prompt of its own (a restore)
                 if (cadence := self._cadences.get(key)) is None:
                     self._cadences[key] = _Cadence(command.submitted)
                 else:
@@ -180,6 +217,7 @@ class IterationScheduler:
         """The session ended: stop waiting for its steps."""
         with self._cv:
             self._cadences.pop(key, None)
+            self._announced.pop(key, None)
 
     def shutdown(self) -> None:
         with self._cv:
@@ -207,7 +245,8 @@ class IterationScheduler:
                     batch = [self._iterations.popleft()
                              for _ in range(min(self.max_batch_steps, len(self._iterations)))]
                 else:
-                    op = self._ops.popleft()
+                    ahead = self._gather_prompts() if self._ops[0].prefill_rows else None
+                    op = ahead or self._ops.popleft()
                     chunks = self._prefills_behind(op) if op.prefill_rows else []
             if run_iterations:
                 self._last_kind = "iteration"
@@ -230,6 +269,31 @@ class IterationScheduler:
             keys.add(nxt.key)
             rows += nxt.prefill_rows
         return chunks
+
+    def _gather_prompts(self) -> _Command | None:
+        """Called with the lock held, a prompt chunk first in line: wait (up to PROMPT_GATHER_S
+        after it was queued) for the first chunks of the other sessions opened recently.
+        Returns an op to run first (taken out of the queue): one of another session that
+        has no chunk queued, since what it does (a prefix restore, say) may be what its
+        prompt waits for; None to go on with the chunks. An op of no session ends the wait."""
+        deadline = self._ops[0].submitted + PROMPT_GATHER_S
+        while not self._closed:
+            chunk_keys = {c.key for c in self._ops if c.prefill_rows}
+            for command in self._ops:
+                if not command.prefill_rows:
+                    if command.key is None:
+                        return None
+                    if command.key not in chunk_keys:
+                        self._ops.remove(command)
+                        return command
+            now = time.perf_counter()
+            for key, opened in list(self._announced.items()):
+                if now - opened > ANNOUNCE_HORIZON_S:
+                    del self._announced[key]
+            if not self._announced or now >= deadline:
+                return None
+            self._cv.wait(deadline - now)
+        return None
 
     def _wait_for_peers(self) -> None:
         """Called with the lock held: wait for the decoding sessions due back soon."""
@@ -267,6 +331,8 @@ class IterationScheduler:
             expected = cadence.expected_at()
             due = since + self.batch_wait_s if expected is None else expected + self.batch_wait_s
             if due <= latest:
+                if expected is not None:  # a peer of this wave may run late by a part of its period
+                    due = min(latest, max(due, expected + LATE_TOLERANCE * cadence.period_s))
                 deadline = due if deadline is None else max(deadline, due)
                 awaited.add(key)
         return deadline, awaited
@@ -291,6 +357,10 @@ class IterationScheduler:
         results, started, finished = self._forward(chunks)
         self.stats.prefill_forwards += 1
         self.stats.prefill_chunks += len(chunks)
+        with self._cv:  # each session prefilled to its end decodes next: a peer due at once
+            for command in chunks:
+                if command.last_chunk:
+                    self._cadences[command.key] = _Cadence(finished, awaiting_first=True)
         _settle(chunks, results, started, finished)
 
     def _forward(self, commands: list[_Command]) -> tuple[list, float, float]:

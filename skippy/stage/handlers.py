@@ -68,7 +68,7 @@ async def on_prefill(conn: StageConnection, msg: StageMessage, span: Span) -> No
     """PrefillEmbd: compute, forward asynchronously, defer the downstream ACK."""
     session = conn.open_session(msg)
     link = await conn.downstream()
-    timed = await conn.runtime.prefill(conn.step(session, msg, SampleMode.NONE))
+    timed = await conn.runtime.prefill(conn.step(session, msg, SampleMode.NONE), last=False)
     _note_compute(conn, msg, span, timed)
     index = conn.config.stage_index
     conn.add_stats(prefill_compute_observation(index, _us(timed.run_s), msg.token_count))
