@@ -186,20 +186,38 @@ def test_kernel_rows_are_independent_of_the_row_count(quant_model):
         assert torch.equal(linear(x[i : i + 1]), together[i : i + 1])
 
 
+def _cpu_has(flag: str) -> bool:
+    with open("/proc/cpuinfo") as info:
+        return any(line.startswith("flags") and flag in line.split() for line in info)
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the plain C path is the only one here")
-def test_plain_c_path_agrees_with_the_vector_path(monkeypatch):
-    """CPUs without AVX512-VNNI run the plain C loops over the same layout: built here
-    with AVX-512 off, they must land within the same bound."""
-    raw = random_blocks(Q.Q4_1, 48, 512, seed=3)
-    weight = QuantLinear.of(from_gguf_blocks(raw, Q.Q4_1, (48, 512))).affine()
-    x = np.random.default_rng(0).standard_normal((5, 512))
-    vector = kernel_product(weight, x)
-    plain_library = qkernel.build([*qkernel.FLAGS, "-mno-avx512f"])
-    assert plain_library.skippy_qmatmul_vector_path() == 0
-    monkeypatch.setattr(qkernel, "library", lambda: plain_library)
-    plain = kernel_product(weight, x)
-    assert np.all(np.abs(plain - vector) <= 2 * matmul_bound(x, weight))
-    assert not np.array_equal(plain, np.zeros_like(plain))
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=["4-bit", "8-bit"])
+def test_every_vector_path_agrees_with_plain_c(qtype, monkeypatch):
+    """The AVX512-VNNI, AVX2 and plain C paths run the same arithmetic over one layout:
+    each one this CPU can run, built here, lands within the same bound of the float
+    product, and every row alike in a batch and alone."""
+    raw = random_blocks(qtype, 48, 512, seed=3)
+    weight = QuantLinear.of(from_gguf_blocks(raw, qtype, (48, 512))).affine()
+    x = np.random.default_rng(0).standard_normal((9, 512))
+    x[2] *= 1e-3  # rows of other magnitudes share the batch
+    x[5] *= 40.0
+    exact = x @ weight.dequantize().astype(np.float64).T
+    variants = {0: ["-mno-avx512f", "-mno-avx2"]}
+    if _cpu_has("avx2") and _cpu_has("fma") and _cpu_has("f16c"):
+        variants[2] = ["-mno-avx512f"]
+    if all(_cpu_has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")):
+        variants[1] = []
+    products = {}
+    for path, flags in variants.items():
+        library = qkernel.build([*qkernel.FLAGS, *flags])
+        assert library.skippy_qmatmul_vector_path() == path
+        monkeypatch.setattr(qkernel, "library", lambda library=library: library)
+        products[path] = kernel_product(weight, x)
+        assert np.all(np.abs(products[path] - exact) <= matmul_bound(x, weight)), f"path {path}"
+        for i in (0, 5):
+            assert np.array_equal(kernel_product(weight, x[i : i + 1]), products[path][i : i + 1]), f"path {path}"
+    assert products[0].any()
 
 
 @pytest.fixture(scope="module")

@@ -42,11 +42,15 @@
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define SKIPPY_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SKIPPY_AVX2 1
 #endif
 
 #define GROUP 32
 #define LANES 16 /* rows per block */
 #define M_TILE 8 /* rows of x sharing one unpacking of a block's codes */
+#define PREFETCH_GROUPS 8 /* AVX2 path: groups of a block fetched ahead */
 
 static inline float f16_to_f32(uint16_t h) {
     _Float16 v;
@@ -56,8 +60,8 @@ static inline float f16_to_f32(uint16_t h) {
 
 /* x [M, K] -> per group of 32 (r = row * K/32 + group): q int8 [r][64], the group's
    32 first-level codes then its 32 second-level ones; dx [r][2]: their scales;
-   sx [r]: dx * sum(q) + dr * sum(r), the offset's multiplier */
-static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx) {
+   sx [r]: dx * sum(q) + dr * sum(r), the offset's multiplier; qs [r][2]: sum(q), sum(r) */
+static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx, int32_t *qs) {
     const int groups = M * (K / GROUP);
     #pragma omp parallel for schedule(static) if (M > 8)
     for (int r = 0; r < groups; r++) {
@@ -98,6 +102,7 @@ static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, fl
 #endif
         dx[2 * r] = d, dx[2 * r + 1] = d2;
         sx[r] = d * (float)sum + d2 * (float)sum2;
+        qs[2 * r] = sum, qs[2 * r + 1] = sum2;
     }
 }
 
@@ -168,7 +173,112 @@ static void block_vnni(int b, int M, int G, int bits, const uint8_t *w, const ui
 }
 #endif
 
-/* the same arithmetic in plain C, for CPUs without AVX512-VNNI */
+#ifdef SKIPPY_AVX2
+/* AVX2 (no VNNI): vpmaddubsw multiplies unsigned bytes by signed ones into pairs of
+   saturating int16, vpmaddwd by ones widens them into the 4-byte sums vpdpbusd gives.
+   Each 64-byte chunk is two registers: rows 0-7, rows 8-15.
+   4-bit codes: a pair is at most 2 * 15 * 127, so a level's 8 products of a group add
+   up in int16 (< 2^15) before one widening.
+   8-bit codes would saturate a pair (2 * 255 * 127), so they are taken as c - 128
+   (signed) in llama.cpp's way: |c - 128| times q with the sign of c - 128, a pair at
+   most 2 * 128 * 127; the 128 * sum(q) that removing 128 takes away is added back once. */
+static inline __m256i bcast4(const int8_t *q) {
+    int32_t v;
+    memcpy(&v, q, 4);
+    return _mm256_set1_epi32(v);
+}
+
+static void block_avx2(int b, int M, int G, int bits, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
+                       const int8_t *q, const float *dx, const float *sx, const int32_t *qs, float *y, int N,
+                       int accumulate) {
+    const int block_group_bytes = LANES * (bits == 4 ? 16 : 32);
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int m0 = 0; m0 < M; m0 += M_TILE) {
+        const int MT = M - m0 < M_TILE ? M - m0 : M_TILE;
+        __m256 acc[M_TILE][2];
+        for (int j = 0; j < M_TILE; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        const uint8_t *codes = w + (size_t)b * G * block_group_bytes;
+        const uint16_t *bd = wd + (size_t)b * G * LANES, *bm = wm + (size_t)b * G * LANES;
+        for (int g = 0; g < G; g++, codes += block_group_bytes) {
+            /* the weights stream from memory once a step: fetch a few groups ahead (all 121
+               matmuls of a SmolLM2 token, 2 threads, EPYC: 15.5 -> 12.3 ms, 8 groups ahead) */
+            for (int l = 0; l < block_group_bytes; l += 64)
+                _mm_prefetch((const char *)(codes + PREFETCH_GROUPS * block_group_bytes + l), _MM_HINT_T0);
+            __m256i cw[8][2], sg[8][2]; /* [k chunk][row half]: unsigned codes (8 bits: |c - 128|, sg: c - 128) */
+            if (bits == 4) {
+                for (int c = 0; c < 4; c++)
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + c * 64 + 32 * h));
+                        cw[2 * c][h] = _mm256_and_si256(raw, low4);
+                        cw[2 * c + 1][h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    }
+            } else {
+                for (int c = 0; c < 8; c++)
+                    for (int h = 0; h < 2; h++) {
+                        sg[c][h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + c * 64 + 32 * h)), flip);
+                        cw[c][h] = _mm256_abs_epi8(sg[c][h]);
+                    }
+            }
+            __m256 d[2], mw[2];
+            for (int h = 0; h < 2; h++) {
+                d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bd + g * LANES + 8 * h)));
+                mw[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bm + g * LANES + 8 * h)));
+            }
+            for (int j = 0; j < MT; j++) {
+                const size_t r = (size_t)(m0 + j) * G + g;
+                const int8_t *qg = q + r * 2 * GROUP;
+                int32_t offset = 0;
+                __m256i lo[2], hi[2];
+                if (bits == 4) {
+                    for (int h = 0; h < 2; h++) {
+                        __m256i l16 = _mm256_setzero_si256(), h16 = _mm256_setzero_si256();
+                        for (int c = 0; c < 4; c++) {
+                            l16 = _mm256_add_epi16(l16, _mm256_maddubs_epi16(cw[2 * c][h], bcast4(qg + 4 * c)));
+                            l16 = _mm256_add_epi16(l16, _mm256_maddubs_epi16(cw[2 * c + 1][h], bcast4(qg + 16 + 4 * c)));
+                            h16 = _mm256_add_epi16(h16, _mm256_maddubs_epi16(cw[2 * c][h], bcast4(qg + GROUP + 4 * c)));
+                            h16 = _mm256_add_epi16(h16, _mm256_maddubs_epi16(cw[2 * c + 1][h],
+                                                                             bcast4(qg + GROUP + 16 + 4 * c)));
+                        }
+                        lo[h] = _mm256_madd_epi16(l16, ones);
+                        hi[h] = _mm256_madd_epi16(h16, ones);
+                    }
+                } else {
+                    for (int h = 0; h < 2; h++) lo[h] = hi[h] = _mm256_setzero_si256();
+                    for (int c = 0; c < 8; c++) {
+                        const __m256i ql = bcast4(qg + 4 * c), qh = bcast4(qg + GROUP + 4 * c);
+                        for (int h = 0; h < 2; h++) {
+                            lo[h] = _mm256_add_epi32(lo[h], _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(cw[c][h], _mm256_sign_epi8(ql, sg[c][h])), ones));
+                            hi[h] = _mm256_add_epi32(hi[h], _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(cw[c][h], _mm256_sign_epi8(qh, sg[c][h])), ones));
+                        }
+                    }
+                    offset = 128 * (128 * qs[2 * r] + qs[2 * r + 1]);
+                }
+                const __m256 dr = _mm256_set1_ps(dx[2 * r + 1]), srow = _mm256_set1_ps(sx[r]);
+                for (int h = 0; h < 2; h++) {
+                    /* 128 lo + hi: the group's dot product in units of the second level, exact in int32 */
+                    const __m256i both = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(lo[h], 7), hi[h]),
+                                                          _mm256_set1_epi32(offset));
+                    const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(both), d[h]);
+                    acc[j][h] = _mm256_fmadd_ps(scaled, dr, acc[j][h]);
+                    acc[j][h] = _mm256_fmadd_ps(mw[h], srow, acc[j][h]);
+                }
+            }
+        }
+        for (int j = 0; j < MT; j++) {
+            float *out = y + (size_t)(m0 + j) * N + (size_t)b * LANES;
+            for (int h = 0; h < 2; h++) {
+                __m256 r = acc[j][h];
+                if (accumulate) r = _mm256_add_ps(r, _mm256_loadu_ps(out + 8 * h));
+                _mm256_storeu_ps(out + 8 * h, r);
+            }
+        }
+    }
+}
+#endif
+
+/* the same arithmetic in plain C, for CPUs without AVX2 */
 __attribute__((unused)) static void block_plain(int b, int M, int G, int bits, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
                         const int8_t *q, const float *dx, const float *sx, float *y, int N, int accumulate) {
     const int block_group_bytes = LANES * (bits == 4 ? 16 : 32);
@@ -208,27 +318,32 @@ int skippy_qmatmul(const float *x, int M, int K, const uint8_t *w, const uint16_
     const int G = K / GROUP;
     int8_t *q = malloc((size_t)M * K * 2);
     float *dx = malloc(sizeof(float) * M * G * 2), *sx = malloc(sizeof(float) * M * G);
-    if (!q || !dx || !sx) {
-        free(q), free(dx), free(sx);
+    int32_t *qs = malloc(sizeof(int32_t) * M * G * 2);
+    if (!q || !dx || !sx || !qs) {
+        free(q), free(dx), free(sx), free(qs);
         return -2;
     }
-    quantize_rows(x, M, K, q, dx, sx);
+    quantize_rows(x, M, K, q, dx, sx, qs);
     #pragma omp parallel for schedule(guided)
     for (int b = 0; b < N / LANES; b++) {
-#ifdef SKIPPY_VNNI
+#if defined(SKIPPY_VNNI)
         block_vnni(b, M, G, bits, w, wd, wm, q, dx, sx, y, N, accumulate);
+#elif defined(SKIPPY_AVX2)
+        block_avx2(b, M, G, bits, w, wd, wm, q, dx, sx, qs, y, N, accumulate);
 #else
         block_plain(b, M, G, bits, w, wd, wm, q, dx, sx, y, N, accumulate);
 #endif
     }
-    free(q), free(dx), free(sx);
+    free(q), free(dx), free(sx), free(qs);
     return 0;
 }
 
-/* 1 where the AVX512-VNNI path was compiled in */
+/* the vector path compiled in: 1 AVX512-VNNI, 2 AVX2, 0 none (plain C) */
 int skippy_qmatmul_vector_path(void) {
-#ifdef SKIPPY_VNNI
+#if defined(SKIPPY_VNNI)
     return 1;
+#elif defined(SKIPPY_AVX2)
+    return 2;
 #else
     return 0;
 #endif
