@@ -60,7 +60,8 @@ static inline float f16_to_f32(uint16_t h) {
 
 /* x [M, K] -> per group of 32 (r = row * K/32 + group): q int8 [r][64], the group's
    32 first-level codes then its 32 second-level ones; dx [r][2]: their scales;
-   sx [r]: dx * sum(q) + dr * sum(r), the offset's multiplier; qs [r][2]: sum(q), sum(r) */
+   sx [r]: dx * sum(q) + dr * sum(r), the offset's multiplier; qs [r]: 128 sum(q) + sum(r),
+   the same sums in units of dr, exact */
 static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx, int32_t *qs) {
     const int groups = M * (K / GROUP);
     #pragma omp parallel for schedule(static) if (M > 8)
@@ -102,7 +103,7 @@ static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, fl
 #endif
         dx[2 * r] = d, dx[2 * r + 1] = d2;
         sx[r] = d * (float)sum + d2 * (float)sum2;
-        qs[2 * r] = sum, qs[2 * r + 1] = sum2;
+        qs[r] = 128 * sum + sum2;
     }
 }
 
@@ -253,7 +254,7 @@ static void block_avx2(int b, int M, int G, int bits, const uint8_t *w, const ui
                                 _mm256_maddubs_epi16(cw[c][h], _mm256_sign_epi8(qh, sg[c][h])), ones));
                         }
                     }
-                    offset = 128 * (128 * qs[2 * r] + qs[2 * r + 1]);
+                    offset = 128 * qs[r];
                 }
                 const __m256 dr = _mm256_set1_ps(dx[2 * r + 1]), srow = _mm256_set1_ps(sx[r]);
                 for (int h = 0; h < 2; h++) {
@@ -318,7 +319,7 @@ int skippy_qmatmul(const float *x, int M, int K, const uint8_t *w, const uint16_
     const int G = K / GROUP;
     int8_t *q = malloc((size_t)M * K * 2);
     float *dx = malloc(sizeof(float) * M * G * 2), *sx = malloc(sizeof(float) * M * G);
-    int32_t *qs = malloc(sizeof(int32_t) * M * G * 2);
+    int32_t *qs = malloc(sizeof(int32_t) * M * G);
     if (!q || !dx || !sx || !qs) {
         free(q), free(dx), free(sx), free(qs);
         return -2;
