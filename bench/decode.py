@@ -1,7 +1,7 @@
 """Prefill and greedy-decode speed: our runtime against transformers and llama.cpp.
 
-Every engine loads the same GGUF and runs the same prompt token ids on the same
-number of threads. One round runs each engine once, in turn (round-robin), so
+Every engine loads the same GGUF, in a process of its own, and runs the same
+prompt token ids on the same number of threads. One round runs each engine once, in turn (round-robin), so
 the machine's slow spells fall on all of them alike; the table shows medians
 over the rounds, after one warm-up round that is not counted.
 
@@ -23,8 +23,10 @@ OMP_WAIT_POLICY is not set here: see the note above the imports.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,7 +37,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion bar
 # OMP_WAIT_POLICY is left to the caller. libgomp's default lets idle threads spin a
-# moment before they sleep, which suits this one-process bench: with PASSIVE every
+# moment before they sleep, which suits this bench (one engine runs at a time): with PASSIVE every
 # matmul wakes its partner thread from sleep, and a float16 decode step ran 1.7-2x
 # slower here (44 ms -> 74-92 ms). On a machine shared with other busy processes
 # the spinning costs more than it saves: export OMP_WAIT_POLICY=PASSIVE there.
@@ -155,37 +157,76 @@ def prompt_ids(path: Path, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def run_once(engine, prompt: list[int], num_decode: int, timings: Timings | None) -> None:
+def run_once(engine, prompt: list[int], num_decode: int) -> tuple[float, float, list[int]]:
+    """(prefill seconds, decode seconds, greedy tokens) of one prefill and num_decode steps."""
     started = time.perf_counter()
     tokens = [engine.prefill(prompt)]
     prefilled = time.perf_counter()
     for _ in range(num_decode):
         tokens.append(engine.decode(tokens[-1]))
-    finished = time.perf_counter()
-    if timings is not None:
-        timings.prefill_tok_s.append(len(prompt) / (prefilled - started))
-        timings.decode_tok_s.append(num_decode / (finished - prefilled))
-        timings.tokens = tokens
+    return prefilled - started, time.perf_counter() - prefilled, tokens
 
 
-def load_engines(path: Path, options, console: Console) -> dict[str, object]:
-    engines = {}
-    with console.status("Loading ours auto (quantized)"):
-        engines["ours auto"] = OursEngine(path, "auto")
-    with console.status("Loading ours float32"):
-        engines["ours float32"] = OursEngine(path, "float32")
-    with console.status("Loading ours float16"):
-        engines["ours float16"] = OursEngine(path, "float16")
-    with console.status("Loading transformers float32 (converts the GGUF, ~30 s)"):
-        engines["transformers float32"] = TransformersEngine(path)
+ENGINES = {
+    "ours auto": ("Loading ours auto (quantized)", lambda path, options: OursEngine(path, "auto")),
+    "ours float32": ("Loading ours float32", lambda path, options: OursEngine(path, "float32")),
+    "ours float16": ("Loading ours float16", lambda path, options: OursEngine(path, "float16")),
+    "transformers float32": ("Loading transformers float32 (converts the GGUF, ~30 s)",
+                             lambda path, options: TransformersEngine(path)),
+    "llama.cpp": ("Loading llama.cpp", lambda path, options: LlamaCppEngine(
+        path, options.threads, options.prompt_tokens + options.decode_tokens + 16)),
+}
+
+
+class EngineProcess:
+    """One engine in a child process of its own. Two OpenMP runtimes in one process
+    (torch's libgomp and llama.cpp's own) fight over the cores: llama.cpp inside the
+    torch process decoded at about half its own speed on an AVX2 EPYC (51 vs 95-112
+    tok/s). Apart, each engine has its process and thread pool to itself, as it has when
+    a user runs it."""
+
+    def __init__(self, name: str, options):
+        argv = [sys.executable, __file__, "--worker", name, "--model", options.model, "--threads",
+                str(options.threads), "--prompt-tokens", str(options.prompt_tokens),
+                "--decode-tokens", str(options.decode_tokens)]
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the {name} worker exited with {self.process.wait()} while loading")
+
+    def run(self, prompt: list[int], num_decode: int) -> tuple[float, float, list[int]]:
+        self.process.stdin.write(json.dumps([prompt, num_decode]) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"an engine worker exited with {self.process.wait()}")
+        return tuple(json.loads(line))
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def worker(options) -> None:
+    """--worker NAME: load that engine, then time one run per line of stdin."""
+    torch.set_num_threads(options.threads)
+    engine = ENGINES[options.worker][1](Path(options.model), options)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        prompt, num_decode = json.loads(line)
+        print(json.dumps(run_once(engine, prompt, num_decode)), flush=True)
+
+
+def load_engines(options, console: Console) -> dict[str, EngineProcess]:
+    names = list(ENGINES)
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         console.print(escape("llama.cpp skipped: llama_cpp is not importable (pip install -e '.[bench-llamacpp]')"))
-    else:
-        context = options.prompt_tokens + options.decode_tokens + 16
-        with console.status("Loading llama.cpp"):
-            engines["llama.cpp"] = LlamaCppEngine(path, options.threads, context)
+        names.remove("llama.cpp")
+    engines = {}
+    for name in names:
+        with console.status(ENGINES[name][0]):
+            engines[name] = EngineProcess(name, options)
     return engines
 
 
@@ -229,12 +270,15 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--worker", choices=list(ENGINES), help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.model is None:
         options.model = str(bundled_model_path())
     path = Path(options.model)
     if path.suffix != ".gguf" or not path.is_file():
         raise SystemExit(f"Expected a .gguf file for --model, got {options.model}")
+    if options.worker:
+        return worker(options)
 
     torch.set_num_threads(options.threads)
     console = Console(width=None if sys.stdout.isatty() else 110)  # rich wraps at 80 in a pipe
@@ -244,7 +288,7 @@ def main() -> None:
         f"torch {torch.__version__}"
     )
     prompt = prompt_ids(path, options.prompt_tokens)
-    engines = load_engines(path, options, console)
+    engines = load_engines(options, console)
     results = {name: Timings() for name in engines}
 
     with Progress(
@@ -255,8 +299,14 @@ def main() -> None:
             for name, engine in engines.items():
                 label = "warm-up" if round_index == 0 else f"round {round_index}/{options.rounds}"
                 progress.update(task, description=f"{label}: {name}")
-                run_once(engine, prompt, options.decode_tokens, results[name] if round_index else None)
+                prefill_s, decode_s, tokens = engine.run(prompt, options.decode_tokens)
+                if round_index:
+                    results[name].prefill_tok_s.append(len(prompt) / prefill_s)
+                    results[name].decode_tok_s.append(options.decode_tokens / decode_s)
+                    results[name].tokens = tokens
                 progress.advance(task)
+    for engine in engines.values():
+        engine.close()
 
     console.print(
         f"prompt: {len(prompt)} tokens; decode: {options.decode_tokens} tokens, greedy; "
