@@ -105,16 +105,25 @@ def test_torch_paths_match_transformers(built, monkeypatch):
 
 def test_quantized_blocks_agree_with_their_float_values(built, tmp_path):
     """Q8_0 block matmuls through our kernel against the same weights dequantized to float32.
-    They differ by the int8 activations and, mostly, the float16 KV rows (2^-11 relative,
-    through 3 to 6 layers: ~2e-3 observed); a missing bias or norm would be O(1) off."""
+    With two activation levels in every matmul they differ by the float16 KV rows, mostly
+    (2^-11 relative, through 3 to 6 layers: ~2e-3 observed). The default rounds most inputs
+    to one int8 level, as llama.cpp does: up to 1/254 of a group's largest value each, which
+    these random tiny models amplify to up to ~8% of the logits (observed). A missing bias
+    or norm would be O(1) off."""
     path = write_gguf(built.case, built.reference, tmp_path / "q8_0.gguf", gguf.GGMLQuantizationType.Q8_0)
     quantized = load_stage(path, device="cpu", progress=False)
     assert all(isinstance(block.wqkv, QuantLinear) for block in quantized.blocks)
     exact = load_stage(path, dtype="float32", device="cpu", progress=False)
+    finer = load_stage(path, device="cpu", progress=False)
+    for linear in finer.linears:
+        if isinstance(linear, QuantLinear):
+            linear.levels = 2
     for prompt in built.prompts:
-        got, expected = all_logits(quantized, prompt), all_logits(exact, prompt)
-        record(f"{built.case.name}, Q8_0 kernel vs its float32 values: relative logit error",
-               relative_error(got, expected), 1e-2)
+        expected = all_logits(exact, prompt)
+        record(f"{built.case.name}, Q8_0 kernel, two levels, vs its float32 values: relative logit error",
+               relative_error(all_logits(finer, prompt), expected), 1e-2)
+        record(f"{built.case.name}, Q8_0 kernel (default levels) vs its float32 values: relative logit error",
+               relative_error(all_logits(quantized, prompt), expected), 0.15)
 
 
 def stage_factory(path):

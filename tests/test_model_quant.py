@@ -127,20 +127,21 @@ def test_interleave_round_trips(blocks, groups, bits, seed):
     np.testing.assert_array_equal(deinterleave(packed, bits, codes.shape), codes)
 
 
-def matmul_bound(x: np.ndarray, weight: GroupAffine) -> np.ndarray:
+def matmul_bound(x: np.ndarray, weight: GroupAffine, levels: int) -> np.ndarray:
     """|kernel - exact| per output [M, N], for x [M, K] and the kernel's weights.
 
-    The kernel rounds x to two int8 levels per group of 32: dx = max|x| / 127, then the
-    remainder (at most dx / 2) with dr = dx / 128, so each value is off by at most
-    dr * (1/2 + 256u) (the 256u from rounding 1/dr times codes up to 64) plus u * dx
-    (rounding the remainder); a zero stays zero. Every part of a weight multiplies
+    The kernel rounds x to int8 per group of 32 with dx = max|x| / 127: one level is
+    off by at most dx * (1/2 + 256u) (the 256u from rounding 1/dx times values up to
+    127). Two levels round the remainder (at most dx / 2) again with dr = dx / 128, so
+    each value is off by at most dr * (1/2 + 256u) (rounding 1/dr times codes up to 64)
+    plus u * dx (rounding the remainder); a zero stays zero. Every part of a weight multiplies
     the rounded x, so the error is sum_i w_i e_i. Its float32 arithmetic, worst case:
     per group one integer dot (exact, rounded once to float32) times two factors and
     the offset's product, G groups summed: within (G + 6) u of the terms."""
     u = unit_roundoff()
     m, k = x.shape
     dx = np.abs(x.reshape(m, k // 32, 32)).max(-1, keepdims=True) / 127  # [M, G, 1]
-    step = dx / 128 * (0.5 + 256 * u) + u * dx
+    step = dx / 128 * (0.5 + 256 * u) + u * dx if levels == 2 else dx * (0.5 + 256 * u)
     step = (step * (x.reshape(m, k // 32, 32) != 0)).reshape(m, k)
     codes_part = np.abs(np.repeat(weight.scale.astype(np.float64), 32, axis=1) * weight.codes)  # |s c| [N, K]
     offset_part = np.abs(np.repeat(weight.offset.astype(np.float64), 32, axis=1))
@@ -149,21 +150,24 @@ def matmul_bound(x: np.ndarray, weight: GroupAffine) -> np.ndarray:
     return quantization + (k // 32 + 6) * u * magnitude
 
 
-def kernel_product(weight: GroupAffine, x: np.ndarray) -> np.ndarray:
-    return QuantLinear.of(weight)(torch.from_numpy(x.astype(np.float32))).numpy().astype(np.float64)
+def kernel_product(weight: GroupAffine, x: np.ndarray, levels: int) -> np.ndarray:
+    return QuantLinear.of(weight, levels)(torch.from_numpy(x.astype(np.float32))).numpy().astype(np.float64)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_kernel_matmul_within_its_bound(qtype, rows):
+@pytest.mark.parametrize("levels", [1, 2])
+def test_kernel_matmul_within_its_bound(qtype, rows, levels):
     raw = random_blocks(qtype, 48, 512, seed=2)
     weight = QuantLinear.of(from_gguf_blocks(raw, qtype, (48, 512))).affine()  # as the kernel holds it
     x = np.random.default_rng(rows).standard_normal((rows, 512)) * np.linspace(0.1, 3, 512)
     expected = x @ weight.dequantize().astype(np.float64).T
-    bound = matmul_bound(x, weight)
-    got = kernel_product(weight, x)
-    record(f"{qtype.name} kernel matmul, {rows} rows (fraction of its bound)", float((np.abs(got - expected) / bound).max()),
-           1.0, worst_case=True)
+    bound = matmul_bound(x, weight, levels)
+    got = kernel_product(weight, x, levels)
+    record(f"{qtype.name} kernel matmul, {rows} rows, {levels} levels (fraction of its bound)",
+           float((np.abs(got - expected) / bound).max()), 1.0, worst_case=True)
+    if levels == 2:  # 128x finer: a one-level bound would hide a lost second level
+        assert np.abs(got - expected).max() < matmul_bound(x, weight, 1).max() / 16
     # a code's top bit flipped in one weight shows far above the bound of that output
     wrong = GroupAffine(weight.codes.copy(), weight.scale, weight.offset, weight.bits)
     wrong.codes[5, 100] ^= 1 << (weight.bits - 1)
@@ -171,8 +175,8 @@ def test_kernel_matmul_within_its_bound(qtype, rows):
     one_hot[:, 100] = 127.0  # that weight alone, and exactly an int8 times a scale of 1: no rounding of x
     w = weight.dequantize().astype(np.float64)[5, 100]
     arithmetic = (512 // 32 + 4) * unit_roundoff() * 127 * (abs(w) + 2 * abs(weight.offset[5, 3]))
-    assert np.all(np.abs(kernel_product(weight, one_hot)[:, 5] - 127 * w) <= arithmetic)
-    flipped = kernel_product(wrong, one_hot)[:, 5] - kernel_product(weight, one_hot)[:, 5]
+    assert np.all(np.abs(kernel_product(weight, one_hot, levels)[:, 5] - 127 * w) <= arithmetic)
+    flipped = kernel_product(wrong, one_hot, levels)[:, 5] - kernel_product(weight, one_hot, levels)[:, 5]
     assert np.all(np.abs(flipped) > 100 * arithmetic)
 
 
@@ -193,7 +197,8 @@ def _cpu_has(flag: str) -> bool:
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the plain C path is the only one here")
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=["4-bit", "8-bit"])
-def test_every_vector_path_agrees_with_plain_c(qtype, monkeypatch):
+@pytest.mark.parametrize("levels", [1, 2])
+def test_every_vector_path_agrees_with_plain_c(qtype, levels, monkeypatch):
     """The AVX512-VNNI, AVX2 and plain C paths run the same arithmetic over one layout:
     each one this CPU can run, built here, lands within the same bound of the float
     product, and every row alike in a batch and alone."""
@@ -213,10 +218,11 @@ def test_every_vector_path_agrees_with_plain_c(qtype, monkeypatch):
         library = qkernel.build([*qkernel.FLAGS, *flags])
         assert library.skippy_qmatmul_vector_path() == path
         monkeypatch.setattr(qkernel, "library", lambda library=library: library)
-        products[path] = kernel_product(weight, x)
-        assert np.all(np.abs(products[path] - exact) <= matmul_bound(x, weight)), f"path {path}"
+        products[path] = kernel_product(weight, x, levels)
+        assert np.all(np.abs(products[path] - exact) <= matmul_bound(x, weight, levels)), f"path {path}"
         for i in (0, 5):
-            assert np.array_equal(kernel_product(weight, x[i : i + 1]), products[path][i : i + 1]), f"path {path}"
+            assert np.array_equal(kernel_product(weight, x[i : i + 1], levels), products[path][i : i + 1]), \
+                f"path {path}"
     assert products[0].any()
 
 

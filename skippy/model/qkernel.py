@@ -37,7 +37,7 @@ LIBS = (["-lmvec"] if platform.libc_ver()[0] == "glibc" else []) + ["-lm"]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # the C functions' (argument types, return type), in their argument order
-    "skippy_qmatmul": ([_P, _I, _I, _P, _P, _P, _I, _I, _P, _I], _I),
+    "skippy_qmatmul": ([_P, _I, _I, _P, _P, _P, _I, _I, _I, _P, _I], _I),
     "skippy_rms_norm": ([_P, _I, _I, _P, _F, _P], None),
     "skippy_attend_row": ([_P, _I, _I, _I, _P, _P, _I, _I, _I, _F, _P], _I),
     "skippy_decode_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _F, _P], _I),
@@ -143,17 +143,18 @@ def available() -> bool:
 
 
 def qmatmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-            out_features: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] float32 contiguous -> [T, out_features] float32; with `out`, adds into it."""
+            out_features: int, out: torch.Tensor | None = None, *, levels: int) -> torch.Tensor:
+    """x [T, in] float32 contiguous -> [T, out_features] float32; with `out`, adds into it.
+    `levels`: the int8 levels x is rounded to per group (1, or 2 for a 128x finer x)."""
     rows, in_features = x.shape
     accumulate = out is not None
     if out is None:
         out = torch.empty(rows, out_features, dtype=torch.float32)
     status = library().skippy_qmatmul(x.data_ptr(), rows, in_features, codes.data_ptr(), scale.data_ptr(),
-                                      offset.data_ptr(), bits, out_features, out.data_ptr(), int(accumulate))
+                                      offset.data_ptr(), bits, levels, out_features, out.data_ptr(), int(accumulate))
     if status:
         raise RuntimeError(f"qmatmul failed ({status}): x {tuple(x.shape)}, {out_features} x {in_features} weights, "
-                           f"{bits} bits")
+                           f"{bits} bits, {levels} levels")
     return out
 
 

@@ -10,8 +10,8 @@ once). Q6_K (the 6-bit tensors of Q4_K_M files) scales every 16 weights, which o
 affine map per 32 cannot hold exactly: its values are requantized to 8-bit codes
 over each group's range (error at most half a step of range/255, ~1/8 of Q6_K's
 own step; 1.125 bytes a weight against the file's 0.82). The kernel quantizes each
-input row to int8 per group of 32 in two levels (kernels/qmatmul.c) and multiplies
-integer codes with integer codes.
+input row to int8 per group of 32, in one level or two (kernels/qmatmul.c; a
+QuantLinear's `levels`), and multiplies integer codes with integer codes.
 
 Conversion reads one tensor's blocks from the memory-mapped file, rearranges
 them for the kernel a few thousand rows at a time and drops the file's pages,
@@ -292,25 +292,26 @@ class QuantLinear:
     """x [T, in] float32 -> [T, out] float32 through the file's integer codes
     (kernels/qmatmul.c)."""
 
-    __slots__ = ("codes", "scale", "offset", "bits", "out_features", "in_features", "bias")
+    __slots__ = ("codes", "scale", "offset", "bits", "out_features", "in_features", "bias", "levels")
     batched = None  # batches of rows run through the same codes: no second copy
     can_repack = False
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                 out_features: int, in_features: int, bias: torch.Tensor | None = None):
+                 out_features: int, in_features: int, bias: torch.Tensor | None = None, levels: int = 1):
         self.codes, self.scale, self.offset, self.bits = codes, scale, offset, bits
         self.out_features, self.in_features = out_features, in_features
         self.bias = bias  # float32 [out] (Qwen2's q, k, v), added after the kernel
+        self.levels = levels  # int8 levels each input row is rounded to (see build_linear)
 
     @classmethod
-    def of(cls, weight: GroupAffine) -> "QuantLinear":
+    def of(cls, weight: GroupAffine, levels: int = 1) -> "QuantLinear":
         n, k = weight.shape
         bits = kernel_bits(weight.bits)
         return cls(torch.from_numpy(interleave(weight.codes, bits)), torch.from_numpy(_by_block(weight.scale)),
-                   torch.from_numpy(_by_block(weight.offset)), bits, n, k)
+                   torch.from_numpy(_by_block(weight.offset)), bits, n, k, levels=levels)
 
     @classmethod
-    def of_blocks(cls, parts: "list[QuantizedTensor | FloatWeight]") -> "QuantLinear":
+    def of_blocks(cls, parts: "list[QuantizedTensor | FloatWeight]", levels: int = 1) -> "QuantLinear":
         """One matmul over `parts` stacked along out, converted _CHUNK_ROWS rows at a
         time straight into the final tensors."""
         bits = max(kernel_bits(p.bits) for p in parts)
@@ -329,7 +330,7 @@ class QuantLinear:
                 offset[row // LANES : (row + rows) // LANES] = torch.from_numpy(_by_block(chunk.offset))
                 row += rows
             part.release()
-        return cls(codes, scale, offset, bits, n, k)
+        return cls(codes, scale, offset, bits, n, k, levels=levels)
 
     @staticmethod
     def can_pack(parts: list) -> bool:
@@ -338,7 +339,7 @@ class QuantLinear:
 
     @property
     def format(self) -> str:
-        return f"q{self.bits}"
+        return f"q{self.bits}" if self.levels == 1 else f"q{self.bits}x{self.levels}"
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -353,7 +354,8 @@ class QuantLinear:
             x = x.float().contiguous()
         if residual is not None and not (residual.dtype == torch.float32 and residual.is_contiguous()):
             return residual + self(x)
-        out = qkernel.qmatmul(x, self.codes, self.scale, self.offset, self.bits, self.out_features, residual)
+        out = qkernel.qmatmul(x, self.codes, self.scale, self.offset, self.bits, self.out_features, residual,
+                              levels=self.levels)
         return out if self.bias is None else out.add_(self.bias)
 
     def affine(self) -> GroupAffine:
@@ -369,9 +371,14 @@ class QuantLinear:
 
 
 def build_linear(parts: list[torch.Tensor | QuantizedTensor | FloatWeight], device: torch.device,
-                 biases: list[torch.Tensor] | None = None) -> Linear | QuantLinear:
+                 biases: list[torch.Tensor] | None = None, *, activation_levels: int = 1) -> Linear | QuantLinear:
     """One matmul over `parts` stacked along out (q, k, v; gate, up), plus `biases`
     (float32, one per part) when given.
+
+    `activation_levels`: how finely a QuantLinear rounds its input rows, as llama.cpp
+    does (1: int8 per group of 32) or 128x finer (2), which doubles the kernel's integer
+    work. One level costs little accuracy where activations are even; llama.py asks for
+    two where they are heavy-tailed.
 
     All parts quantized, on CPU, with the kernel built: QuantLinear. Otherwise (CUDA
     has no kernel here yet, a part's type is one quant.py does not read, or rows come
@@ -379,7 +386,7 @@ def build_linear(parts: list[torch.Tensor | QuantizedTensor | FloatWeight], devi
     """
     bias = None if biases is None else torch.cat(biases).float()
     if device.type == "cpu" and QuantLinear.can_pack(parts):
-        linear = QuantLinear.of_blocks(parts)
+        linear = QuantLinear.of_blocks(parts, activation_levels)
         linear.bias = bias
         return linear
     tensors = [p if isinstance(p, torch.Tensor) else

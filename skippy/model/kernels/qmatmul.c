@@ -1,21 +1,21 @@
 /* y [M, N] (+)= x [M, K] . W^T, with W [N, K] kept as the GGUF file's integer codes.
 
    W holds, per row and group of 32 along K, codes c (4 or 8 bits) with
-   w = d * c + m (d, m float16). x is quantized per row and group of 32 in two
-   int8 levels: q with scale dx = max|x| / 127, as llama.cpp quantizes activations,
-   and the remainder x - dx q (at most dx / 2) as r with scale dr = dx / 128, so
-   x ~ dx q + dr r within dr / 2, 128x closer than one level. dr being dx / 128
-   exactly, a group's product is one integer dot product in units of dr:
+   w = d * c + m (d, m float16). x is quantized per row and group of 32 to int8: q
+   with scale dx = max|x| / 127, as llama.cpp quantizes activations. With two levels
+   the remainder x - dx q (at most dx / 2) is quantized too, as r with scale
+   dr = dx / 128, so x ~ dx q + dr r within dr / 2, 128x closer than one level. dr
+   being dx / 128 exactly, a group's product is one integer dot product in units of dr:
        sum_i w_i x_i ~ d dr (128 sum_i c_i q_i + sum_i c_i r_i) + m (dx sum_i q_i + dr sum_i r_i)
-   exact in int32 (|128 sum c q| < 2^28 for 8-bit codes). The second level doubles the
-   integer work, which a one-row step hides behind the weights' memory traffic; it is
-   what brings the quantized model's argmax agreement with transformers on the same
-   GGUF above llama.cpp's (the weights are the same: the activations' rounding is the
-   difference).
+   exact in int32 (|128 sum c q| < 2^28 for 8-bit codes); one level is the same with r = 0.
+   The second level doubles the integer work: with AVX512-VNNI a one-row step hides it
+   behind the weights' memory traffic, on AVX2 it is 1.6x the time of 8 rows. The caller
+   picks per matmul (quant.py's build_linear): two levels where one is too coarse.
    The offset takes the quantized sum, not the exact one: then the error is
    sum_i w_i e_i (e = x - dx q - dr r), where with the exact sum it would be
    sum_i (w_i - m) e_i, and w - m is one-signed and about twice |w| (perplexity
    +2.1% instead of +0.2% on SmolLM2 Q4_1 with one level; llama.cpp's Q8_1 sums alike).
+   levels 1 or 2 is a constant in each block call, so each compiles without the other's code.
 
    Layout (quant.py's Int8Weights writes it): rows in blocks of 16, one vector
    lane per row, so a block's 16 outputs come out of one register with no
@@ -62,7 +62,7 @@ static inline float f16_to_f32(uint16_t h) {
    32 first-level codes then its 32 second-level ones; dx [r][2]: their scales;
    sx [r]: dx * sum(q) + dr * sum(r), the offset's multiplier; qs [r]: 128 sum(q) + sum(r),
    the same sums in units of dr, exact */
-static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx, int32_t *qs) {
+static void quantize_rows(const float *x, int M, int K, int levels, int8_t *q, float *dx, float *sx, int32_t *qs) {
     const int groups = M * (K / GROUP);
     #pragma omp parallel for schedule(static) if (M > 8)
     for (int r = 0; r < groups; r++) {
@@ -71,7 +71,7 @@ static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, fl
         const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-        const float d2 = d / 128.f, inv2 = d2 > 0.f ? 1.f / d2 : 0.f;
+        const float d2 = d / 128.f, inv2 = d2 > 0.f && levels == 2 ? 1.f / d2 : 0.f;
         const __m512 s = _mm512_set1_ps(inv), vd = _mm512_set1_ps(d), s2 = _mm512_set1_ps(inv2);
         /* cvtps rounds to nearest, ties to even */
         const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, s)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, s));
@@ -91,7 +91,7 @@ static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, fl
             amax = a > amax ? a : amax;
         }
         const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-        const float d2 = d / 128.f, inv2 = d2 > 0.f ? 1.f / d2 : 0.f;
+        const float d2 = d / 128.f, inv2 = d2 > 0.f && levels == 2 ? 1.f / d2 : 0.f;
         int8_t *out = q + (size_t)r * 2 * GROUP;
         int sum = 0, sum2 = 0;
         for (int i = 0; i < GROUP; i++) {
@@ -117,7 +117,7 @@ static inline __m512i dot4(__m512i acc, __m512i codes, const int8_t *q) {
 
 /* block b of W (its 16 rows) against every row of x: a group's codes are unpacked once
    into registers, then each row of x runs its 16 dot products over them */
-static void block_vnni(int b, int M, int G, int bits, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
+static inline __attribute__((always_inline)) void block_vnni(int b, int M, int G, int bits, int levels, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
                        const int8_t *q, const float *dx, const float *sx, float *y, int N, int accumulate) {
     const int block_group_bytes = LANES * (bits == 4 ? 16 : 32);
     const __m512i low4 = _mm512_set1_epi8(15);
@@ -147,14 +147,16 @@ static void block_vnni(int b, int M, int G, int bits, const uint8_t *w, const ui
                 if (bits == 4) {
                     for (int c = 0; c < 4; c++) {
                         lo = dot4(lo, cw[2 * c], qg + 4 * c);
-                        hi = dot4(hi, cw[2 * c], qg + GROUP + 4 * c);
                         lo = dot4(lo, cw[2 * c + 1], qg + 16 + 4 * c);
-                        hi = dot4(hi, cw[2 * c + 1], qg + GROUP + 16 + 4 * c);
+                        if (levels == 2) {
+                            hi = dot4(hi, cw[2 * c], qg + GROUP + 4 * c);
+                            hi = dot4(hi, cw[2 * c + 1], qg + GROUP + 16 + 4 * c);
+                        }
                     }
                 } else {
                     for (int c = 0; c < 8; c++) {
                         lo = dot4(lo, cw[c], qg + 4 * c);
-                        hi = dot4(hi, cw[c], qg + GROUP + 4 * c);
+                        if (levels == 2) hi = dot4(hi, cw[c], qg + GROUP + 4 * c);
                     }
                 }
                 /* 128 lo + hi: the group's dot product in units of the second level, exact in int32 */
@@ -189,7 +191,7 @@ static inline __m256i bcast4(const int8_t *q) {
     return _mm256_set1_epi32(v);
 }
 
-static void block_avx2(int b, int M, int G, int bits, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
+static inline __attribute__((always_inline)) void block_avx2(int b, int M, int G, int bits, int levels, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
                        const int8_t *q, const float *dx, const float *sx, const int32_t *qs, float *y, int N,
                        int accumulate) {
     const int block_group_bytes = LANES * (bits == 4 ? 16 : 32);
@@ -236,12 +238,14 @@ static void block_avx2(int b, int M, int G, int bits, const uint8_t *w, const ui
                         for (int c = 0; c < 4; c++) {
                             l16 = _mm256_add_epi16(l16, _mm256_maddubs_epi16(cw[2 * c][h], bcast4(qg + 4 * c)));
                             l16 = _mm256_add_epi16(l16, _mm256_maddubs_epi16(cw[2 * c + 1][h], bcast4(qg + 16 + 4 * c)));
-                            h16 = _mm256_add_epi16(h16, _mm256_maddubs_epi16(cw[2 * c][h], bcast4(qg + GROUP + 4 * c)));
-                            h16 = _mm256_add_epi16(h16, _mm256_maddubs_epi16(cw[2 * c + 1][h],
-                                                                             bcast4(qg + GROUP + 16 + 4 * c)));
+                            if (levels == 2) {
+                                h16 = _mm256_add_epi16(h16, _mm256_maddubs_epi16(cw[2 * c][h], bcast4(qg + GROUP + 4 * c)));
+                                h16 = _mm256_add_epi16(h16, _mm256_maddubs_epi16(cw[2 * c + 1][h],
+                                                                                 bcast4(qg + GROUP + 16 + 4 * c)));
+                            }
                         }
                         lo[h] = _mm256_madd_epi16(l16, ones);
-                        hi[h] = _mm256_madd_epi16(h16, ones);
+                        hi[h] = levels == 2 ? _mm256_madd_epi16(h16, ones) : _mm256_setzero_si256();
                     }
                 } else {
                     for (int h = 0; h < 2; h++) lo[h] = hi[h] = _mm256_setzero_si256();
@@ -250,8 +254,9 @@ static void block_avx2(int b, int M, int G, int bits, const uint8_t *w, const ui
                         for (int h = 0; h < 2; h++) {
                             lo[h] = _mm256_add_epi32(lo[h], _mm256_madd_epi16(
                                 _mm256_maddubs_epi16(cw[c][h], _mm256_sign_epi8(ql, sg[c][h])), ones));
-                            hi[h] = _mm256_add_epi32(hi[h], _mm256_madd_epi16(
-                                _mm256_maddubs_epi16(cw[c][h], _mm256_sign_epi8(qh, sg[c][h])), ones));
+                            if (levels == 2)
+                                hi[h] = _mm256_add_epi32(hi[h], _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(cw[c][h], _mm256_sign_epi8(qh, sg[c][h])), ones));
                         }
                     }
                     offset = 128 * qs[r];
@@ -280,7 +285,7 @@ static void block_avx2(int b, int M, int G, int bits, const uint8_t *w, const ui
 #endif
 
 /* the same arithmetic in plain C, for CPUs without AVX2 */
-__attribute__((unused)) static void block_plain(int b, int M, int G, int bits, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
+__attribute__((unused)) static void block_plain(int b, int M, int G, int bits, int levels, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
                         const int8_t *q, const float *dx, const float *sx, float *y, int N, int accumulate) {
     const int block_group_bytes = LANES * (bits == 4 ? 16 : 32);
     for (int m = 0; m < M; m++) {
@@ -288,7 +293,7 @@ __attribute__((unused)) static void block_plain(int b, int M, int G, int bits, c
         for (int g = 0; g < G; g++) {
             const uint8_t *codes = w + ((size_t)b * G + g) * block_group_bytes;
             const size_t r = (size_t)m * G + g;
-            for (int level = 0; level < 2; level++) {
+            for (int level = 0; level < levels; level++) {
                 const int8_t *qg = q + r * 2 * GROUP + level * GROUP;
                 int32_t dots[LANES] = {0};
                 for (int c = 0; c < (bits == 4 ? 4 : 8); c++)
@@ -311,11 +316,11 @@ __attribute__((unused)) static void block_plain(int b, int M, int G, int bits, c
     }
 }
 
-/* bits 4 or 8; N % 16 == 0; K % 32 == 0; accumulate: y += instead of y =.
+/* bits 4 or 8; levels 1 or 2; N % 16 == 0; K % 32 == 0; accumulate: y += instead of y =.
    Returns 0, or -1 for bad arguments, -2 when out of memory. */
 int skippy_qmatmul(const float *x, int M, int K, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
-                   int bits, int N, float *y, int accumulate) {
-    if (K % GROUP || N % LANES || (bits != 4 && bits != 8) || M < 1) return -1;
+                   int bits, int levels, int N, float *y, int accumulate) {
+    if (K % GROUP || N % LANES || (bits != 4 && bits != 8) || (levels != 1 && levels != 2) || M < 1) return -1;
     const int G = K / GROUP;
     int8_t *q = malloc((size_t)M * K * 2);
     float *dx = malloc(sizeof(float) * M * G * 2), *sx = malloc(sizeof(float) * M * G);
@@ -324,15 +329,18 @@ int skippy_qmatmul(const float *x, int M, int K, const uint8_t *w, const uint16_
         free(q), free(dx), free(sx), free(qs);
         return -2;
     }
-    quantize_rows(x, M, K, q, dx, sx, qs);
+    quantize_rows(x, M, K, levels, q, dx, sx, qs);
     #pragma omp parallel for schedule(guided)
     for (int b = 0; b < N / LANES; b++) {
+        /* levels as a constant in each call: the compiler drops the second level's code */
 #if defined(SKIPPY_VNNI)
-        block_vnni(b, M, G, bits, w, wd, wm, q, dx, sx, y, N, accumulate);
+        if (levels == 2) block_vnni(b, M, G, bits, 2, w, wd, wm, q, dx, sx, y, N, accumulate);
+        else block_vnni(b, M, G, bits, 1, w, wd, wm, q, dx, sx, y, N, accumulate);
 #elif defined(SKIPPY_AVX2)
-        block_avx2(b, M, G, bits, w, wd, wm, q, dx, sx, qs, y, N, accumulate);
+        if (levels == 2) block_avx2(b, M, G, bits, 2, w, wd, wm, q, dx, sx, qs, y, N, accumulate);
+        else block_avx2(b, M, G, bits, 1, w, wd, wm, q, dx, sx, qs, y, N, accumulate);
 #else
-        block_plain(b, M, G, bits, w, wd, wm, q, dx, sx, y, N, accumulate);
+        block_plain(b, M, G, bits, levels, w, wd, wm, q, dx, sx, y, N, accumulate);
 #endif
     }
     free(q), free(dx), free(sx), free(qs);
