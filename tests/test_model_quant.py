@@ -297,6 +297,22 @@ def test_quantized_batched_decode_equals_solo(quant_model):
         assert torch.equal(got, expected)
 
 
+def test_quantized_prompt_rows_equal_decode_rows(quant_model):
+    """Bit for bit: a prompt in one forward, in chunks, and token by token give the same
+    logits at every position and the same KV rows, so a prompt replayed after a lost stage
+    (or restored from the prefix cache) continues exactly as the decode did."""
+    ids = (PROMPT * 4)[:70]
+    whole = quant_model.new_cache()
+    together = logits_of(quant_model, ids, whole)
+    chunked, stepped = quant_model.new_cache(), quant_model.new_cache()
+    in_chunks = torch.cat([logits_of(quant_model, ids[i : i + 32], chunked, i) for i in range(0, len(ids), 32)])
+    one_by_one = torch.cat([logits_of(quant_model, [t], stepped, i) for i, t in enumerate(ids)])
+    assert torch.equal(in_chunks, together) and torch.equal(one_by_one, together)
+    n = len(ids)
+    for cache in (chunked, stepped):
+        assert torch.equal(cache.k[:, :, :n], whole.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], whole.v[:, :, :n])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_decode_attention_equals_a_cache_write_and_attend_row(dtype):
     """A decode step's one-call attention (every session's KV write and attention at a

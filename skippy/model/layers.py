@@ -168,8 +168,9 @@ def apply_rope(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch
     return x
 
 
-# Up to this many rows of one session (speculative verify windows) attend one row at a
-# time; longer runs (prefill chunks) take the masked kernel in one call.
+# Through torch (off our kernels: CUDA, no compiler), up to this many rows of one session
+# (speculative verify windows) attend one row at a time; longer runs (prefill chunks)
+# take the masked kernel in one call. On our kernels every row attends alone (attend_rows).
 ROWS_ONE_BY_ONE = 32
 
 
@@ -246,11 +247,19 @@ def attend_sessions(qkv: torch.Tensor, layer: int, segments, rows: "qkernel.Deco
     # [heads, T, head_dim] each
     q, k, v = (qkv[:, :heads].transpose(0, 1), qkv[:, heads : heads + kv_heads].transpose(0, 1),
                qkv[:, heads + kv_heads :].transpose(0, 1))
+    # On our kernels every row attends as a decode step's row does, bit for bit: a prompt
+    # replayed after a lost stage, or restored from the prefix cache, then continues as the
+    # uninterrupted decode did (through torch's masked kernel a last-bit difference, rounded
+    # to int8 by the next matmul, could change a greedy token).
+    exact = _on_our_kernels(qkv) and qkv.is_contiguous()
     outputs, row = [], 0
     for s in segments:
         mine = slice(row, row + s.num_tokens)
         keys, values = s.cache.write(layer, s.start, k[:, mine], v[:, mine])
-        outputs.append(attention(q[:, mine], keys, values, s.start, scale, window))
+        if exact and keys.dtype in (torch.float16, torch.float32):
+            outputs.append(qkernel.attend_rows(qkv[mine], heads, keys, values, s.start, scale, window))
+        else:
+            outputs.append(attention(q[:, mine], keys, values, s.start, scale, window))
         row += s.num_tokens
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 

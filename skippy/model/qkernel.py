@@ -40,6 +40,7 @@ SIGNATURES = {  # the C functions' (argument types, return type), in their argum
     "skippy_qmatmul": ([_P, _I, _I, _P, _P, _P, _I, _I, _I, _P, _I], _I),
     "skippy_rms_norm": ([_P, _I, _I, _P, _F, _P], None),
     "skippy_attend_row": ([_P, _I, _I, _I, _P, _P, _I, _I, _I, _F, _P], _I),
+    "skippy_attend_rows": ([_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _F, _P], _I),
     "skippy_decode_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _F, _P], _I),
     "skippy_head_rms_norm": ([_P, _I, _I, _I, _I, _I, _P, _F], None),
     "skippy_rope": ([_P, _I, _I, _I, _I, _P, _P], None),
@@ -179,6 +180,24 @@ def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
                                          out.data_ptr())
     if status:
         raise RuntimeError(f"attend_row failed ({status}): q {tuple(q.shape)}, cache {tuple(k.shape)}")
+    return out
+
+
+def attend_rows(qkv: torch.Tensor, heads: int, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                window: int = 0) -> torch.Tensor:
+    """One session's consecutive rows at positions start.. : the q heads (the first
+    `heads`) of qkv [n, row_heads, head_dim] float32 contiguous, each over the cached
+    keys it sees, exactly as a decode step computes that row. k, v [kv_heads, >= start + n,
+    head_dim] float16 or float32 with rows contiguous (the session's cache, written
+    through start + n); returns [n, heads * head_dim]."""
+    n, row_heads, head_dim = qkv.shape
+    out = torch.empty(n, heads * head_dim, dtype=torch.float32)
+    status = library().skippy_attend_rows(qkv.data_ptr(), n, row_heads, heads, k.shape[0], head_dim, k.data_ptr(),
+                                          v.data_ptr(), k.dtype == torch.float16, k.stride(0) // head_dim, start,
+                                          window, scale, out.data_ptr())
+    if status:
+        raise RuntimeError(f"attend_rows failed ({status}): qkv {tuple(qkv.shape)}, cache {tuple(k.shape)}, "
+                           f"start {start}")
     return out
 
 

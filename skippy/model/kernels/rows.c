@@ -253,6 +253,37 @@ int skippy_attend_row(const float *q, int H, int KVH, int hd, const void *k, con
     return 0;
 }
 
+/* n consecutive query rows of one session, at positions start .. start + n - 1, each
+   over the keys/values it sees (positions [0, its own], the last `window` of them when
+   window > 0), by the same per-row arithmetic as skippy_attend_row and
+   skippy_decode_attention: a prompt chunk or verify window computes each row exactly as
+   a decode step would, so a replayed or restored prefix continues as the decode did.
+   q: the first H heads of each row of qkv [n, row_heads, hd]; k, v [KVH, stride, hd]
+   with rows [0, start + n) written; out [n, H * hd]. */
+int skippy_attend_rows(const float *qkv, int n, int row_heads, int H, int KVH, int hd, const void *k,
+                       const void *v, int f16, int stride, int start, int window, float scale, float *out) {
+    if (hd > MAX_HEAD_DIM || H % KVH || n < 1 || start < 0 || start + n > stride) return -1;
+    const int group = H / KVH;
+    int status = 0;
+    #pragma omp parallel for schedule(guided) if (n > 1) reduction(| : status)
+    for (int i = 0; i < n; i++) {
+        const int T = start + i + 1, first = window > 0 && T > window ? T - window : 0;
+        float *scores = malloc(sizeof(float) * group * T);
+        if (!scores) {
+            status |= 1;
+            continue;
+        }
+        const float *q = qkv + (size_t)i * row_heads * hd;
+        for (int j = 0; j < KVH; j++) {
+            const size_t from = ((size_t)j * stride + first) * hd;
+            attend_group(q + (size_t)j * group * hd, group, hd, cache_at(k, f16, from), cache_at(v, f16, from), f16,
+                         T - first, scale, scores, out + (size_t)i * H * hd + (size_t)j * group * hd);
+        }
+        free(scores);
+    }
+    return status ? -2 : 0;
+}
+
 /* A batch of decode rows, one per session, in one call: for session s, store row s's
    k and v heads of qkv [S, H + 2 KVH, hd] (q, k, v heads in that order, RoPE applied)
    at position pos[s] of layer `layer` in its cache k[s], v[s] ([layers, KVH,
