@@ -138,8 +138,8 @@ class StageModel:
 
     @property
     def weight_format(self) -> str:
-        """What the matmul weights are ("q4+q4x2+q8", "float32", ...; x2: two activation levels): caches of KV rows
-        computed with other weights must not be shared."""
+        """What the matmul weights are ("q4+q4x2+q8", "float32", ...; x2: inputs rounded in two
+        levels): caches of KV rows computed with other weights must not be shared."""
         kinds = {lin.format if isinstance(lin, QuantLinear) else str(lin.weight.dtype).removeprefix("torch.")
                  for lin in self.linears}
         return "+".join(sorted(kinds))
