@@ -314,9 +314,9 @@ def test_quantized_prompt_rows_equal_decode_rows(quant_model):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_decode_attention_equals_a_cache_write_and_attend_row(dtype):
+def test_decode_attention_equals_a_cache_write_and_attend_rows(dtype):
     """A decode step's one-call attention (every session's KV write and attention at a
-    layer) against the per-session path it replaces, which verify windows still take:
+    layer) against the per-session path prompt chunks and verify windows take:
     bit for bit, caches of different capacities and lengths, a layer past the first."""
     from skippy.model.kv_cache import KVCache
 
@@ -341,8 +341,8 @@ def test_decode_attention_equals_a_cache_write_and_attend_row(dtype):
     for i, (twin, start) in enumerate(zip(twins, lengths)):
         k, v = qkv[i, heads : heads + kv_heads, None], qkv[i, heads + kv_heads :, None]
         keys, values = twin.write(1, start, k, v)
-        expected = qkernel.attend_row(qkv[i, :heads].contiguous(), keys, values, scale)
-        assert torch.equal(got[i], expected)
+        expected = qkernel.attend_rows(qkv[i : i + 1].contiguous(), heads, keys, values, start, scale)
+        assert torch.equal(got[i], expected[0])
         assert torch.equal(caches[i].k, twin.k) and torch.equal(caches[i].v, twin.v)
 
 

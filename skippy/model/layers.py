@@ -189,9 +189,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
         # sees, so a window's rows round as one-row decode steps do (the masked kernel
         # tiles differently, and on the quantized path a last-bit difference grows
         # until speculation changes a greedy token).
-        if n == 1 and _on_our_kernels(q):
-            first = max(0, start + 1 - window) if window else 0
-            return qkernel.attend_row(q[:, 0], k[:, first:], v[:, first:], scale).view(1, -1)
         if n > 1:
             rows = []
             for i in range(n):

@@ -39,7 +39,6 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # the C functions' (argument types, return type), in their argument order
     "skippy_qmatmul": ([_P, _I, _I, _P, _P, _P, _I, _I, _I, _P, _I], _I),
     "skippy_rms_norm": ([_P, _I, _I, _P, _F, _P], None),
-    "skippy_attend_row": ([_P, _I, _I, _I, _P, _P, _I, _I, _I, _F, _P], _I),
     "skippy_attend_rows": ([_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _F, _P], _I),
     "skippy_decode_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _F, _P], _I),
     "skippy_head_rms_norm": ([_P, _I, _I, _I, _I, _I, _P, _F], None),
@@ -166,23 +165,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query row per head over every position of k, v.
-
-    q [H, head_dim] float32 contiguous; k, v [kv_heads, length, head_dim] float16 or
-    float32, alike, with rows contiguous (a session's cache, sliced to its length);
-    returns [H * head_dim] float32."""
-    heads, head_dim = q.shape
-    kv_heads, length, _ = k.shape
-    out = torch.empty(heads * head_dim, dtype=torch.float32)
-    status = library().skippy_attend_row(q.data_ptr(), heads, kv_heads, head_dim, k.data_ptr(), v.data_ptr(),
-                                         k.dtype == torch.float16, k.stride(0) // head_dim, length, scale,
-                                         out.data_ptr())
-    if status:
-        raise RuntimeError(f"attend_row failed ({status}): q {tuple(q.shape)}, cache {tuple(k.shape)}")
-    return out
-
-
 def attend_rows(qkv: torch.Tensor, heads: int, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
                 window: int = 0) -> torch.Tensor:
     """One session's consecutive rows at positions start.. : the q heads (the first
@@ -228,7 +210,7 @@ def decode_attention(qkv: torch.Tensor, rows: DecodeRows, layer: int, heads: int
     """Store each session's new k, v row of qkv [S, heads + 2 kv_heads, head_dim] float32
     contiguous (RoPE applied) in its cache at `layer`, and attend its query row over its
     cache (its last `window` positions, when > 0): [S, heads * head_dim], each row as
-    attend_row computes it alone."""
+    attend_rows computes it alone."""
     sessions, _, head_dim = qkv.shape
     out = torch.empty(sessions, heads * head_dim, dtype=torch.float32)
     status = library().skippy_decode_attention(qkv.data_ptr(), sessions, heads, kv_heads, head_dim, rows.k, rows.v,

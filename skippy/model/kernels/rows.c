@@ -234,29 +234,9 @@ static inline const void *cache_at(const void *base, int f16, size_t at) {
     return f16 ? (const void *)((const uint16_t *)base + at) : (const void *)((const float *)base + at);
 }
 
-/* One query row per head over keys/values [0, T) of its KV head:
-   q [H, hd] float32; k, v [KVH, stride, hd] (float16 when f16, else float32), head
-   h reading KV head h / (H / KVH); out [H * hd] float32. */
-int skippy_attend_row(const float *q, int H, int KVH, int hd, const void *k, const void *v, int f16, int stride,
-                      int T, float scale, float *out) {
-    if (hd > MAX_HEAD_DIM || H % KVH || T < 1) return -1;
-    const int group = H / KVH;
-    float *scores = malloc(sizeof(float) * H * T);
-    if (!scores) return -2;
-    #pragma omp parallel for schedule(static) if (T >= 512 && KVH > 1)
-    for (int j = 0; j < KVH; j++) {
-        const size_t head = (size_t)j * stride * hd;
-        attend_group(q + (size_t)j * group * hd, group, hd, cache_at(k, f16, head), cache_at(v, f16, head), f16, T,
-                     scale, scores + (size_t)j * group * T, out + (size_t)j * group * hd);
-    }
-    free(scores);
-    return 0;
-}
-
 /* n consecutive query rows of one session, at positions start .. start + n - 1, each
    over the keys/values it sees (positions [0, its own], the last `window` of them when
-   window > 0), by the same per-row arithmetic as skippy_attend_row and
-   skippy_decode_attention: a prompt chunk or verify window computes each row exactly as
+   window > 0), by the same per-row arithmetic as skippy_decode_attention: a prompt chunk or verify window computes each row exactly as
    a decode step would, so a replayed or restored prefix continues as the decode did.
    q: the first H heads of each row of qkv [n, row_heads, hd]; k, v [KVH, stride, hd]
    with rows [0, start + n) written; out [n, H * hd]. */
@@ -288,7 +268,7 @@ int skippy_attend_rows(const float *qkv, int n, int row_heads, int H, int KVH, i
    k and v heads of qkv [S, H + 2 KVH, hd] (q, k, v heads in that order, RoPE applied)
    at position pos[s] of layer `layer` in its cache k[s], v[s] ([layers, KVH,
    capacity[s], hd], float16 when f16, else float32), then attend its q heads over
-   positions [0, pos[s]] exactly as skippy_attend_row does (so a session's row is the
+   positions [0, pos[s]] exactly as skippy_attend_rows does (so a session's row is the
    same alone or batched); with a sliding `window` > 0, over the last `window` of them
    only. out [S, H * hd]. The float16 store rounds to nearest even, as torch's copy does. */
 int skippy_decode_attention(const float *qkv, int S, int H, int KVH, int hd, void *const *k, void *const *v,
