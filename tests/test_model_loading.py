@@ -150,15 +150,18 @@ def test_hf_dir_logits_equal_gguf(hf_dir, full_weights, prompt_ids, gguf_logits)
     assert_close("HF directory == GGUF logits", got, gguf_logits, bound(model.args, len(prompt_ids)))
 
 
-@pytest.mark.parametrize(("quantize", "bits"), [("int8", 8), ("int4", 4)])
-def test_hf_dir_quantized_on_request(hf_dir, gguf_logits, prompt_ids, quantize, bits):
+@pytest.mark.parametrize(("quantize", "bits", "min_agreement"), [("int8", 8, 0.9), ("int4", 4, 0.85)])
+def test_hf_dir_quantized_on_request(hf_dir, gguf_logits, prompt_ids, quantize, bits, min_agreement):
     """--quantize: a checkpoint's matmul weights (the tied head too) as `bits`-bit codes
     through our kernel, norms and the embedding as stored. These weights are the bundled
-    Q4_1 model's, which a 4-bit grid over each group's range holds again where a group
-    used its whole range (elsewhere the new grid is finer and rounds them), so int4 too
-    keeps the GGUF path's argmax at nearly every position: 37 of these 40 prompt positions
-    with most inputs rounded to one int8 level (llama.cpp's rounding; the GGUF's own 4-bit
-    codes agree at all 40), 38 with two levels everywhere."""
+    Q4_1 model's, which a 4-bit grid over each group's range holds again only where a group
+    used its whole range (elsewhere the new grid is finer and rounds them), so int4 moves
+    the logits more than int8 does. Of these 40 prompt positions, with most inputs rounded
+    to one int8 level (llama.cpp's rounding), int8 keeps the float model's argmax at 39,
+    int4 at 37 on AVX2 and 35 on AVX512-VNNI (the paths sum in different orders; the
+    GGUF's own 4-bit codes agree at all 40). The flips are at small margins (0.08-1.2
+    logits), where the float model's choice is still our second or third: a broken
+    kernel or layout misses far more often, and far down the ranking."""
     model = load_stage(hf_dir, dtype=quantize, device="cpu", progress=False)
     assert {getattr(linear, "bits", None) for linear in model.linears} == {bits}
     assert model.embedding.dtype == torch.float32 and model.kv_dtype == torch.float16
@@ -166,7 +169,9 @@ def test_hf_dir_quantized_on_request(hf_dir, gguf_logits, prompt_ids, quantize, 
     held = sum(t.nbytes for linear in model.linears for t in linear.tensors)
     assert held == weights * (bits / 8 + 4 / 32)  # the codes, and a float16 scale and offset per 32
     got = model.compute_logits(run(model, torch.tensor(prompt_ids)))
-    assert (got.argmax(-1) == gguf_logits.argmax(-1)).float().mean() >= 0.9
+    expected = gguf_logits.argmax(-1)
+    assert (got.argmax(-1) == expected).float().mean() >= min_agreement
+    assert (got.topk(3, -1).indices == expected[:, None]).any(-1).all()  # never far off
 
 
 def test_quantize_refuses_a_gguf(gguf_path):
