@@ -184,17 +184,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
     Returns [n, heads * head_dim].
     """
     heads, n, head_dim = q.shape
-    if n <= ROWS_ONE_BY_ONE:
-        # A decode row, or a verify window: each row alone over exactly the keys it
-        # sees, so a window's rows round as one-row decode steps do (the masked kernel
-        # tiles differently, and on the quantized path a last-bit difference grows
-        # until speculation changes a greedy token).
-        if n > 1:
-            rows = []
-            for i in range(n):
-                first, end = (max(0, start + i + 1 - window) if window else 0), start + i + 1
-                rows.append(attention(q[:, i : i + 1], k[:, first:end], v[:, first:end], end - first - 1, scale))
-            return torch.cat(rows)
+    if 1 < n <= ROWS_ONE_BY_ONE:
+        # A verify window: each row alone over exactly the keys it sees, so a window's
+        # rows round as one-row decode steps do (the masked kernel tiles differently,
+        # and a last-bit difference can grow until speculation changes a greedy token).
+        rows = []
+        for i in range(n):
+            first, end = (max(0, start + i + 1 - window) if window else 0), start + i + 1
+            rows.append(attention(q[:, i : i + 1], k[:, first:end], v[:, first:end], end - first - 1, scale))
+        return torch.cat(rows)
     if k.dtype != q.dtype:  # a 16-bit cache: CPU SDPA runs far slower in 16 bits than float32
         k, v = k.to(q.dtype), v.to(q.dtype)
     first = max(0, start + 1 - window) if window else 0  # keys before this no query of ours sees
