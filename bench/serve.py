@@ -7,7 +7,11 @@ process for --stages 1, a `LocalChain` driven by its `ChainClient` for --stages 
 llama.cpp (llama-cpp-python, same GGUF, same prompt ids, greedy with the same end
 tokens banned) runs one stream in this process in every round too, when it imports:
 its server runs one request at a time, so its single-stream rate is the bar for our
-aggregate (issue 12: 8 streams on 2 stages >= 3x).
+aggregate (issue 12: 8 streams on 2 stages >= 3x). llama-cpp-python's own OpenAI server
+(`python -m llama_cpp.server`, same GGUF and threads) answers the same streamed request
+as well, so the HTTP rows compare like with like: a served rate includes the client's
+work on the same cores. (Its TTFT is not comparable: that server keeps the previous
+request's KV and reuses the shared prompt prefix, while ours runs cold prefills here.)
 Every request uses the same prompt ids and runs exactly --max-tokens tokens
 (greedy, end-of-generation tokens banned by logit_bias in both paths, so both do
 the same sampling work). One round runs every configuration once, in turn; the
@@ -77,6 +81,8 @@ async def http_stream(client: httpx.AsyncClient, url: str, body: dict) -> Sample
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 token_times.append(time.perf_counter())
     # A chunk can carry two tokens (a character split across them); spread the count evenly.
+    # llama-cpp-python's server sends no usage in a stream: there, count its chunks.
+    num_tokens = num_tokens or len(token_times)
     result = sample(started, token_times)
     rate = (num_tokens - 1) / (token_times[-1] - token_times[0])
     return Sample(result.ttft_s, rate, num_tokens, result.started, result.finished)
@@ -217,6 +223,51 @@ def llama_cpp_worker(path: str, threads: int) -> None:
         print(json.dumps(engine.generate(prompt_ids, max_tokens)), flush=True)
 
 
+class LlamaCppServer:
+    """llama-cpp-python's own OpenAI server (`python -m llama_cpp.server`) on the same GGUF and
+    threads: the like-for-like bar for our HTTP figures, since the client's work on the same
+    cores (receiving and parsing every SSE chunk) is part of a served rate."""
+
+    def __init__(self, path: Path, threads: int):
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = {key: value for key, value in os.environ.items() if key != "GOMP_SPINCOUNT"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--n_threads", str(threads),
+             "--n_threads_batch", str(threads), "--n_ctx", "2048", "--host", "127.0.0.1", "--port", str(port),
+             "--verbose", "False"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"llama_cpp.server exited with {self.process.returncode}: "
+                                   f"{self.process.stderr.read()[-2000:]}")  # fmt: skip
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.close()
+        raise RuntimeError("llama_cpp.server did not answer within 120 s")
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+def load_llama_cpp_server(path: Path, threads: int | None) -> LlamaCppServer | None:
+    try:
+        import llama_cpp.server.app  # noqa: F401
+    except ImportError as exc:
+        print(f"llama.cpp's server skipped: {exc} (pip install -e '.[bench-llamacpp]')", flush=True)
+        return None
+    return LlamaCppServer(path, threads or os.cpu_count() or 1)
+
+
 def load_llama_cpp(path: Path, threads: int | None) -> LlamaCppProcess | None:
     try:
         import llama_cpp  # noqa: F401
@@ -270,10 +321,12 @@ def main() -> None:
     server = Server(args)
     direct = Direct(args, path, loop)
     llama = load_llama_cpp(path, args.threads)
+    llama_server = load_llama_cpp_server(path, args.threads) if llama is not None else None
     client = httpx.AsyncClient(timeout=600)
     url = server.url + "/v1/chat/completions"
     print(server.ready_line, flush=True)
     names = ["direct c=1", *[f"http c={c}" for c in args.concurrency]] + (["llama.cpp c=1"] if llama else [])
+    names += ["llama.cpp http c=1"] if llama_server else []
     results: dict[str, list[list[Sample]]] = {name: [] for name in names}
     try:
         for round_index in range(args.rounds + 1):  # round 0 warms up
@@ -282,6 +335,9 @@ def main() -> None:
                 runs[f"http c={c}"] = loop.run_until_complete(http_round(client, url, body, c))
             if llama is not None:
                 runs["llama.cpp c=1"] = [llama.generate(prompt_ids, args.max_tokens)]
+            if llama_server is not None:
+                runs["llama.cpp http c=1"] = loop.run_until_complete(
+                    http_round(client, llama_server.url + "/v1/chat/completions", body, 1))
             for name, samples in runs.items():
                 assert all(s.num_tokens == args.max_tokens for s in samples), (name, [s.num_tokens for s in samples])
                 if round_index:
@@ -294,6 +350,8 @@ def main() -> None:
         server.close()
         if llama is not None:
             llama.close()
+        if llama_server is not None:
+            llama_server.close()
 
     table = {}
     for name, rounds in results.items():
@@ -306,9 +364,9 @@ def main() -> None:
     print(f"\n{path.name}, {args.stages} stage(s), {args.max_tokens} tokens per stream, "
           f"{len(prompt_ids)} prompt tokens, {os.cpu_count()} CPUs, threads {args.threads or 'default'}, "
           f"--dtype {args.dtype}{'' if args.repack else ' --no-repack'}, medians of {args.rounds} rounds")  # fmt: skip
-    print(f"{'config':<12} {'TTFT ms':>9} {'decode tok/s/stream':>20} {'aggregate tok/s':>16}")
+    print(f"{'config':<18} {'TTFT ms':>9} {'decode tok/s/stream':>20} {'aggregate tok/s':>16}")
     for name, (ttft, decode, aggregate) in table.items():
-        print(f"{name:<12} {ttft:>9.1f} {decode:>20.2f} {aggregate:>16.2f}")
+        print(f"{name:<18} {ttft:>9.1f} {decode:>20.2f} {aggregate:>16.2f}")
     print(f"\nresident memory of `skippy serve --stages {args.stages} --dtype {args.dtype}` after the rounds:")
     for name, now, peak in memory:
         print(f"  {name:<16} RSS {now / 2**20:7.1f} MiB   peak {peak / 2**20:7.1f} MiB")
@@ -328,6 +386,13 @@ def main() -> None:
         for c in args.concurrency:
             ours = table[f"http c={c}"]
             print(f"http c={c} / llama.cpp c=1: aggregate {ours[2] / reference[2]:.2f}x, "
+                  f"decode per stream {ours[1] / reference[1]:.2f}x")
+    if "llama.cpp http c=1" in table:  # both through an OpenAI server, client on the same cores
+        reference = table["llama.cpp http c=1"]
+        print(f"llama.cpp http c=1 (its own server): decode {reference[1]:.2f} tok/s, aggregate {reference[2]:.2f}")
+        for c in args.concurrency:
+            ours = table[f"http c={c}"]
+            print(f"http c={c} / llama.cpp http c=1: aggregate {ours[2] / reference[2]:.2f}x, "
                   f"decode per stream {ours[1] / reference[1]:.2f}x")
 
 
