@@ -313,6 +313,44 @@ def test_quantized_prompt_rows_equal_decode_rows(quant_model):
         assert torch.equal(cache.k[:, :, :n], whole.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], whole.v[:, :, :n])
 
 
+@pytest.mark.parametrize("start", [0, 11])
+def test_one_call_decode_layers_equal_the_loop(start, quant_model, make_quant_stage):
+    """A decode step's layers in one C call (qkernel.DecodeLayers) against forward's
+    per-layer loop: bit for bit, the rows out and the KV rows written, for one session
+    and for three batched at different positions, on the first stage and on one fed
+    hidden rows."""
+    model = quant_model if start == 0 else make_quant_stage(start)
+    assert model.decode_layers is not None  # the bundled SmolLM2 is a model it runs
+    prompts = [PROMPT, PROMPT[:13], [5, 6, 7, 8, 9, 10, 11]]
+
+    def rows_of(tokens: list[int]) -> torch.Tensor:
+        if start == 0:
+            return torch.tensor(tokens)
+        return torch.randn(len(tokens), model.args.hidden_size, generator=torch.Generator().manual_seed(sum(tokens)))
+
+    def decode(one_call: bool) -> tuple[list[torch.Tensor], list]:
+        fused = model.decode_layers
+        caches = [model.new_cache() for _ in prompts]
+        for p, c in zip(prompts, caches):  # prompts take the loop either way
+            model.forward(rows_of(p), [Segment(c, 0, len(p))])
+        outputs = []
+        try:
+            model.decode_layers = fused if one_call else None
+            for step in range(3):
+                tokens = [3 + step, 40 + step, 500 + step]
+                outputs.append(model.forward(rows_of(tokens), [Segment(c, c.length, 1) for c in caches]))
+                outputs.append(model.forward(rows_of([tokens[0]]), [Segment(caches[0], caches[0].length, 1)]))
+        finally:
+            model.decode_layers = fused
+        return outputs, caches
+
+    (got, got_caches), (expected, expected_caches) = decode(True), decode(False)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    for a, b in zip(got_caches, expected_caches):
+        n = a.length
+        assert n == b.length and torch.equal(a.k[:, :, :n], b.k[:, :, :n]) and torch.equal(a.v[:, :, :n], b.v[:, :, :n])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_decode_attention_equals_a_cache_write_and_attend_rows(dtype):
     """A decode step's one-call attention (every session's KV write and attention at a

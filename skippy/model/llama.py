@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import qkernel
 from .args import LayerRange, ModelArgs
 from .kv_cache import KVCache
 from .layers import (Linear, add_residual, apply_rope, attend_sessions, decode_rows, gated_mlp, head_norms_,
@@ -88,6 +89,24 @@ class StageModel:
             if self.embedding is not None and head is None and isinstance(self.head, Linear):
                 self.embedding = self.head.weight  # tied: look tokens up in the head's copy, not a second one
             on_built()
+        self.decode_layers = self._decode_layers()
+
+    def _decode_layers(self) -> qkernel.DecodeLayers | None:
+        """The blocks as one kernel call for decode steps, where every block is one it runs
+        (the llama family on our kernels; the loop in forward is the reference)."""
+        args, blocks = self.args, self.blocks
+        if not (blocks and qkernel.available() and self.activation == "silu" and self.device.type == "cpu"
+                and len(self.rope_tables) == 1):
+            return None
+        for b in blocks:
+            matmuls = (b.wqkv, b.wo, b.w_gate_up, b.w_down)
+            if not (all(isinstance(m, QuantLinear) and m.bias is None for m in matmuls)
+                    and b.q_norm is None and b.post_attn_norm is None and b.post_ffn_norm is None
+                    and b.attn_norm.dtype == b.ffn_norm.dtype == torch.float32):
+                return None
+        layers = [(b.attn_norm, b.ffn_norm, b.wqkv, b.wo, b.w_gate_up, b.w_down, b.window) for b in blocks]
+        return qkernel.DecodeLayers(layers, args.num_heads, args.num_kv_heads, args.head_dim,
+                                    blocks[0].w_down.in_features, args.rms_norm_eps, self.scale)
 
     def _block(self, w: dict[str, Weight], i: int) -> Block:
         p, args, arch = f"blk.{i}.", self.args, self.args.arch
@@ -177,18 +196,21 @@ class StageModel:
         rows = decode_rows(segments, x)  # a decode step: each layer's attention in one call
         H, KVH, eps = args.num_heads, args.num_kv_heads, args.rms_norm_eps
 
-        for layer, block in enumerate(self.blocks):
-            # attention: x + Wo · attn(rope(Wq·h), rope(Wk·h), Wv·h), each session over its own cache
-            h = rms_norm(x, block.attn_norm, eps)
-            qkv = block.wqkv(h).view(T, H + 2 * KVH, args.head_dim)
-            if block.q_norm is not None:  # Qwen3, Gemma 3: each q and k head normed first
-                qkv = head_norms_(qkv, H, KVH, block.q_norm, block.k_norm, eps)
-            qkv = apply_rope(qkv, H + KVH, *ropes[block.rope])  # q and k heads rotate in one go
-            attn = attend_sessions(qkv, layer, segments, rows, self.scale, block.window)
-            x = add_residual(block.wo, attn, x, block.post_attn_norm, eps)  # Gemma 3 norms Wo·attn first
-            # feed-forward: x + W_down · (act(W_gate·h) * W_up·h), act silu (SwiGLU) or gelu_tanh (Gemma 3)
-            h = rms_norm(x, block.ffn_norm, eps)
-            x = gated_mlp(h, block.w_gate_up, block.w_down, self.activation, x, block.post_ffn_norm, eps)
+        if rows is not None and self.decode_layers is not None:
+            x = self.decode_layers(x, rows, *ropes[0])  # a decode step on our kernels: the loop below in one call
+        else:
+            for layer, block in enumerate(self.blocks):
+                # attention: x + Wo · attn(rope(Wq·h), rope(Wk·h), Wv·h), each session over its own cache
+                h = rms_norm(x, block.attn_norm, eps)
+                qkv = block.wqkv(h).view(T, H + 2 * KVH, args.head_dim)
+                if block.q_norm is not None:  # Qwen3, Gemma 3: each q and k head normed first
+                    qkv = head_norms_(qkv, H, KVH, block.q_norm, block.k_norm, eps)
+                qkv = apply_rope(qkv, H + KVH, *ropes[block.rope])  # q and k heads rotate in one go
+                attn = attend_sessions(qkv, layer, segments, rows, self.scale, block.window)
+                x = add_residual(block.wo, attn, x, block.post_attn_norm, eps)  # Gemma 3 norms Wo·attn first
+                # feed-forward: x + W_down · (act(W_gate·h) * W_up·h), act silu (SwiGLU) or gelu_tanh (Gemma 3)
+                h = rms_norm(x, block.ffn_norm, eps)
+                x = gated_mlp(h, block.w_gate_up, block.w_down, self.activation, x, block.post_ffn_norm, eps)
 
         for s in segments:
             s.cache.commit(s.start + s.num_tokens)

@@ -1,7 +1,8 @@
 """Our CPU kernels (kernels/*.c): built for this CPU, loaded, called.
 
 qmatmul.c multiplies by quantized weights; rows.c holds the per-row pieces of a
-decode step (RMS norm, RoPE, one row's attention, SwiGLU). The C files are
+decode step (RMS norm, RoPE, one row's attention, SwiGLU); layers.c runs them all
+for a decode step's layer range in one call (DecodeLayers). The C files are
 compiled once per machine with the system C compiler (-march=native: its vector
 code depends on the CPU, as llama.cpp's native builds do) into
 ~/.cache/skippy/kernels (or $SKIPPY_CACHE_DIR), keyed by the source, the flags,
@@ -29,7 +30,7 @@ from .locate import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("kernels") / name for name in ("qmatmul.c", "rows.c")]
+SOURCES = [Path(__file__).with_name("kernels") / name for name in ("qmatmul.c", "rows.c", "layers.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 # glibc's vector expf (rows.c calls it where glibc and AVX-512 are), then libm
 LIBS = (["-lmvec"] if platform.libc_ver()[0] == "glibc" else []) + ["-lm"]
@@ -46,6 +47,7 @@ SIGNATURES = {  # the C functions' (argument types, return type), in their argum
     "skippy_swiglu": ([_P, _I, _I, _P], None),
     "skippy_geglu": ([_P, _I, _I, _P], None),
     "skippy_qmatmul_vector_path": ([], _I),
+    "skippy_decode_layers": ([_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _F, _F], _I),
 }
 
 
@@ -251,3 +253,43 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, width // 2, dtype=torch.float32)
     library().skippy_swiglu(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
     return out
+
+
+LAYER_FIELDS = 23  # int64 per layer in skippy_decode_layers' table (kernels/layers.c)
+
+
+class DecodeLayers:
+    """A stage's llama blocks (quantized matmuls without biases, SwiGLU, RMS norms, one
+    RoPE table, no per-head or post norms) as skippy_decode_layers runs them: a decode
+    step's whole layer range in one call, each row bit for bit what the forward's
+    per-layer loop computes (the same kernels, in the same order)."""
+
+    def __init__(self, layers: list[tuple], heads: int, kv_heads: int, head_dim: int, ffn: int, eps: float,
+                 scale: float):
+        """layers: per layer (attn_norm, ffn_norm, wqkv, wo, w_gate_up, w_down, window), the
+        norms float32 [D], the matmuls QuantLinear (codes, scale, offset, bits, levels)."""
+        table = []
+        for attn_norm, ffn_norm, *matmuls, window in layers:
+            fields = [attn_norm.data_ptr(), ffn_norm.data_ptr()]
+            for m in matmuls:
+                fields += [m.codes.data_ptr(), m.scale.data_ptr(), m.offset.data_ptr(), m.bits, m.levels]
+            table.append([*fields, window])
+        self.table = torch.tensor(table, dtype=torch.int64)
+        assert self.table.shape[1] == LAYER_FIELDS
+        self._weights = [t for layer in layers for t in layer[:2]]  # the table points into these
+        self._weights += [m for layer in layers for m in layer[2:6]]
+        self.heads, self.kv_heads, self.head_dim, self.ffn, self.eps, self.scale = (
+            heads, kv_heads, head_dim, ffn, eps, scale)
+
+    def __call__(self, x: torch.Tensor, rows: DecodeRows, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x [S, D] float32 contiguous, one row per session of `rows`, through every layer
+        in place; cos, signed_sin [S, head_dim] contiguous at the rows' positions. Returns x."""
+        x = x.contiguous()
+        sessions, hidden = x.shape
+        status = library().skippy_decode_layers(
+            x.data_ptr(), sessions, hidden, self.heads, self.kv_heads, self.head_dim, self.ffn, len(self.table),
+            self.table.data_ptr(), rows.k, rows.v, rows.capacity, rows.position, rows.f16, cos.data_ptr(),
+            signed_sin.data_ptr(), self.eps, self.scale)  # fmt: skip
+        if status:
+            raise RuntimeError(f"decode_layers failed ({status}): x {tuple(x.shape)}")
+        return x
