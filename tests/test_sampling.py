@@ -83,6 +83,17 @@ def test_greedy_rows():
     assert RequestSampler(SamplingConfig()).sample(logits, [], row_tokens=[1, 2, 3]) == expected
 
 
+def test_greedy_breaks_ties_and_nans_as_torch_does():
+    """greedy reads CPU float32 logits through numpy: the first of equal maxima, and a
+    NaN as the maximum, exactly as torch.argmax picks (float16 stays on torch's)."""
+    rows = torch.tensor([[1.0, 3.0, 3.0, 0.0], [float("nan"), 5.0, float("nan"), 1.0],
+                         [2.0, float("inf"), float("inf"), 0.0], [-float("inf")] * 4])
+    for dtype in (torch.float32, torch.float16):
+        logits = rows.to(dtype)
+        assert greedy(logits) == logits.argmax(dim=-1).tolist()
+        assert [greedy(row) for row in logits] == [int(row.argmax()) for row in logits]
+
+
 def test_top_k_1_filter_keeps_only_argmax():
     for seed in range(10):
         logits = random_logits(seed, NUM_VOCAB)

@@ -25,7 +25,13 @@ if TYPE_CHECKING:
 
 
 def greedy(logits: Tensor) -> int | list[int]:
-    """Argmax over the vocab: an int for [V], one int per row for [N, V]."""
+    """Argmax over the vocab: an int for [V], one int per row for [N, V] (the first of
+    equal maxima, and a NaN counts as the maximum, in torch and numpy alike)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # torch's CPU argmax over a 49,152-token row took 45-100 us (a parallel reduction
+        # for 2 threads), numpy's 4: 1-2% of a decode step
+        values = logits.numpy()
+        return int(values.argmax()) if values.ndim == 1 else values.argmax(axis=-1).tolist()
     if logits.dim() == 1:
         return int(logits.argmax())
     return logits.argmax(dim=-1).tolist()
@@ -251,7 +257,7 @@ class RequestSampler:
                 frequency_penalty=cfg.frequency_penalty,
             )
         if cfg.is_greedy:
-            return int(logits.argmax())
+            return greedy(logits)
         logits = filter_logits(logits, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
         probs = torch.softmax(logits / cfg.temperature, dim=-1)
         return draw_token(probs, self._generator)
