@@ -282,31 +282,33 @@ int skippy_decode_attention(const float *qkv, int S, int H, int KVH, int hd, voi
         max_t = pos[s] + 1 > max_t ? pos[s] + 1 : max_t;
     }
     int status = 0;
-    #pragma omp parallel for schedule(guided) if (S > 1) reduction(| : status)
-    for (int s = 0; s < S; s++) {
+    /* one task per (session, kv head): a lone decode row's heads split across the threads
+       too (its attention had run on one thread while the others waited); each task's
+       arithmetic is the same however they are dealt out */
+    #pragma omp parallel for schedule(dynamic) if (S * KVH > 1) reduction(| : status)
+    for (int task = 0; task < S * KVH; task++) {
+        const int s = task / KVH, j = task % KVH;
         float *scores = malloc(sizeof(float) * group * max_t);
         if (!scores) {
             status |= 1;
             continue;
         }
         const float *q = qkv + (size_t)s * row;
-        for (int j = 0; j < KVH; j++) {
-            const size_t head = ((size_t)layer * KVH + j) * capacity[s] * hd, at = head + (size_t)pos[s] * hd;
-            const float *kr = q + (size_t)(H + j) * hd, *vr = q + (size_t)(H + KVH + j) * hd;
-            for (int i = 0; i < hd; i++) {
-                if (f16) {
-                    ((_Float16 *)k[s])[at + i] = (_Float16)kr[i];
-                    ((_Float16 *)v[s])[at + i] = (_Float16)vr[i];
-                } else {
-                    ((float *)k[s])[at + i] = kr[i];
-                    ((float *)v[s])[at + i] = vr[i];
-                }
+        const size_t head = ((size_t)layer * KVH + j) * capacity[s] * hd, at = head + (size_t)pos[s] * hd;
+        const float *kr = q + (size_t)(H + j) * hd, *vr = q + (size_t)(H + KVH + j) * hd;
+        for (int i = 0; i < hd; i++) {
+            if (f16) {
+                ((_Float16 *)k[s])[at + i] = (_Float16)kr[i];
+                ((_Float16 *)v[s])[at + i] = (_Float16)vr[i];
+            } else {
+                ((float *)k[s])[at + i] = kr[i];
+                ((float *)v[s])[at + i] = vr[i];
             }
-            const int first = window > 0 && pos[s] + 1 > window ? pos[s] + 1 - window : 0;
-            const size_t from = head + (size_t)first * hd;
-            attend_group(q + (size_t)j * group * hd, group, hd, cache_at(k[s], f16, from), cache_at(v[s], f16, from), f16,
-                         pos[s] + 1 - first, scale, scores, out + (size_t)s * H * hd + (size_t)j * group * hd);
         }
+        const int first = window > 0 && pos[s] + 1 > window ? pos[s] + 1 - window : 0;
+        const size_t from = head + (size_t)first * hd;
+        attend_group(q + (size_t)j * group * hd, group, hd, cache_at(k[s], f16, from), cache_at(v[s], f16, from), f16,
+                     pos[s] + 1 - first, scale, scores, out + (size_t)s * H * hd + (size_t)j * group * hd);
         free(scores);
     }
     return status ? -2 : 0;
