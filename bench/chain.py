@@ -24,9 +24,10 @@ import os
 import statistics
 import time
 
+from skippy.model.locate import bundled_model_path  # noqa: E402
 from skippy.model.threads import spin_for_co_located_stages  # noqa: E402
 
-spin_for_co_located_stages()  # before torch loads, as `skippy serve --stages N` does
+spin_for_co_located_stages(bundled_model_path())  # before torch loads, as `skippy serve --stages N` does
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -34,7 +35,6 @@ import torch  # noqa: E402
 from skippy.driver.client import ChainClient  # noqa: E402
 from skippy.launch.local_chain import LocalChain  # noqa: E402
 from skippy.model.loader import load_stage  # noqa: E402
-from skippy.model.locate import bundled_model_path  # noqa: E402
 from skippy.protocol import (  # noqa: E402
     MessageKind, StageMessage, StageReply, read_message, read_reply, write_message, write_reply,
 )

@@ -297,9 +297,10 @@ def main() -> None:
                         help="both arms without the batch-friendly weight copy (skippy serve --no-repack)")
     args = parser.parse_args()
     if args.stages > 1:  # as `skippy serve` does for the stages it starts, before torch loads
+        from skippy.model.locate import bundled_model_path
         from skippy.model.threads import spin_for_co_located_stages
 
-        spin_for_co_located_stages()
+        spin_for_co_located_stages(args.model or bundled_model_path(), args.dtype)
 
     from skippy.launch.serve import model_id_for
     from skippy.model.locate import bundled_model_path

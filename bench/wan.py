@@ -30,14 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from skippy.model.locate import bundled_model_path  # noqa: E402
 from skippy.model.threads import spin_for_co_located_stages  # noqa: E402
 
-spin_for_co_located_stages()  # before torch loads, as `skippy serve --stages N` does
+spin_for_co_located_stages(bundled_model_path())  # before torch loads, as `skippy serve --stages N` does
 
 import numpy as np  # noqa: E402
 
 from skippy.launch.local_chain import LocalChain, connect_topology, plan_chain, write_plan  # noqa: E402
-from skippy.model.locate import bundled_model_path  # noqa: E402
 from skippy.protocol import LinkConditioning, StageConfig, Topology  # noqa: E402
 from skippy.runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS  # noqa: E402
 from skippy.stage import link, tls  # noqa: E402

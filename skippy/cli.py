@@ -202,7 +202,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from .model.threads import spin_for_co_located_stages
 
     if args.num_stages > 1 and not args.topology:
-        spin_for_co_located_stages()  # before torch loads
+        spin_for_co_located_stages(model_path(args), args.dtype)  # before torch loads
     from .launch.serve import generate_once
     from .model.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -240,7 +240,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from .model.threads import spin_for_co_located_stages
 
     if args.num_stages > 1 and not args.topology:
-        spin_for_co_located_stages()  # before torch loads
+        spin_for_co_located_stages(model_path(args), args.dtype)  # before torch loads
     from .launch.serve import serve
 
     return serve(serve_config(args))

@@ -100,3 +100,34 @@ def test_co_located_spin_is_set_before_torch_loads_and_left_to_the_user():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**env, "GOMP_SPINCOUNT": "777"})
     assert done.stdout.strip() == "777"
+
+
+@pytest.mark.parametrize("case_name", ["llama3", "mistral", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1"])
+def test_one_call_decode_is_foreseen_before_torch_loads(case_name, qtype, tmp_path):
+    """The spin for co-located stages is chosen before torch loads, from the GGUF alone
+    (decodes_in_one_call): it must say exactly when loading then builds the one-call decode
+    step, since the short spin suits only steps with no Python between their kernels."""
+    import gguf
+    from architecture_support import CASES, build_reference, write_gguf
+
+    from skippy.model.threads import decodes_in_one_call
+
+    case = CASES[case_name]
+    path = write_gguf(case, build_reference(case), tmp_path / "model.gguf", gguf.GGMLQuantizationType[qtype])
+    foreseen = decodes_in_one_call(path, "auto")
+    assert foreseen == (load_stage(path, dtype="auto", progress=False).decode_layers is not None)
+    assert foreseen == (qtype != "F32" and case_name in ("llama3", "mistral"))  # the llama family, quantized
+    assert not decodes_in_one_call(path, "float32")
+
+
+def test_bundled_model_takes_the_short_spin_unless_it_cannot_build_kernels(monkeypatch):
+    from skippy.model.locate import bundled_model_path
+    from skippy.model.threads import CO_LOCATED_SPIN_COUNT, ONE_CALL_SPIN_COUNT, co_located_spin_count
+
+    path = bundled_model_path()
+    assert load_stage(path, dtype="auto", progress=False).decode_layers is not None
+    assert co_located_spin_count(path) == ONE_CALL_SPIN_COUNT
+    assert co_located_spin_count(path, "float16") == co_located_spin_count() == CO_LOCATED_SPIN_COUNT
+    monkeypatch.setenv("CC", "/nonexistent/cc")  # no compiler: the layers run through torch
+    assert co_located_spin_count(path) == CO_LOCATED_SPIN_COUNT

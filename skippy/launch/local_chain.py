@@ -26,7 +26,7 @@ from ..model.args import ModelArgs
 from ..model.fingerprint import check_model, model_fingerprint
 from ..model.grammar import GrammarCompiler
 from ..model.loader import load_stage, model_args
-from ..model.threads import CO_LOCATED_SPIN_COUNT
+from ..model.threads import co_located_spin_count
 from ..protocol import (
     KvCacheConfig, LinkConditioning, PeerEndpoint, StageConfig, Topology, TopologyStage, parse_endpoint,
     plan_layer_split,
@@ -185,7 +185,7 @@ class LocalChain:
         every stage; by default every core: a stream visits the stages in turn, so each may use
         them all while the others wait (2 stages on 2 cores: 108 tok/s with 2 threads each,
         71 with 1), provided a waiting stage's OpenMP workers stop spinning soon
-        (model/threads.py: CO_LOCATED_SPIN_COUNT, given to the stage processes here).
+        (model/threads.py: co_located_spin_count, given to the stage processes here).
         `max_restarts`: supervise the stage processes (supervisor.py), restarting each at most
         this often; None: no supervision (a stage that dies stays down). `link_conditioning`: a
         test knob on every link of the chain, stage 0's lanes included (stage/link.py)."""
@@ -195,6 +195,8 @@ class LocalChain:
         self.model_path, self.num_stages, self.threads = Path(model_path), num_stages, threads
         self.log_level, self.kv_cache = log_level, kv_cache
         self.device = device  # every stage's, stage 0's included ("auto": CUDA where present)
+        # the user's GOMP_SPINCOUNT (or what the CLI set before torch loaded) wins
+        self._spin_count = os.environ.get("GOMP_SPINCOUNT") or co_located_spin_count(model_path, dtype)
         self.auth_token = secrets.token_hex(16)  # loopback, but still not open to anyone
         self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
                                    ctx_size=ctx_size, lane_count=lane_count,
@@ -278,7 +280,7 @@ class LocalChain:
     async def _spawn(self, config_path: Path, topology_path: Path):
         command = [sys.executable, "-m", "skippy.cli", "--log-level", self.log_level, "stage",
                    "--config", str(config_path), "--topology", str(topology_path)]
-        env = {"GOMP_SPINCOUNT": CO_LOCATED_SPIN_COUNT, **os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "GOMP_SPINCOUNT": self._spin_count, "PYTHONUNBUFFERED": "1"}
         return await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE, env=env)
 
     async def _wait_ready(self, config: StageConfig, process) -> None:

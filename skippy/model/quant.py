@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 from . import qkernel
+from .gguf_types import BITS, K_QUANT_BLOCK_BYTES, LEGACY_BLOCK_BYTES, REQUANTIZED, SUPPORTED
 from .layers import Linear
 from .resident import drop_pages
 
@@ -138,23 +139,16 @@ def requantize(values: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, n
     return codes, scale, offset, bits
 
 
-_LEGACY = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34}
-_K_QUANTS = {Q.Q4_K: 144, Q.Q5_K: 176}
-REQUANTIZED = (Q.Q6_K,)  # no affine map per 32 holds these exactly: 8-bit codes from their values
-SUPPORTED = tuple(_LEGACY) + tuple(_K_QUANTS) + REQUANTIZED
-BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 8}
-
-
 def from_gguf_blocks(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> GroupAffine:
     """raw: the tensor's bytes, [out, bytes per row] (the gguf reader's memory map);
     shape: [out, in] in weights."""
     out_features, in_features = shape
     raw = np.asarray(raw).reshape(out_features, -1)
-    if qtype in _LEGACY:
-        blocks = raw.reshape(out_features, in_features // GROUP, _LEGACY[qtype])
+    if qtype in LEGACY_BLOCK_BYTES:
+        blocks = raw.reshape(out_features, in_features // GROUP, LEGACY_BLOCK_BYTES[qtype])
         codes, scale, offset, bits = _legacy(blocks, qtype)
-    elif qtype in _K_QUANTS:
-        blocks = raw.reshape(out_features, in_features // _SUPER, _K_QUANTS[qtype])
+    elif qtype in K_QUANT_BLOCK_BYTES:
+        blocks = raw.reshape(out_features, in_features // _SUPER, K_QUANT_BLOCK_BYTES[qtype])
         codes, scale, offset, bits = _k_quant(blocks, qtype)
     elif qtype in REQUANTIZED:
         values = gguf_dequantize(raw, qtype).reshape(out_features, in_features // GROUP, GROUP)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import threading
+from pathlib import Path
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -48,14 +50,54 @@ def on_passing_thread(fn: Callable[..., T], /, *args, **kwargs) -> T:
 # that share one machine's cores take turns on a single stream, so a stage that has
 # finished its forward must let the next one have the cores soon: on 2 cores, a 2-stage
 # chain with every core per stage decoded 77 tok/s at libgomp's default, 108 at 10,000
-# spins, 61 at 1,000 (a step's own gaps outlast that). One process alone keeps the
-# default: 10,000 cost it 10% (149 -> 135 tok/s).
+# spins, 61 at 1,000 (a step's own gaps outlast that: Python between its kernels). One
+# process alone keeps the default: 10,000 cost it 10% (149 -> 135 tok/s).
 CO_LOCATED_SPIN_COUNT = "10000"
+# A model whose decode steps run in one kernel call (qkernel.DecodeLayers) has no Python
+# between a step's parallel regions, so its workers can give the cores up sooner: served
+# 2 stages at one stream 1.04-1.26x with 1,000 against 10,000 (bench/serve_ab.py, three
+# runs), 8 streams 0.90-1.02x (batched steps still have some Python between kernels).
+ONE_CALL_SPIN_COUNT = "1000"
 
 
-def spin_for_co_located_stages() -> None:
+def co_located_spin_count(model: str | Path | None = None, dtype: str = "auto") -> str:
+    """GOMP_SPINCOUNT for stages of `model` (loaded with --dtype `dtype`) that share cores."""
+    if model is not None and decodes_in_one_call(model, dtype):
+        return ONE_CALL_SPIN_COUNT
+    return CO_LOCATED_SPIN_COUNT
+
+
+def spin_for_co_located_stages(model: str | Path | None = None, dtype: str = "auto") -> None:
     """Shorten libgomp's idle spin for this process and the stage processes it starts,
     unless the user set GOMP_SPINCOUNT. libgomp reads it once, when torch loads it."""
     if "torch" in sys.modules:
         log.warning("GOMP_SPINCOUNT set after torch loaded: it applies to child stages only")
-    os.environ.setdefault("GOMP_SPINCOUNT", CO_LOCATED_SPIN_COUNT)
+    if "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = co_located_spin_count(model, dtype)
+
+
+def decodes_in_one_call(model: str | Path, dtype: str = "auto") -> bool:
+    """Whether this model's decode steps will run in one kernel call (llama.py's
+    _decode_layers), judged from the GGUF without torch: its quantized llama-family
+    blocks on our kernels (a C compiler to build them), every matmul in a type and shape
+    the kernel packs. tests/test_model_threads.py holds it to what loading then does."""
+    path = Path(model)
+    if dtype != "auto" or not path.is_file() or shutil.which(os.environ.get("CC", "cc")) is None:
+        return False
+    from .architecture import GGUF_ARCHITECTURES
+    from .gguf_file import GGUFFile
+    from .gguf_types import SUPPORTED
+
+    try:
+        gguf = GGUFFile(path)
+    except (OSError, ValueError):  # not a GGUF: loading says why
+        return False
+    name = gguf.fields.get("general.architecture")
+    arch = GGUF_ARCHITECTURES.get(name)
+    if (arch is None or arch.qkv_bias or arch.qk_norm or arch.post_norms or arch.activation != "silu"
+            or f"{name}.rope.freq_base_swa" in gguf.fields):
+        return False
+    # GGUF lists a matmul's dimensions innermost first: [in, out]
+    matmuls = [t for t in gguf.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    return bool(matmuls) and all(t.tensor_type in SUPPORTED and t.shape[1] % 16 == 0 and t.shape[0] % 32 == 0
+                                 for t in matmuls)
