@@ -17,11 +17,12 @@ from pathlib import Path
 READY = re.compile(r"skippy: ready: (http://\S+)/v1 ")  # the line `skippy serve` prints when it answers
 
 
-def start_serve(arguments: list[str]) -> tuple[subprocess.Popen, str, str]:
-    """`skippy serve --port 0 ARGUMENTS` as a subprocess, once it answers: (the process, its
-    base URL, its ready line). The caller terminates the process."""
+def start_serve(arguments: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, str]:
+    """`skippy serve --port 0 ARGUMENTS` as a subprocess (environment `env`, default this
+    process's), once it answers: (the process, its base URL, its ready line). The caller
+    terminates the process."""
     process = subprocess.Popen([sys.executable, "-m", "skippy.cli", "serve", "--port", "0", *arguments],
-                               stdout=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, text=True, env=env)
     for line in process.stdout:
         if match := READY.search(line):
             return process, match.group(1), line.strip()

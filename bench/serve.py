@@ -381,21 +381,16 @@ def main() -> None:
         for c in args.concurrency:
             if c != 1:
                 print(f"aggregate c={c} / c=1: {table[f'http c={c}'][2] / http1[2]:.2f}x")
-    if "llama.cpp c=1" in table:
-        reference = table["llama.cpp c=1"]
-        print(f"llama.cpp c=1: decode {reference[1]:.2f} tok/s, aggregate {reference[2]:.2f}")
+    # llama.cpp bare, and through its own server (both through an OpenAI server, client on the same cores)
+    for name, label in (("llama.cpp c=1", "llama.cpp c=1"), ("llama.cpp http c=1", "llama.cpp http c=1 (its own server)")):
+        if name not in table:
+            continue
+        reference = table[name]
+        print(f"{label}: decode {reference[1]:.2f} tok/s, aggregate {reference[2]:.2f}")
         for c in args.concurrency:
             ours = table[f"http c={c}"]
-            print(f"http c={c} / llama.cpp c=1: aggregate {ours[2] / reference[2]:.2f}x, "
+            print(f"http c={c} / {name}: aggregate {ours[2] / reference[2]:.2f}x, "
                   f"decode per stream {ours[1] / reference[1]:.2f}x")
-    if "llama.cpp http c=1" in table:  # both through an OpenAI server, client on the same cores
-        reference = table["llama.cpp http c=1"]
-        print(f"llama.cpp http c=1 (its own server): decode {reference[1]:.2f} tok/s, aggregate {reference[2]:.2f}")
-        for c in args.concurrency:
-            ours = table[f"http c={c}"]
-            print(f"http c={c} / llama.cpp http c=1: aggregate {ours[2] / reference[2]:.2f}x, "
-                  f"decode per stream {ours[1] / reference[1]:.2f}x")
-
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--llama-cpp-worker"]:

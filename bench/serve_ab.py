@@ -78,18 +78,12 @@ def main() -> None:
     args = parser.parse_args()
     command = ["--stages", str(args.stages), "--ctx-size", "2048", "--concurrency", str(max(8, args.concurrency)),
                "--kv-cache-mem", "0"]  # fmt: skip
-    servers, saved = {}, dict(os.environ)
+    servers = {}
     try:
         for side, pairs in (("A", args.a), ("B", args.b)):
-            os.environ.clear()
-            os.environ.update(environment(pairs))  # start_serve's child inherits it
-            servers[side] = start_serve(command)
-            os.environ.clear()
-            os.environ.update(saved)
+            servers[side] = start_serve(command, environment(pairs))
         rates = asyncio.run(run(args, {side: url for side, (_, url, _) in servers.items()}))
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
         for process, _, _ in servers.values():
             process.terminate()
             process.wait(timeout=60)
