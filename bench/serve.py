@@ -16,6 +16,9 @@ Every request uses the same prompt ids and runs exactly --max-tokens tokens
 (greedy, end-of-generation tokens banned by logit_bias in both paths, so both do
 the same sampling work). One round runs every configuration once, in turn; the
 table shows medians over the rounds, after one warm-up round that is not counted.
+The streaming client is bench/sse_client.py's light one (the client shares these cores,
+and httpx's ~0.4 ms of CPU a chunk would count against whichever server it reads);
+`--client httpx` runs httpx instead.
 
     TTFT             request sent -> first token (HTTP: the first content chunk)
     decode tok/s     per stream: (tokens - 1) / (last token - first token)
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import httpx
 from common import resident, start_serve
+from sse_client import HttpxSSEClient, SSEClient, make_client
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -64,22 +68,20 @@ def sample(started: float, token_times: list[float]) -> Sample:
 # ---- through HTTP -------------------------------------------------------------------
 
 
-async def http_stream(client: httpx.AsyncClient, url: str, body: dict) -> Sample:
+async def http_stream(client: SSEClient | HttpxSSEClient, url: str, body: dict) -> Sample:
     started = time.perf_counter()
     token_times: list[float] = []
     num_tokens = 0
-    async with client.stream("POST", url, json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("usage"):
-                num_tokens = chunk["usage"]["completion_tokens"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                token_times.append(time.perf_counter())
+    async for data in client.events(url, body):
+        if not data.startswith(b"{"):
+            continue
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"]["message"])
+        if chunk.get("usage"):
+            num_tokens = chunk["usage"]["completion_tokens"]
+        if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            token_times.append(time.perf_counter())
     # A chunk can carry two tokens (a character split across them); spread the count evenly.
     # llama-cpp-python's server sends no usage in a stream: there, count its chunks.
     num_tokens = num_tokens or len(token_times)
@@ -88,7 +90,7 @@ async def http_stream(client: httpx.AsyncClient, url: str, body: dict) -> Sample
     return Sample(result.ttft_s, rate, num_tokens, result.started, result.finished)
 
 
-async def http_round(client: httpx.AsyncClient, url: str, body: dict, concurrency: int) -> list[Sample]:
+async def http_round(client: SSEClient | HttpxSSEClient, url: str, body: dict, concurrency: int) -> list[Sample]:
     return await asyncio.gather(*(http_stream(client, url, body) for _ in range(concurrency)))
 
 
@@ -292,6 +294,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="torch threads in every process (default: torch's)")
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 4, 8])
+    parser.add_argument("--client", choices=["light", "httpx"], default="light",
+                        help="the streaming client (bench/sse_client.py: light costs less CPU on shared cores)")
     parser.add_argument("--dtype", default="auto", help="skippy serve --dtype (auto: the GGUF's quantized blocks)")
     parser.add_argument("--no-repack", dest="repack", action="store_false",
                         help="both arms without the batch-friendly weight copy (skippy serve --no-repack)")
@@ -323,7 +327,7 @@ def main() -> None:
     direct = Direct(args, path, loop)
     llama = load_llama_cpp(path, args.threads)
     llama_server = load_llama_cpp_server(path, args.threads) if llama is not None else None
-    client = httpx.AsyncClient(timeout=600)
+    client = make_client(args.client)
     url = server.url + "/v1/chat/completions"
     print(server.ready_line, flush=True)
     names = ["direct c=1", *[f"http c={c}" for c in args.concurrency]] + (["llama.cpp c=1"] if llama else [])
@@ -364,7 +368,8 @@ def main() -> None:
 
     print(f"\n{path.name}, {args.stages} stage(s), {args.max_tokens} tokens per stream, "
           f"{len(prompt_ids)} prompt tokens, {os.cpu_count()} CPUs, threads {args.threads or 'default'}, "
-          f"--dtype {args.dtype}{'' if args.repack else ' --no-repack'}, medians of {args.rounds} rounds")  # fmt: skip
+          f"--dtype {args.dtype}{'' if args.repack else ' --no-repack'}, {args.client} client, "
+          f"medians of {args.rounds} rounds")  # fmt: skip
     print(f"{'config':<18} {'TTFT ms':>9} {'decode tok/s/stream':>20} {'aggregate tok/s':>16}")
     for name, (ttft, decode, aggregate) in table.items():
         print(f"{name:<18} {ttft:>9.1f} {decode:>20.2f} {aggregate:>16.2f}")

@@ -20,6 +20,7 @@ import statistics
 import time
 
 import httpx
+from sse_client import SSEClient
 from common import start_serve
 
 PROMPT = "Write a long story about a dragon who learns to paint."
@@ -33,18 +34,13 @@ def environment(pairs: list[str]) -> dict[str, str]:
     return env
 
 
-async def stream(client: httpx.AsyncClient, url: str, body: dict) -> list[float]:
+async def stream(client: SSEClient, url: str, body: dict) -> list[float]:
     """The arrival time of every content chunk of one streamed request."""
-    times = []
-    async with client.stream("POST", url, json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {") and '"content":"' in line:
-                times.append(time.perf_counter())
-    return times
+    return [time.perf_counter() async for data in client.events(url, body)
+            if data.startswith(b"{") and b'"content":"' in data]
 
 
-async def rate(client: httpx.AsyncClient, url: str, body: dict, concurrency: int) -> float:
+async def rate(client: SSEClient, url: str, body: dict, concurrency: int) -> float:
     started = time.perf_counter()
     streams = await asyncio.gather(*(stream(client, url, body) for _ in range(concurrency)))
     if concurrency == 1:
@@ -58,12 +54,12 @@ async def run(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, list[
     body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
             "max_tokens": args.max_tokens, "logit_bias": {"0": -100, "2": -100}, "stream": True}
     rates: dict[str, list[float]] = {"A": [], "B": []}
-    async with httpx.AsyncClient(timeout=600) as client:
-        for round_index in range(args.rounds + 1):  # round 0 warms both up
-            for side, url in urls.items():
-                value = await rate(client, url + "/v1/chat/completions", body, args.concurrency)
-                if round_index:
-                    rates[side].append(value)
+    client = SSEClient()
+    for round_index in range(args.rounds + 1):  # round 0 warms both up
+        for side, url in urls.items():
+            value = await rate(client, url + "/v1/chat/completions", body, args.concurrency)
+            if round_index:
+                rates[side].append(value)
     return rates
 
 

@@ -28,6 +28,7 @@ import time
 import httpx
 from common import start_serve
 from serve import NO_EOS, PROMPT, http_stream
+from sse_client import SSEClient
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -74,7 +75,8 @@ async def scrape(client: httpx.AsyncClient, url: str, interval_s: float, stop: a
 async def run_round(client, url: str, body: dict, requests: int, scrape_s: float | None):
     stop = asyncio.Event()
     scraper = asyncio.create_task(scrape(client, url, scrape_s, stop)) if scrape_s else None
-    samples = [await http_stream(client, url + "/v1/chat/completions", body) for _ in range(requests)]
+    streams = SSEClient()
+    samples = [await http_stream(streams, url + "/v1/chat/completions", body) for _ in range(requests)]
     stop.set()
     if scraper is not None:
         await scraper

@@ -20,9 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import httpx
 from common import READY
 from serve import NO_EOS, PROMPT, http_stream
+from sse_client import SSEClient
 
 from skippy.launch.local_chain import free_ports
 
@@ -80,13 +80,13 @@ async def main(args: argparse.Namespace) -> None:
         rates: dict[str, list[float]] = {name: [] for name in chains}
         ttfts: dict[str, list[float]] = {name: [] for name in chains}
         try:
-            async with httpx.AsyncClient(timeout=300) as client:
-                for round_index in range(args.rounds + 1):  # round 0 warms up
-                    for name, chain in chains.items():
-                        result = await http_stream(client, chain.url, body)
-                        if round_index:
-                            rates[name].append(result.decode_tok_s)
-                            ttfts[name].append(result.ttft_s * 1e3)
+            client = SSEClient(timeout_s=300)
+            for round_index in range(args.rounds + 1):  # round 0 warms up
+                for name, chain in chains.items():
+                    result = await http_stream(client, chain.url, body)
+                    if round_index:
+                        rates[name].append(result.decode_tok_s)
+                        ttfts[name].append(result.ttft_s * 1e3)
         finally:
             for chain in chains.values():
                 chain.close()
