@@ -4,13 +4,14 @@
 
 The rounds interleave the configurations (1, 2, 3, 1, 2, 3, ...), so a noisy
 neighbour hurts all of them alike; figures are medians over rounds. Each is
-started for its turn and closed after it: stage 0 of every configuration runs in
-this process, and several runtimes alive at once would each hold an OpenMP team,
-which throttles them all (skippy/model/threads.py). Every configuration runs the
-default quantized weights, with `LocalChain`'s settings for stages sharing this
-machine: every core per stage (only one computes at a time in single-stream
-decode) and a short libgomp spin. A decode token takes N hops with the direct return
-(S0 -> S1 -> ... -> S0), so the end-to-end overhead per hop is
+measured in a child process of its own, started for its turn and closed after it
+(several runtimes alive at once would each hold an OpenMP team, which throttles them
+all: skippy/model/threads.py), with the settings a user gets: one stage as `skippy
+serve --stages 1` runs it (libgomp's default spin), N stages as `skippy serve
+--stages N` starts them (`LocalChain`: every core per stage, since only one computes
+at a time in single-stream decode, and the short co-located spin). Every
+configuration runs the default quantized weights. A decode token takes N hops with
+the direct return (S0 -> S1 -> ... -> S0), so the end-to-end overhead per hop is
 (ms/token with N stages - ms/token with one) / N, in wall time and in CPU time
 of all the chain's processes (the CPU figure holds up on a busy machine). The
 wire figure is one DecodeEmbd frame and its reply over loopback, no compute.
@@ -20,26 +21,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
-from skippy.model.locate import bundled_model_path  # noqa: E402
-from skippy.model.threads import spin_for_co_located_stages  # noqa: E402
+import numpy as np
 
-spin_for_co_located_stages(bundled_model_path())  # before torch loads, as `skippy serve --stages N` does
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from skippy.driver.client import ChainClient  # noqa: E402
-from skippy.launch.local_chain import LocalChain  # noqa: E402
-from skippy.model.loader import load_stage  # noqa: E402
-from skippy.protocol import (  # noqa: E402
+from skippy.protocol import (
     MessageKind, StageMessage, StageReply, read_message, read_reply, write_message, write_reply,
 )
 
-from common import cpu_seconds  # noqa: E402
+from common import cpu_seconds
 
 GOAL_RATIO = 0.90  # issue 12: a 2-stage chain keeps >= 0.9x of one process
 
@@ -91,8 +86,23 @@ async def wire_hop_us(num_round_trips: int = 2000, width: int = 576) -> float:
     return statistics.median(samples) / 2 * 1e6
 
 
-async def measure_one(n: int, args: argparse.Namespace, path, prompt: list[int]) -> tuple[float, float, float]:
-    """Start `n` stages (1: a ChainClient holding the whole model), warm up, measure, close."""
+async def measure_child(n: int, args: argparse.Namespace) -> tuple[float, float, float]:
+    """In a child process (see --child): `n` stages (1: a ChainClient holding the whole
+    model), warmed up, measured, closed."""
+    from skippy.model.locate import bundled_model_path
+    from skippy.model.threads import spin_for_co_located_stages
+
+    path = bundled_model_path()
+    if n > 1:
+        spin_for_co_located_stages(path)  # before torch loads, as `skippy serve --stages N` does
+    import torch
+
+    from skippy.driver.client import ChainClient
+    from skippy.launch.local_chain import LocalChain
+    from skippy.model.loader import load_stage
+
+    torch.set_num_threads(args.threads)
+    prompt = np.random.default_rng(0).integers(100, 40000, size=args.prompt_tokens).tolist()
     if n == 1:
         client, chain, pids = ChainClient(load_stage(path, device="cpu", progress=False), ctx_size=2048), None, []
         await client.start()
@@ -107,15 +117,21 @@ async def measure_one(n: int, args: argparse.Namespace, path, prompt: list[int])
         await (client.close() if chain is None else chain.close())
 
 
+def measure_one(n: int, args: argparse.Namespace) -> tuple[float, float, float]:
+    env = dict(os.environ)
+    if not args.user_spin:  # each child sets its own, as serve does (none for one stage)
+        env.pop("GOMP_SPINCOUNT", None)
+    command = [sys.executable, __file__, "--child", str(n), "--threads", str(args.threads),
+               "--decode-tokens", str(args.decode_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+    out = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return tuple(json.loads(out.strip().splitlines()[-1]))
+
+
 async def main(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    path = bundled_model_path()
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(100, 40000, size=args.prompt_tokens).tolist()
     results: dict[int, list[tuple[float, float, float]]] = {n: [] for n in (1, 2, 3)}
     for round_index in range(args.rounds):
         for n in results:
-            results[n].append(await measure_one(n, args, path, prompt))
+            results[n].append(measure_one(n, args))
         print(f"round {round_index + 1}/{args.rounds}: " + "  ".join(
             f"{n} stage{'s' * (n > 1)} {results[n][-1][1]:.1f} tok/s" for n in results), flush=True)
     hop_us = await wire_hop_us()
@@ -149,4 +165,10 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads in every stage")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=512)
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.user_spin = "GOMP_SPINCOUNT" in os.environ
+    if args.child:
+        print(json.dumps(asyncio.run(measure_child(args.child, args))))
+    else:
+        asyncio.run(main(args))

@@ -18,14 +18,15 @@ from collections.abc import Sequence
 
 from ..protocol import (
     LOOKUP_ERROR, ActivationDtype, MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply,
-    StageReplyStats, activation_fields, lookup_observation, merge, prefill_compute_observation,
-    record_observation, restore_missed_below,
+    StageReplyStats, activation_fields, encode_message, lookup_observation, merge,
+    prefill_compute_observation, record_observation, restore_missed_below,
 )
 from ..protocol.logprobs import TokenLogprob
 from ..runtime import SampleMode, Step, StepResult
 from ..runtime.engine import StageRuntime
 from ..runtime.prefix_identity import cacheable_prefix_length
 from ..stage.downstream import DownstreamLink, LinkBroken
+from ..stage.shared_writer import WorkerSend
 from ..telemetry import Telemetry
 
 log = logging.getLogger("skippy.driver")
@@ -84,6 +85,9 @@ class NoStagesBelow:
 
     async def note_deferred(self) -> StageReplyStats:
         return StageReplyStats()
+
+    def idle_writer(self) -> None:
+        return None
 
     def take_edge_stats(self) -> StageReplyStats:
         return StageReplyStats()
@@ -339,13 +343,18 @@ class ChainSession:
 
     async def _submit(self, kind: MessageKind, tokens: list[int], window_id: int | None) -> None:
         """Run stage 0's rows, then send them down (or, holding the head, deliver its predictions)."""
-        step = self._step(self.position, tokens, SampleMode.LAST if window_id is None else SampleMode.ALL,
-                          window_id)
-        timed = await self.env.runtime.iterate(step)
-        start, self.position = self.position, self.position + len(tokens)
-        msg = self._message(kind, timed.value.rows, pos_start=start, token_count=len(tokens), tokens=tokens,
-                            current_token=tokens[0], decode_step=self.decode_step, seq_id=window_id or 0)
-        await self._guard(f"{kind.name} step {self.decode_step}", self._send_predicting(msg))
+        start = self.position
+        step = self._step(start, tokens, SampleMode.LAST if window_id is None else SampleMode.ALL, window_id)
+        fields = dict(pos_start=start, token_count=len(tokens), tokens=tokens, current_token=tokens[0],
+                      decode_step=self.decode_step, seq_id=window_id or 0)
+        writer = self.link.idle_writer()
+        send = None if writer is None else WorkerSend(  # sent by the worker as the forward ends
+            writer, lambda result: encode_message(self._message(kind, result.rows, **fields)))
+        timed = await self.env.runtime.iterate(step, send)
+        self.position = start + len(tokens)
+        if send is None or not send.sent:
+            msg = self._message(kind, timed.value.rows, **fields)
+            await self._guard(f"{kind.name} step {self.decode_step}", self._send_predicting(msg))
         self._deliver(timed.value, window_id)
 
     async def retire(self, start: int, count: int, *, wait: bool = True) -> None:

@@ -118,9 +118,10 @@ class StageRuntime:
         return self.metrics.values(gauges, cache)
 
     # -- model work -----------------------------------------------------------------
-    async def iterate(self, step: Step) -> Timed[StepResult]:
-        """A decode or verify step: batched with other sessions' steps."""
-        timed = await self.scheduler.submit_iteration(step, step.session.key)
+    async def iterate(self, step: Step, then: Callable[[StepResult], None] | None = None) -> Timed[StepResult]:
+        """A decode or verify step: batched with other sessions' steps. `then(result)`: on the
+        worker, as soon as the step's forward ends (scheduler.submit_iteration)."""
+        timed = await self.scheduler.submit_iteration(step, step.session.key, then)
         self.metrics.observe_forward("decode" if step.window_id is None else "verify", step.num_rows,
                                      timed.run_s, timed.wait_s)
         return timed

@@ -137,6 +137,7 @@ class _Command:
     key: Hashable = None               # the session (None: an op of no one session)
     prefill_rows: int = 0              # > 0: a prompt chunk (the payload is its step)
     last_chunk: bool = False           # the prompt's last chunk: the session decodes next
+    then: Callable[[Any], None] | None = None  # an iteration's: on the worker, with its result
 
 
 class IterationScheduler:
@@ -171,8 +172,12 @@ class IterationScheduler:
         return len(self._iterations) + len(self._ops)
 
     # -- submitting (event-loop side) -------------------------------------------------
-    def submit_iteration(self, step: Any, key: Hashable) -> asyncio.Future:
-        return self._submit(self._iterations, step, key)
+    def submit_iteration(self, step: Any, key: Hashable,
+                         then: Callable[[Any], None] | None = None) -> asyncio.Future:
+        """`then(result)`, if given, runs on the worker the moment the step's forward ends
+        (before the future settles) when the step succeeded: what must leave this process
+        at once (stage/shared_writer.py) does not wait for the event loop to wake."""
+        return self._submit(self._iterations, step, key, then=then)
 
     def submit_prefill(self, step: Any, key: Hashable, rows: int, *, last: bool = True) -> asyncio.Future:
         return self._submit(self._ops, step, key, max(1, rows), last)
@@ -186,10 +191,10 @@ class IterationScheduler:
             self._announced[key] = time.perf_counter()
 
     def _submit(self, queue: deque, payload: Any, key: Hashable, prefill_rows: int = 0,
-                last_chunk: bool = False) -> asyncio.Future:
+                last_chunk: bool = False, then: Callable[[Any], None] | None = None) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         command = _Command(payload, loop.create_future(), loop, time.perf_counter(), key, prefill_rows,
-                           last_chunk)
+                           last_chunk, then)
         with self._cv:
             if self._closed:
                 raise SchedulerClosedError("the runtime is shut down")
@@ -339,6 +344,12 @@ class IterationScheduler:
 
     def _run_iterations(self, batch: list[_Command]) -> None:
         results, started, finished = self._forward(batch)
+        for command, result in zip(batch, results):
+            if command.then is not None and not isinstance(result, Exception):
+                try:
+                    command.then(result)
+                except Exception:  # the step stands; its handler finds the frame unsent
+                    log.exception("runtime worker: a step's hand-on failed")
         run_s = finished - started
         self._forward_s = run_s if self._forward_s is None else (
             (1 - CADENCE_SMOOTHING) * self._forward_s + CADENCE_SMOOTHING * run_s)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from . import link, tls
+from .shared_writer import SharedWriter
 from ..protocol import (
     MessageKind, ProtocolError, ReplyKind, StageMessage, StageReply, StageReplyStats, StageStatusReport,
     client_handshake, merge, parse_endpoint, prefill_edge_observation, read_reply, write_message,
@@ -106,7 +107,7 @@ class DownstreamLink:
         self.broken: str | None = None
         self.edge_stats = StageReplyStats()       # write observations of async forwards
         self.credit_waits = 0
-        self._reader, self._writer = reader, writer
+        self._reader, self._writer = reader, SharedWriter.wrap(writer)
         self._acks: asyncio.Queue = asyncio.Queue()
         self._outbox: asyncio.Queue[StageMessage] = asyncio.Queue(maxsize=max(1, max_inflight))
         self._reader_task = asyncio.create_task(self._read_replies())
@@ -143,6 +144,15 @@ class DownstreamLink:
         """Wait until every async-forwarded frame is written (spec §2.8)."""
         await self._outbox.join()
         self._check()
+
+    def idle_writer(self) -> SharedWriter | None:
+        """The writer a worker may send the next frame on (stage/shared_writer.py): None while
+        async forwards or deferred ACKs are outstanding (the next frame must follow them the
+        usual way), once the link broke, or for a TLS or conditioned link."""
+        if (not isinstance(self._writer, SharedWriter) or self.broken is not None or self.pending_deferred
+                or not self._outbox.empty()):
+            return None
+        return self._writer
 
     async def send(self, msg: StageMessage) -> float:
         """Flush the async writer, then write `msg` now; returns the write time in seconds."""

@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING
 
 from ..protocol import (
     LOOKUP_ERROR, FrameError, MessageKind, StageMessage, StageReply, StageReplyStats, StageStatusReport,
-    lookup_observation, merge, prefill_compute_observation, prefill_edge_observation, record_observation,
-    restore_missed_below,
+    encode_message, encode_reply, lookup_observation, merge, prefill_compute_observation,
+    prefill_edge_observation, record_observation, restore_missed_below,
 )
-from ..runtime import SampleMode, Timed
+from ..runtime import SampleMode, StepResult, Timed
 from ..telemetry import Span
+from .downstream import DownstreamLink
+from .shared_writer import WorkerSend
 
 if TYPE_CHECKING:
     from .connection import StageConnection
@@ -100,17 +102,22 @@ async def on_predicting(conn: StageConnection, msg: StageMessage, span: Span) ->
         return
     sample = SampleMode.NONE if link is not None else SampleMode.ALL if is_window else SampleMode.LAST
     step = conn.step(session, msg, sample, window=is_window)
+    send, reply_stats = None, StageReplyStats()
     if msg.kind == MessageKind.PrefillFinalEmbd:
         timed = await conn.runtime.prefill(step)
         conn.add_stats(prefill_compute_observation(conn.config.stage_index, _us(timed.run_s),
                                                    msg.token_count))
     else:
-        timed = await conn.runtime.iterate(step)  # batched with other sessions' steps
+        if not is_window or link is not None:  # a window's reply carries its own stats: the loop's way
+            send, reply_stats = _worker_send(conn, msg, link)
+        timed = await conn.runtime.iterate(step, send)  # batched with other sessions' steps
+    sent = send is not None and send.sent
     _note_compute(conn, msg, span, timed)
     write_s = 0.0
     if link is not None:
-        write_s = await link.send(conn.forwarded(msg, timed.value.rows))
+        write_s = send.write_s if sent else await link.send(conn.forwarded(msg, timed.value.rows))
         span.set("forward_write_ms", write_s * 1e3)
+        span.set("sent_by_worker", sent)
         conn.summary(msg.session_id).forward_write_ms += write_s * 1e3
     if is_window:
         conn.add_stats(StageReplyStats(
@@ -118,15 +125,38 @@ async def on_predicting(conn: StageConnection, msg: StageMessage, span: Span) ->
             verify_window_total_us=_us(timed.run_s + write_s), verify_window_stage_count=1,
             verify_window_request_count=int(link is None), verify_window_token_count=msg.token_count,
             verify_window_max_tokens=msg.token_count))
-    if link is None:
-        result = timed.value
-        tokens, stats = result.tokens, conn.take_stats()
-        reply = (StageReply.window(tokens, msg.seq_id, stats, result.logprobs) if is_window
-                 else StageReply.token(tokens[0], stats, logprobs=result.logprobs,
-                                       prompt_logprobs=result.prompt_logprobs))
-        await conn.return_prediction(msg, reply)
+    if link is None and sent:
+        span.set("sent_by_worker", True)
+    elif link is None:
+        stats = merge(reply_stats, conn.take_stats())
+        await conn.return_prediction(msg, _prediction_reply(msg, timed.value, stats, is_window))
     if msg.kind == MessageKind.PrefillFinalEmbd:  # the prompt is in: record it (spec §4.3)
         await _record(conn, msg, span)
+
+
+def _prediction_reply(msg: StageMessage, result: StepResult, stats: StageReplyStats,
+                      is_window: bool) -> StageReply:
+    if is_window:
+        return StageReply.window(result.tokens, msg.seq_id, stats, result.logprobs)
+    return StageReply.token(result.tokens[0], stats, logprobs=result.logprobs,
+                            prompt_logprobs=result.prompt_logprobs)
+
+
+def _worker_send(conn: StageConnection, msg: StageMessage,
+                 link: DownstreamLink | None) -> tuple[WorkerSend | None, StageReplyStats]:
+    """The step's outgoing frame for the worker to send as the forward ends (shared_writer.py),
+    and the stats its reply carries (taken now; they go back into the reply if the frame
+    goes the loop's way). None: the frame goes the loop's way (link busy, TLS, no stream)."""
+    if link is not None:
+        writer = link.idle_writer()
+        if writer is None:
+            return None, StageReplyStats()
+        return WorkerSend(writer, lambda result: encode_message(conn.forwarded(msg, result.rows))), StageReplyStats()
+    writer = conn.server.returns.writer((msg.request_id, msg.session_id))
+    if writer is None:
+        return None, StageReplyStats()
+    stats = conn.take_stats()
+    return WorkerSend(writer, lambda result: encode_reply(_prediction_reply(msg, result, stats, False))), stats
 
 
 async def _record(conn: StageConnection, msg: StageMessage, span: Span) -> None:

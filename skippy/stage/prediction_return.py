@@ -21,6 +21,7 @@ from ..protocol import (
 )
 from . import tls
 from .downstream import CONNECT_TIMEOUT_S, LinkBroken, open_connection
+from .shared_writer import SharedWriter
 
 log = logging.getLogger("skippy.stage")
 
@@ -107,7 +108,7 @@ class ReturnStreams:
     def __init__(self, driver_endpoint: str | None, *, auth_token: str | None = None):
         self.driver_endpoint = driver_endpoint
         self.auth_token = auth_token
-        self._writers: dict[ReturnKey, asyncio.StreamWriter] = {}
+        self._writers: dict[ReturnKey, SharedWriter | asyncio.StreamWriter] = {}
 
     def __contains__(self, key: ReturnKey) -> bool:
         return key in self._writers
@@ -126,8 +127,13 @@ class ReturnStreams:
         except (LinkBroken, ConnectionError, OSError) as error:
             log.warning("direct prediction return unavailable, relaying upstream: %s", error)
             return False
-        self._writers[key] = writer
+        self._writers[key] = SharedWriter.wrap(writer)
         return True
+
+    def writer(self, key: ReturnKey) -> SharedWriter | None:
+        """The key's stream, when a worker may send on it (plain TCP)."""
+        writer = self._writers.get(key)
+        return writer if isinstance(writer, SharedWriter) else None
 
     async def send(self, key: ReturnKey, reply: StageReply) -> bool:
         """Write a prediction on the key's stream; False if there is none (or it broke)."""
