@@ -173,23 +173,28 @@ class ChainSession:
         return reply
 
     async def _prediction(self, window_id: int | None = None) -> StageReply:
+        while True:
+            item = await self._next_reply()
+            if isinstance(item, BaseException):
+                raise item
+            if window_id is None:
+                wanted = item.kind == ReplyKind.PredictedToken
+            else:
+                wanted = item.kind == ReplyKind.PredictedTokens and item.window_id == window_id
+            if wanted:
+                self.stats = merge(self.stats, item.stats)
+                self.draws += len(item.predicted_tokens)
+                self.last_logprobs = item.logprobs
+                return item
+            # else: a late answer to a window that was discarded as stale; ignore it
+
+    async def _next_reply(self) -> StageReply | BaseException:
+        if not self.waiter.empty():  # stage 0 sampled it, or it came while stage 0 was busy
+            return self.waiter.get_nowait()
         # asyncio.timeout, not wait_for: wait_for wraps the get in a task of its own, one
         # more task switch per token on the decode path
         async with asyncio.timeout(self.env.reply_timeout_s):
-            while True:
-                item = await self.waiter.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if window_id is None:
-                    wanted = item.kind == ReplyKind.PredictedToken
-                else:
-                    wanted = item.kind == ReplyKind.PredictedTokens and item.window_id == window_id
-                if wanted:
-                    self.stats = merge(self.stats, item.stats)
-                    self.draws += len(item.predicted_tokens)
-                    self.last_logprobs = item.logprobs
-                    return item
-                # else: a late answer to a window that was discarded as stale; ignore it
+            return await self.waiter.get()
 
     # -- the request's messages -------------------------------------------------------------
     async def configure(self) -> None:
@@ -352,7 +357,7 @@ class ChainSession:
             writer, lambda result: encode_message(self._message(kind, result.rows, **fields)))
         timed = await self.env.runtime.iterate(step, send)
         self.position = start + len(tokens)
-        if send is None or not send.sent:
+        if not self.samples_here and (send is None or not send.sent):
             msg = self._message(kind, timed.value.rows, **fields)
             await self._guard(f"{kind.name} step {self.decode_step}", self._send_predicting(msg))
         self._deliver(timed.value, window_id)
