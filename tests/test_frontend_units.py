@@ -209,3 +209,27 @@ def test_importing_the_api_loads_no_torch():
 
     code = "import sys, skippy.api.app; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_a_streamed_piece_is_the_schema_s_own_chunk_byte_for_byte(kind):
+    """PieceEvents' template around the text equals pydantic's dump of the whole chunk."""
+    from pydantic_core import PydanticSerializationError
+
+    from skippy.api.schemas import ChatCompletionChunk, ChatChunkChoice, ChatDelta, Completion, CompletionChoice
+    from skippy.api.streaming import PieceEvents, sse
+
+    def chunk(text):
+        if kind == "chat":
+            return ChatCompletionChunk(id="chatcmpl-1", created=7, model="m \"q\"",
+                                       choices=[ChatChunkChoice(delta=ChatDelta(content=text))])
+        return Completion(id="cmpl-1", created=7, model="m", choices=[CompletionChoice(text=text)])
+
+    events = PieceEvents(chunk)
+    pieces = [" dragon", "", "\"quoted\" \\ back/slash", "line\nbreak\ttab\r", "\x00\x01\x1f\x7f",
+              "naïve café 東京 🐉", "\u2028\u2029", "<|im_end|>", "skippy-piece-0f6c2a"]
+    for piece in pieces:
+        assert events(piece) == sse(chunk(piece)), piece
+    for make in (events, lambda text: sse(chunk(text))):  # a lone surrogate: pydantic's own error
+        with pytest.raises(PydanticSerializationError):
+            make("\ud800")

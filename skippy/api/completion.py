@@ -37,7 +37,7 @@ from .schemas import (
     ResponseFormat,
     Usage,
 )
-from .streaming import DONE, sse
+from .streaming import DONE, PieceEvents, sse
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 
@@ -213,7 +213,11 @@ async def stream(job: Job, generation: Generation, lease: Lease) -> AsyncIterato
             elif job.echo or prompt_ids:
                 yield sse(_text_chunk(job, job.echo, prompt_token_ids=prompt_ids, logprobs=logprobs.prompt()))
             output = ChatOutput(job.shape) if job.shape is not None else None
+            plain = None if output is not None or logprobs.wanted else PieceEvents(lambda text: chunk(job, text))
             async for piece in generation.pieces():
+                if plain is not None:  # the common stream: text only
+                    yield plain(piece)
+                    continue
                 # a piece the output holds back (a possible tool call) keeps its logprobs for the next delta
                 for delta in output.push(piece) if output else (piece,):
                     yield sse(chunk(job, delta, logprobs=logprobs.take()))
@@ -240,7 +244,7 @@ class _ChunkLogprobs:
 
     def __init__(self, job: Job, generation: Generation, formatter: LogprobFormatter):
         self._job, self._generation, self._formatter = job, generation, formatter
-        self._wants = job.request.sampling.logprobs is not None
+        self.wanted = job.request.sampling.logprobs is not None
         self._offset = 0
 
     def prompt(self) -> CompletionLogprobs | None:
@@ -248,7 +252,7 @@ class _ChunkLogprobs:
         return self._text(entries, ids) if entries else None
 
     def take(self) -> ChatLogprobs | CompletionLogprobs | None:
-        if not self._wants:
+        if not self.wanted:
             return None
         generation = self._generation
         entries = generation.take_logprobs()
