@@ -1,6 +1,6 @@
 """Decode and prefill throughput of 1, 2 and 3 local stages, and the cost of a decode hop.
 
-    python bench/chain.py [--rounds 5] [--threads 2] [--decode-tokens 64] [--prompt-tokens 512]
+    python bench/chain.py [--rounds 5] [--threads 2] [--decode-tokens 128] [--prompt-tokens 512]
 
 The rounds interleave the configurations (1, 2, 3, 1, 2, 3, ...), so a noisy
 neighbour hurts all of them alike; figures are medians over rounds. Each is
@@ -163,7 +163,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads in every stage")
-    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
