@@ -112,12 +112,13 @@ async def on_predicting(conn: StageConnection, msg: StageMessage, span: Span) ->
             send, reply_stats = _worker_send(conn, msg, link)
         timed = await conn.runtime.iterate(step, send)  # batched with other sessions' steps
     sent = send is not None and send.sent
+    if send is not None:
+        span.set("sent_by_worker", sent)
     _note_compute(conn, msg, span, timed)
     write_s = 0.0
     if link is not None:
         write_s = send.write_s if sent else await link.send(conn.forwarded(msg, timed.value.rows))
         span.set("forward_write_ms", write_s * 1e3)
-        span.set("sent_by_worker", sent)
         conn.summary(msg.session_id).forward_write_ms += write_s * 1e3
     if is_window:
         conn.add_stats(StageReplyStats(
@@ -125,9 +126,7 @@ async def on_predicting(conn: StageConnection, msg: StageMessage, span: Span) ->
             verify_window_total_us=_us(timed.run_s + write_s), verify_window_stage_count=1,
             verify_window_request_count=int(link is None), verify_window_token_count=msg.token_count,
             verify_window_max_tokens=msg.token_count))
-    if link is None and sent:
-        span.set("sent_by_worker", True)
-    elif link is None:
+    if link is None and not sent:
         stats = merge(reply_stats, conn.take_stats())
         await conn.return_prediction(msg, _prediction_reply(msg, timed.value, stats, is_window))
     if msg.kind == MessageKind.PrefillFinalEmbd:  # the prompt is in: record it (spec §4.3)
