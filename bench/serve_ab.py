@@ -20,10 +20,9 @@ import statistics
 import time
 
 import httpx
-from sse_client import SSEClient
 from common import start_serve
-
-PROMPT = "Write a long story about a dragon who learns to paint."
+from serve import NO_EOS, PROMPT
+from sse_client import SSEClient
 
 
 def environment(pairs: list[str]) -> dict[str, str]:
@@ -52,7 +51,7 @@ async def rate(client: SSEClient, url: str, body: dict, concurrency: int) -> flo
 async def run(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, list[float]]:
     model = httpx.get(urls["A"] + "/v1/models").json()["data"][0]["id"]
     body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
-            "max_tokens": args.max_tokens, "logit_bias": {"0": -100, "2": -100}, "stream": True}
+            "max_tokens": args.max_tokens, "logit_bias": {str(k): v for k, v in NO_EOS.items()}, "stream": True}
     rates: dict[str, list[float]] = {"A": [], "B": []}
     client = SSEClient()
     for round_index in range(args.rounds + 1):  # round 0 warms both up

@@ -102,7 +102,7 @@ async def on_predicting(conn: StageConnection, msg: StageMessage, span: Span) ->
         return
     sample = SampleMode.NONE if link is not None else SampleMode.ALL if is_window else SampleMode.LAST
     step = conn.step(session, msg, sample, window=is_window)
-    send, reply_stats = None, StageReplyStats()
+    send = reply_stats = None
     if msg.kind == MessageKind.PrefillFinalEmbd:
         timed = await conn.runtime.prefill(step)
         conn.add_stats(prefill_compute_observation(conn.config.stage_index, _us(timed.run_s),
@@ -127,7 +127,7 @@ async def on_predicting(conn: StageConnection, msg: StageMessage, span: Span) ->
             verify_window_request_count=int(link is None), verify_window_token_count=msg.token_count,
             verify_window_max_tokens=msg.token_count))
     if link is None and not sent:
-        stats = merge(reply_stats, conn.take_stats())
+        stats = conn.take_stats() if reply_stats is None else merge(reply_stats, conn.take_stats())
         await conn.return_prediction(msg, _prediction_reply(msg, timed.value, stats, is_window))
     if msg.kind == MessageKind.PrefillFinalEmbd:  # the prompt is in: record it (spec §4.3)
         await _record(conn, msg, span)
@@ -142,18 +142,18 @@ def _prediction_reply(msg: StageMessage, result: StepResult, stats: StageReplySt
 
 
 def _worker_send(conn: StageConnection, msg: StageMessage,
-                 link: DownstreamLink | None) -> tuple[WorkerSend | None, StageReplyStats]:
+                 link: DownstreamLink | None) -> tuple[WorkerSend | None, StageReplyStats | None]:
     """The step's outgoing frame for the worker to send as the forward ends (shared_writer.py),
-    and the stats its reply carries (taken now; they go back into the reply if the frame
-    goes the loop's way). None: the frame goes the loop's way (link busy, TLS, no stream)."""
+    and, on the final stage, the stats its reply carries (taken now; they go back into the
+    reply if the frame goes the loop's way). No send: the loop's way (link busy, TLS, no stream)."""
     if link is not None:
         writer = link.idle_writer()
         if writer is None:
-            return None, StageReplyStats()
-        return WorkerSend(writer, lambda result: encode_message(conn.forwarded(msg, result.rows))), StageReplyStats()
+            return None, None
+        return WorkerSend(writer, lambda result: encode_message(conn.forwarded(msg, result.rows))), None
     writer = conn.server.returns.writer((msg.request_id, msg.session_id))
     if writer is None:
-        return None, StageReplyStats()
+        return None, None
     stats = conn.take_stats()
     return WorkerSend(writer, lambda result: encode_reply(_prediction_reply(msg, result, stats, False))), stats
 

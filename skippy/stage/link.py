@@ -15,6 +15,7 @@ import random
 import time
 
 from ..protocol import LinkConditioning
+from .stand_in import WriterStandIn
 
 MAX_QUEUED_BYTES = 64 * 1024 * 1024
 _conditioning: LinkConditioning | None = None
@@ -30,11 +31,12 @@ def conditioned(writer: asyncio.StreamWriter):
     return writer if _conditioning is None else ConditionedWriter(writer, _conditioning)
 
 
-class ConditionedWriter:
+class ConditionedWriter(WriterStandIn):
     """The asyncio.StreamWriter calls the protocol uses, with the link's delays in between."""
 
     def __init__(self, writer: asyncio.StreamWriter, conditioning: LinkConditioning):
-        self._writer, self._link = writer, conditioning
+        super().__init__(writer)
+        self._link = conditioning
         self._random = random.Random(conditioning.seed)
         self._frames: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
         self._pending = bytearray()  # one frame's parts, until drain() ends it
@@ -77,13 +79,4 @@ class ConditionedWriter:
 
     def close(self) -> None:
         self._task.cancel()
-        self._writer.close()
-
-    def is_closing(self) -> bool:
-        return self._writer.is_closing()
-
-    async def wait_closed(self) -> None:
-        await self._writer.wait_closed()
-
-    def get_extra_info(self, name: str, default=None):
-        return self._writer.get_extra_info(name, default)
+        super().close()

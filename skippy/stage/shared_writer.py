@@ -26,13 +26,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..protocol.stream import ONE_WRITE_BYTES
+from .stand_in import WriterStandIn
 
 
-class SharedWriter:
+class SharedWriter(WriterStandIn):
     """The asyncio.StreamWriter calls the protocol uses, and `try_send_now` for other threads."""
 
     def __init__(self, writer: asyncio.StreamWriter):
-        self._writer = writer
+        super().__init__(writer)
         self._transport = writer.transport
         self._loop = asyncio.get_running_loop()
         self._fd = writer.get_extra_info("socket").fileno()
@@ -63,18 +64,6 @@ class SharedWriter:
             backlog, self._backlog = self._backlog, None
             if backlog and not self._transport.is_closing():
                 self._writer.write(b"".join(backlog))
-
-    def close(self) -> None:
-        self._writer.close()
-
-    def is_closing(self) -> bool:
-        return self._writer.is_closing()
-
-    async def wait_closed(self) -> None:
-        await self._writer.wait_closed()
-
-    def get_extra_info(self, name: str, default=None):
-        return self._writer.get_extra_info(name, default)
 
     # -- any thread ---------------------------------------------------------------------------
     def try_send_now(self, frame: bytes) -> bool:
