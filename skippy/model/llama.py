@@ -23,6 +23,7 @@ from .kv_cache import KVCache
 from .layers import (Linear, add_residual, apply_rope, attend_sessions, decode_rows, gated_mlp, head_norms_,
                      rms_norm, rope_tables)
 from .quant import QuantLinear, QuantizedTensor, build_linear
+from .weight_arena import WeightArena
 
 Weight = torch.Tensor | QuantizedTensor
 
@@ -76,16 +77,18 @@ class StageModel:
             tables.append((args.sliding_rope_theta, None))
         self.rope_tables = [rope_tables(theta, args.head_dim, args.context_length, factors, device)
                             for theta, factors in tables]
+        # packed weights on huge pages (CPU; weight_arena.py), released with the last of them
+        arena = WeightArena() if device.type == "cpu" else None
         self.blocks = []
         for i in range(layers.start, layers.end):
-            self.blocks.append(self._block(weights, i))
+            self.blocks.append(self._block(weights, i, arena))
             on_built()
         # a quantized embedding stays in the file's blocks: a step reads only its tokens' rows
         self.embedding = weights.get("token_embd.weight") if layers.is_first else None
         if layers.is_last:
             self.output_norm = weights["output_norm.weight"]
             head = weights.get("output.weight")
-            self.head = build_linear([weights["token_embd.weight"] if head is None else head], device)
+            self.head = build_linear([weights["token_embd.weight"] if head is None else head], device, arena=arena)
             if self.embedding is not None and head is None and isinstance(self.head, Linear):
                 self.embedding = self.head.weight  # tied: look tokens up in the head's copy, not a second one
             on_built()
@@ -108,22 +111,22 @@ class StageModel:
         return qkernel.DecodeLayers(layers, args.num_heads, args.num_kv_heads, args.head_dim,
                                     blocks[0].w_down.in_features, args.rms_norm_eps, self.scale)
 
-    def _block(self, w: dict[str, Weight], i: int) -> Block:
+    def _block(self, w: dict[str, Weight], i: int, arena: WeightArena | None) -> Block:
         p, args, arch = f"blk.{i}.", self.args, self.args.arch
         qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         biases = [w[name.replace(".weight", ".bias")] for name in qkv] if arch.qkv_bias else None
         window = args.window_of(i)
         return Block(
             attn_norm=w[p + "attn_norm.weight"],
-            wqkv=build_linear([w[name] for name in qkv], self.device, biases),
-            wo=build_linear([w[p + "attn_output.weight"]], self.device),
+            wqkv=build_linear([w[name] for name in qkv], self.device, biases, arena=arena),
+            wo=build_linear([w[p + "attn_output.weight"]], self.device, arena=arena),
             ffn_norm=w[p + "ffn_norm.weight"],
-            w_gate_up=build_linear([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]], self.device),
+            w_gate_up=build_linear([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]], self.device, arena=arena),
             # the down projection's input, act(gate) * up, is heavy-tailed: one outlier sets a group's
             # int8 step for 31 small values. Two levels there, one elsewhere (SmolLM2 Q4_1, bench/
             # accuracy.py: argmax agreement with transformers 98.44% vs 97.97% with one level
             # everywhere, llama.cpp 98.12%; two everywhere 99.84%, for 1.6x the kernel time at 8 rows)
-            w_down=build_linear([w[p + "ffn_down.weight"]], self.device, activation_levels=2),
+            w_down=build_linear([w[p + "ffn_down.weight"]], self.device, activation_levels=2, arena=arena),
             rope=1 if window and len(self.rope_tables) > 1 else 0,
             window=window,
             q_norm=w[p + "attn_q_norm.weight"] if arch.qk_norm else None,

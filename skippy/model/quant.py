@@ -32,6 +32,7 @@ from . import qkernel
 from .gguf_types import BITS, K_QUANT_BLOCK_BYTES, LEGACY_BLOCK_BYTES, REQUANTIZED, SUPPORTED
 from .layers import Linear
 from .resident import drop_pages
+from .weight_arena import WeightArena
 
 GROUP = 32  # weights per scale and offset
 _SUPER = 256  # weights per K-quant super-block
@@ -305,15 +306,17 @@ class QuantLinear:
                    torch.from_numpy(_by_block(weight.offset)), bits, n, k, levels=levels)
 
     @classmethod
-    def of_blocks(cls, parts: "list[QuantizedTensor | FloatWeight]", levels: int = 1) -> "QuantLinear":
+    def of_blocks(cls, parts: "list[QuantizedTensor | FloatWeight]", levels: int = 1,
+                  arena: WeightArena | None = None) -> "QuantLinear":
         """One matmul over `parts` stacked along out, converted _CHUNK_ROWS rows at a
-        time straight into the final tensors."""
+        time straight into the final tensors (in `arena`, when given)."""
         bits = max(kernel_bits(p.bits) for p in parts)
         n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
         row_bytes = k * bits // 8
-        codes = torch.empty(n * row_bytes, dtype=torch.uint8)
-        scale = torch.empty(n // LANES, k // GROUP, LANES, dtype=torch.float16)
-        offset = torch.empty_like(scale)
+        empty = torch.empty if arena is None else arena.empty
+        codes = empty((n * row_bytes,), dtype=torch.uint8)
+        scale = empty((n // LANES, k // GROUP, LANES), dtype=torch.float16)
+        offset = empty((n // LANES, k // GROUP, LANES), dtype=torch.float16)
         row = 0
         for part in parts:
             for start in range(0, part.shape[0], _CHUNK_ROWS):
@@ -365,7 +368,8 @@ class QuantLinear:
 
 
 def build_linear(parts: list[torch.Tensor | QuantizedTensor | FloatWeight], device: torch.device,
-                 biases: list[torch.Tensor] | None = None, *, activation_levels: int = 1) -> Linear | QuantLinear:
+                 biases: list[torch.Tensor] | None = None, *, activation_levels: int = 1,
+                 arena: WeightArena | None = None) -> Linear | QuantLinear:
     """One matmul over `parts` stacked along out (q, k, v; gate, up), plus `biases`
     (float32, one per part) when given.
 
@@ -376,11 +380,12 @@ def build_linear(parts: list[torch.Tensor | QuantizedTensor | FloatWeight], devi
 
     All parts quantized, on CPU, with the kernel built: QuantLinear. Otherwise (CUDA
     has no kernel here yet, a part's type is one quant.py does not read, or rows come
-    in other than blocks of 16) a quantized part is dequantized to bfloat16.
+    in other than blocks of 16) a quantized part is dequantized to bfloat16. A QuantLinear's
+    tensors go in `arena` when given (weight_arena.py: huge pages).
     """
     bias = None if biases is None else torch.cat(biases).float()
     if device.type == "cpu" and QuantLinear.can_pack(parts):
-        linear = QuantLinear.of_blocks(parts, activation_levels)
+        linear = QuantLinear.of_blocks(parts, activation_levels, arena)
         linear.bias = bias
         return linear
     tensors = [p if isinstance(p, torch.Tensor) else
