@@ -17,6 +17,7 @@ anonymous memory. Chunks are freed when the last tensor in them is.
 from __future__ import annotations
 
 import mmap
+
 import numpy as np
 import torch
 
