@@ -829,3 +829,62 @@ def test_sampling_logprobs_round_trip():
         SamplingConfig(prompt_logprobs=True)
     with pytest.raises(FrameError, match="sampling.logprobs"):
         decode_message(_sampling_frame(logprobs=21))
+
+
+# -- decode frames from a template (protocol/decode_frames.py) --------------------------------
+
+def _decode_message(pos: int, step: int, token: int, rows: np.ndarray, dtype: ActivationDtype,
+                    trace: bytes | None) -> StageMessage:
+    return StageMessage(K.DecodeEmbd, request_id=9, session_id=4, pos_start=pos, token_count=1, tokens=[token],
+                        current_token=token, decode_step=step, prompt_token_count=512, trace_context=trace,
+                        source_stage_index=0, activation_dtype=dtype, activation_rows=1,
+                        activation_width=rows.shape[1], activation=memoryview(rows).cast("B"))
+
+
+@pytest.mark.parametrize("dtype, np_dtype", [(ActivationDtype.f32, np.float32), (ActivationDtype.f16, np.float16),
+                                             (ActivationDtype.bf16, np.uint16)])
+@pytest.mark.parametrize("trace", [None, TRACE])
+def test_decode_frames_equal_encode_message_byte_for_byte(dtype, np_dtype, trace):
+    from skippy.protocol.decode_frames import DecodeFrames
+
+    rng = np.random.default_rng(7)
+
+    def random_rows() -> np.ndarray:  # bf16 travels as its raw bits
+        if np_dtype is np.uint16:
+            return rng.integers(0, 2**16, (1, 24)).astype(np.uint16)
+        return rng.standard_normal((1, 24)).astype(np_dtype)
+
+    first = random_rows()
+    frames = DecodeFrames(_decode_message(512, 1, 42, first, dtype, trace))
+    for pos, step, token in [(512, 1, 42), (513, 2, 0), (2047, 1535, I32_MAX), (0, -1, I32_MIN), (9, 7, 151_000)]:
+        rows = random_rows()
+        assert frames.matches(trace, rows)
+        assert frames.encode(pos, step, token, rows) == encode_message(_decode_message(pos, step, token, rows, dtype, trace))
+    assert not frames.matches(None if trace else TRACE, first)  # another trace context: a new template
+    assert not frames.matches(trace, np.zeros((2, 24), np_dtype))
+
+
+def test_decode_frames_refuse_what_encode_message_refuses():
+    from skippy.protocol.decode_frames import DecodeFrames
+
+    rows = np.zeros((1, 8), np.float32)
+    frames = DecodeFrames(_decode_message(3, 1, 5, rows, ActivationDtype.f32, None))
+    for pos, step, token in [(-1, 1, 5), (I32_MAX + 1, 1, 5), (3, 1, I32_MAX + 1), (3, I32_MIN - 1, 5)]:
+        with pytest.raises(FrameError):
+            frames.encode(pos, step, token, rows)
+        with pytest.raises((FrameError, ValueError)):
+            encode_message(_decode_message(pos, step, token, rows, ActivationDtype.f32, None))
+    with pytest.raises(ValueError, match="one-token DecodeEmbd"):
+        DecodeFrames(StageMessage(K.Stop))
+
+
+def test_token_reply_equals_encode_reply():
+    from skippy.protocol.decode_frames import NO_STATS, token_reply
+
+    assert NO_STATS == StageReplyStats()
+    for token in (0, 1, 42, 151_000, I32_MAX, I32_MIN):
+        assert token_reply(token) == encode_reply(StageReply.token(token))
+        assert decode_reply(token_reply(token)).predicted_tokens == [token]
+    for token in (I32_MAX + 1, I32_MIN - 1):
+        with pytest.raises(FrameError):
+            token_reply(token)

@@ -21,6 +21,7 @@ from ..protocol import (
     StageReplyStats, activation_fields, encode_message, lookup_observation, merge,
     prefill_compute_observation, record_observation, restore_missed_below,
 )
+from ..protocol.decode_frames import DecodeFrames
 from ..protocol.logprobs import TokenLogprob
 from ..runtime import SampleMode, Step, StepResult
 from ..runtime.engine import StageRuntime
@@ -125,6 +126,7 @@ class ChainSession:
         self.session.cache_namespace = self.cache_namespace = cache_namespace
         self.out_dtype = env.out_dtype
         self.trace_context: bytes | None = None  # the request's span: every frame's parent
+        self._decode_frames: DecodeFrames | None = None
 
     @property
     def samples_here(self) -> bool:
@@ -354,13 +356,23 @@ class ChainSession:
                       decode_step=self.decode_step, seq_id=window_id or 0)
         writer = self.link.idle_writer()
         send = None if writer is None else WorkerSend(  # sent by the worker as the forward ends
-            writer, lambda result: encode_message(self._message(kind, result.rows, **fields)))
+            writer, lambda result: self._encode(kind, result.rows, fields))
         timed = await self.env.runtime.iterate(step, send)
         self.position = start + len(tokens)
         if not self.samples_here and (send is None or not send.sent):
             msg = self._message(kind, timed.value.rows, **fields)
             await self._guard(f"{kind.name} step {self.decode_step}", self._send_predicting(msg))
         self._deliver(timed.value, window_id)
+
+    def _encode(self, kind: MessageKind, rows, fields: dict) -> bytes:
+        """A step's frame; a one-token decode step's from the session's template
+        (protocol/decode_frames.py), made from its first."""
+        if kind != MessageKind.DecodeEmbd or fields["token_count"] != 1:
+            return encode_message(self._message(kind, rows, **fields))
+        frames = self._decode_frames
+        if frames is None or not frames.matches(self.trace_context, rows):
+            frames = self._decode_frames = DecodeFrames(self._message(kind, rows, **fields))
+        return frames.encode(fields["pos_start"], fields["decode_step"], fields["current_token"], rows)
 
     async def retire(self, start: int, count: int, *, wait: bool = True) -> None:
         """RetireVerifyWindow on every stage. `wait` False does not wait for stage 0's own

@@ -29,6 +29,7 @@ from ..protocol import (
     encode_message, encode_reply, lookup_observation, merge, prefill_compute_observation,
     prefill_edge_observation, record_observation, restore_missed_below,
 )
+from ..protocol.decode_frames import NO_STATS, token_reply
 from ..runtime import SampleMode, StepResult, Timed
 from ..telemetry import Span
 from .downstream import DownstreamLink
@@ -155,7 +156,13 @@ def _worker_send(conn: StageConnection, msg: StageMessage,
     if writer is None:
         return None, None
     stats = conn.take_stats()
-    return WorkerSend(writer, lambda result: encode_reply(_prediction_reply(msg, result, stats, False))), stats
+
+    def encode(result: StepResult) -> bytes:
+        if stats == NO_STATS and result.logprobs is None and result.prompt_logprobs is None:
+            return token_reply(result.tokens[0])  # the rule: a template (protocol/decode_frames.py)
+        return encode_reply(_prediction_reply(msg, result, stats, False))
+
+    return WorkerSend(writer, encode), stats
 
 
 async def _record(conn: StageConnection, msg: StageMessage, span: Span) -> None:

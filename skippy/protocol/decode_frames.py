@@ -1,0 +1,81 @@
+"""A decode step's frames from templates: a session's DecodeEmbd, the final stage's token.
+
+Two decode frames of a session differ in four header values (pos_start, decode_step,
+current_token and the token sideband) and the activation row. `encode_message` builds and
+checks every section of every frame: ~13 us hot, but 70-130 us where a decode frame is
+encoded, on the runtime's worker right after a forward, with its caches full of weights;
+there it is on the chain's critical path at every stage of every token. The template is the
+session's first frame, encoded and checked in full; each later frame is a copy with those
+values written in (struct.pack_into at fixed offsets, the row copied over the old one).
+The final stage's reply to a decode step is, as a rule, one token with no stats and no
+logprobs: `token_reply` writes the token into that reply's bytes. tests/test_protocol_frames.py
+holds both byte for byte to encode_message and encode_reply.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from .constants import MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, REPLY_HEADER_FIELDS, MessageKind, header_offset
+from .errors import FrameError
+from .frames import StageMessage, StageReply, encode_message, encode_reply
+from .stats import StageReplyStats
+
+_POS_START = header_offset(MESSAGE_HEADER_FIELDS, "pos_start")
+_STEP_AND_TOKEN = header_offset(MESSAGE_HEADER_FIELDS, "decode_step")
+assert header_offset(MESSAGE_HEADER_FIELDS, "current_token") == _STEP_AND_TOKEN + 4
+_I32, _TWO_I32 = struct.Struct("<i"), struct.Struct("<ii")
+_TOKEN = MESSAGE_HEADER.size  # the token sideband comes first in the body
+
+
+class DecodeFrames:
+    """Frames of one session's one-row DecodeEmbd steps, like its first (`prototype`)."""
+
+    def __init__(self, prototype: StageMessage):
+        if (prototype.kind != MessageKind.DecodeEmbd or prototype.token_count != 1 or len(prototype.tokens) != 1
+                or len(prototype.positions) != 0):
+            raise ValueError("a decode-frame template is a one-token DecodeEmbd without positions")
+        self.prototype = prototype
+        self._frame = bytearray(encode_message(prototype))  # every section checked once, here
+        start = _TOKEN + 4
+        self._activation = slice(start, start + prototype.activation.nbytes)
+
+    def matches(self, trace_context: bytes | None, rows: np.ndarray) -> bool:
+        """Whether a step with this trace context and these rows fits the template."""
+        p = self.prototype
+        return (trace_context == p.trace_context and rows.shape == (p.activation_rows, p.activation_width)
+                and rows.nbytes == p.activation.nbytes)
+
+    def encode(self, pos_start: int, decode_step: int, token: int, rows: np.ndarray) -> bytes:
+        """The frame of the step at `pos_start` feeding `token`, carrying `rows` (wire dtype,
+        the template's shape: see `matches`)."""
+        if pos_start < 0:
+            raise FrameError(f"message.pos_start: expected >= 0, got {pos_start}")
+        frame = self._frame
+        try:
+            _I32.pack_into(frame, _POS_START, pos_start)
+            _TWO_I32.pack_into(frame, _STEP_AND_TOKEN, decode_step, token)
+            _I32.pack_into(frame, _TOKEN, token)
+        except struct.error as error:
+            raise FrameError(f"decode frame: expected i32 values, got pos_start {pos_start}, "
+                             f"decode_step {decode_step}, token {token} ({error})") from error
+        frame[self._activation] = memoryview(np.ascontiguousarray(rows)).cast("B")
+        return bytes(frame)
+
+
+NO_STATS = StageReplyStats()
+_TOKEN_REPLY = encode_reply(StageReply.token(0))  # header, an all-zero stats block, the token
+_PREDICTED = header_offset(REPLY_HEADER_FIELDS, "predicted")
+
+
+def token_reply(token: int) -> bytes:
+    """encode_reply(StageReply.token(token)): no stats, no logprobs."""
+    frame = bytearray(_TOKEN_REPLY)
+    try:
+        _I32.pack_into(frame, _PREDICTED, token)
+        _I32.pack_into(frame, len(frame) - 4, token)
+    except struct.error as error:
+        raise FrameError(f"reply tokens: expected i32 token ids ({error})") from error
+    return bytes(frame)
