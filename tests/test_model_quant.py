@@ -313,15 +313,16 @@ def test_quantized_prompt_rows_equal_decode_rows(quant_model):
         assert torch.equal(cache.k[:, :, :n], whole.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], whole.v[:, :, :n])
 
 
-@pytest.mark.parametrize("start", [0, 11])
-def test_one_call_decode_layers_equal_the_loop(start, quant_model, make_quant_stage):
+@pytest.mark.parametrize("start, sessions", [(0, 3), (11, 3), (0, 12)])
+def test_one_call_decode_layers_equal_the_loop(start, sessions, quant_model, make_quant_stage):
     """A decode step's layers in one C call (qkernel.DecodeLayers) against forward's
     per-layer loop: bit for bit, the rows out and the KV rows written, for one session
-    and for three batched at different positions, on the first stage and on one fed
-    hidden rows."""
+    and for several batched at different positions (past 8 rows the team shares the
+    quantizing of each matmul's input), on the first stage and on one fed hidden rows."""
     model = quant_model if start == 0 else make_quant_stage(start)
     assert model.decode_layers is not None  # the bundled SmolLM2 is a model it runs
     prompts = [PROMPT, PROMPT[:13], [5, 6, 7, 8, 9, 10, 11]]
+    prompts += [PROMPT[i:] + [100 + i] for i in range(sessions - len(prompts))]
 
     def rows_of(tokens: list[int]) -> torch.Tensor:
         if start == 0:
@@ -337,7 +338,7 @@ def test_one_call_decode_layers_equal_the_loop(start, quant_model, make_quant_st
         try:
             model.decode_layers = fused if one_call else None
             for step in range(3):
-                tokens = [3 + step, 40 + step, 500 + step]
+                tokens = [3 + step, 40 + step, 500 + step, *(1000 + 37 * i + step for i in range(sessions - 3))]
                 outputs.append(model.forward(rows_of(tokens), [Segment(c, c.length, 1) for c in caches]))
                 outputs.append(model.forward(rows_of([tokens[0]]), [Segment(caches[0], caches[0].length, 1)]))
         finally:

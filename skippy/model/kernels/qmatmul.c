@@ -62,49 +62,52 @@ static inline float f16_to_f32(uint16_t h) {
    32 first-level codes then its 32 second-level ones; dx [r][2]: their scales;
    sx [r]: dx * sum(q) + dr * sum(r), the offset's multiplier; qs [r]: 128 sum(q) + sum(r),
    the same sums in units of dr, exact */
+static inline __attribute__((always_inline)) void quantize_group(int r, const float *x, int levels, int8_t *q,
+                                                                  float *dx, float *sx, int32_t *qs) {
+    const float *v = x + (size_t)r * GROUP;
+#ifdef SKIPPY_VNNI
+    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    const float d2 = d / 128.f, inv2 = d2 > 0.f && levels == 2 ? 1.f / d2 : 0.f;
+    const __m512 s = _mm512_set1_ps(inv), vd = _mm512_set1_ps(d), s2 = _mm512_set1_ps(inv2);
+    /* cvtps rounds to nearest, ties to even */
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, s)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, s));
+    const __m512 ea = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qa), vd, a), eb = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qb), vd, b);
+    const __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(ea, s2)), rb = _mm512_cvtps_epi32(_mm512_mul_ps(eb, s2));
+    int8_t *out = q + (size_t)r * 2 * GROUP;
+    _mm_storeu_si128((__m128i *)out, _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtsepi32_epi8(qb));
+    _mm_storeu_si128((__m128i *)(out + 32), _mm512_cvtsepi32_epi8(ra));
+    _mm_storeu_si128((__m128i *)(out + 48), _mm512_cvtsepi32_epi8(rb));
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    const int sum2 = _mm512_reduce_add_epi32(_mm512_add_epi32(ra, rb));
+#else
+    float amax = 0.f;
+    for (int i = 0; i < GROUP; i++) {
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    const float d2 = d / 128.f, inv2 = d2 > 0.f && levels == 2 ? 1.f / d2 : 0.f;
+    int8_t *out = q + (size_t)r * 2 * GROUP;
+    int sum = 0, sum2 = 0;
+    for (int i = 0; i < GROUP; i++) {
+        const float level = rintf(v[i] * inv); /* ties to even */
+        out[i] = (int8_t)(int)level;
+        out[GROUP + i] = (int8_t)(int)rintf(fmaf(-level, d, v[i]) * inv2);
+        sum += out[i], sum2 += out[GROUP + i];
+    }
+#endif
+    dx[2 * r] = d, dx[2 * r + 1] = d2;
+    sx[r] = d * (float)sum + d2 * (float)sum2;
+    qs[r] = 128 * sum + sum2;
+}
+
 static void quantize_rows(const float *x, int M, int K, int levels, int8_t *q, float *dx, float *sx, int32_t *qs) {
     const int groups = M * (K / GROUP);
     #pragma omp parallel for schedule(static) if (M > 8)
-    for (int r = 0; r < groups; r++) {
-        const float *v = x + (size_t)r * GROUP;
-#ifdef SKIPPY_VNNI
-        const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-        const float d2 = d / 128.f, inv2 = d2 > 0.f && levels == 2 ? 1.f / d2 : 0.f;
-        const __m512 s = _mm512_set1_ps(inv), vd = _mm512_set1_ps(d), s2 = _mm512_set1_ps(inv2);
-        /* cvtps rounds to nearest, ties to even */
-        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, s)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, s));
-        const __m512 ea = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qa), vd, a), eb = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qb), vd, b);
-        const __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(ea, s2)), rb = _mm512_cvtps_epi32(_mm512_mul_ps(eb, s2));
-        int8_t *out = q + (size_t)r * 2 * GROUP;
-        _mm_storeu_si128((__m128i *)out, _mm512_cvtsepi32_epi8(qa));
-        _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtsepi32_epi8(qb));
-        _mm_storeu_si128((__m128i *)(out + 32), _mm512_cvtsepi32_epi8(ra));
-        _mm_storeu_si128((__m128i *)(out + 48), _mm512_cvtsepi32_epi8(rb));
-        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-        const int sum2 = _mm512_reduce_add_epi32(_mm512_add_epi32(ra, rb));
-#else
-        float amax = 0.f;
-        for (int i = 0; i < GROUP; i++) {
-            const float a = fabsf(v[i]);
-            amax = a > amax ? a : amax;
-        }
-        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-        const float d2 = d / 128.f, inv2 = d2 > 0.f && levels == 2 ? 1.f / d2 : 0.f;
-        int8_t *out = q + (size_t)r * 2 * GROUP;
-        int sum = 0, sum2 = 0;
-        for (int i = 0; i < GROUP; i++) {
-            const float level = rintf(v[i] * inv); /* ties to even */
-            out[i] = (int8_t)(int)level;
-            out[GROUP + i] = (int8_t)(int)rintf(fmaf(-level, d, v[i]) * inv2);
-            sum += out[i], sum2 += out[GROUP + i];
-        }
-#endif
-        dx[2 * r] = d, dx[2 * r + 1] = d2;
-        sx[r] = d * (float)sum + d2 * (float)sum2;
-        qs[r] = 128 * sum + sum2;
-    }
+    for (int r = 0; r < groups; r++) quantize_group(r, x, levels, q, dx, sx, qs);
 }
 
 #ifdef SKIPPY_VNNI
@@ -316,34 +319,81 @@ __attribute__((unused)) static void block_plain(int b, int M, int G, int bits, i
     }
 }
 
+/* block b of y against x quantized into q, dx, sx, qs, on the vector path compiled in */
+static inline __attribute__((always_inline)) void one_block(int b, int M, int G, int bits, int levels, const uint8_t *w,
+                                                             const uint16_t *wd, const uint16_t *wm, const int8_t *q,
+                                                             const float *dx, const float *sx, const int32_t *qs,
+                                                             float *y, int N, int accumulate) {
+    /* levels as a constant in each call: the compiler drops the second level's code */
+#if defined(SKIPPY_VNNI)
+    (void)qs;
+    if (levels == 2) block_vnni(b, M, G, bits, 2, w, wd, wm, q, dx, sx, y, N, accumulate);
+    else block_vnni(b, M, G, bits, 1, w, wd, wm, q, dx, sx, y, N, accumulate);
+#elif defined(SKIPPY_AVX2)
+    if (levels == 2) block_avx2(b, M, G, bits, 2, w, wd, wm, q, dx, sx, qs, y, N, accumulate);
+    else block_avx2(b, M, G, bits, 1, w, wd, wm, q, dx, sx, qs, y, N, accumulate);
+#else
+    (void)qs;
+    block_plain(b, M, G, bits, levels, w, wd, wm, q, dx, sx, y, N, accumulate);
+#endif
+}
+
+int skippy_qmatmul_check(int M, int K, int bits, int levels, int N) {
+    return K % GROUP || N % LANES || (bits != 4 && bits != 8) || (levels != 1 && levels != 2) || M < 1 ? -1 : 0;
+}
+
+/* x [M, K] quantized, for skippy_qmatmul_blocks: q int8 [M K/32][64], dx [M K/32][2],
+   sx and qs [M K/32], one after the other in `scratch` (skippy_qmatmul_scratch_bytes) */
+size_t skippy_qmatmul_scratch_bytes(int M, int K) {
+    const size_t r = (size_t)M * (K / GROUP);
+    return r * 2 * GROUP + r * sizeof(float) * 3 + r * sizeof(int32_t);
+}
+
+static void scratch_parts(void *scratch, int M, int K, int8_t **q, float **dx, float **sx, int32_t **qs) {
+    const size_t r = (size_t)M * (K / GROUP);
+    *q = scratch;
+    *dx = (float *)(*q + r * 2 * GROUP);
+    *sx = *dx + 2 * r;
+    *qs = (int32_t *)(*sx + r);
+}
+
+/* groups [r0, r1) of x's quantization into scratch (rows are M x K/32 groups) */
+void skippy_qmatmul_quantize(const float *x, int M, int K, int levels, void *scratch, int r0, int r1) {
+    int8_t *q;
+    float *dx, *sx;
+    int32_t *qs;
+    scratch_parts(scratch, M, K, &q, &dx, &sx, &qs);
+    for (int r = r0; r < r1; r++) quantize_group(r, x, levels, q, dx, sx, qs);
+}
+
+/* blocks [b0, b1) of y [M, N] (+)= x . W^T, x quantized into scratch: each block computes
+   alike whichever thread runs it (layers.c deals them out inside one parallel region) */
+void skippy_qmatmul_blocks(const void *scratch, int M, int K, const uint8_t *w, const uint16_t *wd,
+                           const uint16_t *wm, int bits, int levels, int N, float *y, int accumulate, int b0, int b1) {
+    int8_t *q;
+    float *dx, *sx;
+    int32_t *qs;
+    scratch_parts((void *)scratch, M, K, &q, &dx, &sx, &qs);
+    const int G = K / GROUP;
+    for (int b = b0; b < b1; b++) one_block(b, M, G, bits, levels, w, wd, wm, q, dx, sx, qs, y, N, accumulate);
+}
+
 /* bits 4 or 8; levels 1 or 2; N % 16 == 0; K % 32 == 0; accumulate: y += instead of y =.
    Returns 0, or -1 for bad arguments, -2 when out of memory. */
 int skippy_qmatmul(const float *x, int M, int K, const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
                    int bits, int levels, int N, float *y, int accumulate) {
-    if (K % GROUP || N % LANES || (bits != 4 && bits != 8) || (levels != 1 && levels != 2) || M < 1) return -1;
+    if (skippy_qmatmul_check(M, K, bits, levels, N)) return -1;
     const int G = K / GROUP;
-    int8_t *q = malloc((size_t)M * K * 2);
-    float *dx = malloc(sizeof(float) * M * G * 2), *sx = malloc(sizeof(float) * M * G);
-    int32_t *qs = malloc(sizeof(int32_t) * M * G);
-    if (!q || !dx || !sx || !qs) {
-        free(q), free(dx), free(sx), free(qs);
-        return -2;
-    }
+    void *scratch = malloc(skippy_qmatmul_scratch_bytes(M, K));
+    if (!scratch) return -2;
+    int8_t *q;
+    float *dx, *sx;
+    int32_t *qs;
+    scratch_parts(scratch, M, K, &q, &dx, &sx, &qs);
     quantize_rows(x, M, K, levels, q, dx, sx, qs);
     #pragma omp parallel for schedule(guided)
-    for (int b = 0; b < N / LANES; b++) {
-        /* levels as a constant in each call: the compiler drops the second level's code */
-#if defined(SKIPPY_VNNI)
-        if (levels == 2) block_vnni(b, M, G, bits, 2, w, wd, wm, q, dx, sx, y, N, accumulate);
-        else block_vnni(b, M, G, bits, 1, w, wd, wm, q, dx, sx, y, N, accumulate);
-#elif defined(SKIPPY_AVX2)
-        if (levels == 2) block_avx2(b, M, G, bits, 2, w, wd, wm, q, dx, sx, qs, y, N, accumulate);
-        else block_avx2(b, M, G, bits, 1, w, wd, wm, q, dx, sx, qs, y, N, accumulate);
-#else
-        block_plain(b, M, G, bits, levels, w, wd, wm, q, dx, sx, y, N, accumulate);
-#endif
-    }
-    free(q), free(dx), free(sx), free(qs);
+    for (int b = 0; b < N / LANES; b++) one_block(b, M, G, bits, levels, w, wd, wm, q, dx, sx, qs, y, N, accumulate);
+    free(scratch);
     return 0;
 }
 

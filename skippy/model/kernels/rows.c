@@ -264,6 +264,43 @@ int skippy_attend_rows(const float *qkv, int n, int row_heads, int H, int KVH, i
     return status ? -2 : 0;
 }
 
+/* The longest span a session of skippy_decode_attention attends over (max pos[s] + 1),
+   or -1 for arguments it refuses */
+int skippy_decode_attention_span(int S, int H, int KVH, int hd, const int *capacity, const int *pos) {
+    if (hd > MAX_HEAD_DIM || H % KVH || S < 1) return -1;
+    int max_t = 0;
+    for (int s = 0; s < S; s++) {
+        if (pos[s] < 0 || pos[s] >= capacity[s]) return -1;
+        max_t = pos[s] + 1 > max_t ? pos[s] + 1 : max_t;
+    }
+    return max_t;
+}
+
+/* Task `task` (session task / KVH, kv head task % KVH) of skippy_decode_attention, with
+   `scores` [H / KVH, its span] of scratch; the same arithmetic whichever thread runs it */
+void skippy_decode_attention_task(int task, const float *qkv, int H, int KVH, int hd, void *const *k, void *const *v,
+                                  const int *capacity, const int *pos, int layer, int window, int f16, float scale,
+                                  float *scores, float *out) {
+    const int group = H / KVH, row = (H + 2 * KVH) * hd;
+    const int s = task / KVH, j = task % KVH;
+    const float *q = qkv + (size_t)s * row;
+    const size_t head = ((size_t)layer * KVH + j) * capacity[s] * hd, at = head + (size_t)pos[s] * hd;
+    const float *kr = q + (size_t)(H + j) * hd, *vr = q + (size_t)(H + KVH + j) * hd;
+    for (int i = 0; i < hd; i++) {
+        if (f16) {
+            ((_Float16 *)k[s])[at + i] = (_Float16)kr[i];
+            ((_Float16 *)v[s])[at + i] = (_Float16)vr[i];
+        } else {
+            ((float *)k[s])[at + i] = kr[i];
+            ((float *)v[s])[at + i] = vr[i];
+        }
+    }
+    const int first = window > 0 && pos[s] + 1 > window ? pos[s] + 1 - window : 0;
+    const size_t from = head + (size_t)first * hd;
+    attend_group(q + (size_t)j * group * hd, group, hd, cache_at(k[s], f16, from), cache_at(v[s], f16, from), f16,
+                 pos[s] + 1 - first, scale, scores, out + (size_t)s * H * hd + (size_t)j * group * hd);
+}
+
 /* A batch of decode rows, one per session, in one call: for session s, store row s's
    k and v heads of qkv [S, H + 2 KVH, hd] (q, k, v heads in that order, RoPE applied)
    at position pos[s] of layer `layer` in its cache k[s], v[s] ([layers, KVH,
@@ -274,41 +311,21 @@ int skippy_attend_rows(const float *qkv, int n, int row_heads, int H, int KVH, i
 int skippy_decode_attention(const float *qkv, int S, int H, int KVH, int hd, void *const *k, void *const *v,
                             const int *capacity, const int *pos, int layer, int window, int f16, float scale,
                             float *out) {
-    if (hd > MAX_HEAD_DIM || H % KVH || S < 1) return -1;
-    const int group = H / KVH, row = (H + 2 * KVH) * hd;
-    int max_t = 0;
-    for (int s = 0; s < S; s++) {
-        if (pos[s] < 0 || pos[s] >= capacity[s]) return -1;
-        max_t = pos[s] + 1 > max_t ? pos[s] + 1 : max_t;
-    }
+    const int max_t = skippy_decode_attention_span(S, H, KVH, hd, capacity, pos);
+    if (max_t < 0) return -1;
+    const int group = H / KVH;
     int status = 0;
     /* one task per (session, kv head): a lone decode row's heads split across the threads
        too (its attention had run on one thread while the others waited); each task's
        arithmetic is the same however they are dealt out */
     #pragma omp parallel for schedule(dynamic) if (S * KVH > 1) reduction(| : status)
     for (int task = 0; task < S * KVH; task++) {
-        const int s = task / KVH, j = task % KVH;
         float *scores = malloc(sizeof(float) * group * max_t);
         if (!scores) {
             status |= 1;
             continue;
         }
-        const float *q = qkv + (size_t)s * row;
-        const size_t head = ((size_t)layer * KVH + j) * capacity[s] * hd, at = head + (size_t)pos[s] * hd;
-        const float *kr = q + (size_t)(H + j) * hd, *vr = q + (size_t)(H + KVH + j) * hd;
-        for (int i = 0; i < hd; i++) {
-            if (f16) {
-                ((_Float16 *)k[s])[at + i] = (_Float16)kr[i];
-                ((_Float16 *)v[s])[at + i] = (_Float16)vr[i];
-            } else {
-                ((float *)k[s])[at + i] = kr[i];
-                ((float *)v[s])[at + i] = vr[i];
-            }
-        }
-        const int first = window > 0 && pos[s] + 1 > window ? pos[s] + 1 - window : 0;
-        const size_t from = head + (size_t)first * hd;
-        attend_group(q + (size_t)j * group * hd, group, hd, cache_at(k[s], f16, from), cache_at(v[s], f16, from), f16,
-                     pos[s] + 1 - first, scale, scores, out + (size_t)s * H * hd + (size_t)j * group * hd);
+        skippy_decode_attention_task(task, qkv, H, KVH, hd, k, v, capacity, pos, layer, window, f16, scale, scores, out);
         free(scores);
     }
     return status ? -2 : 0;
