@@ -35,6 +35,7 @@
 
 #define LAYER_FIELDS 23
 #define SPINS_BEFORE_YIELD 4096 /* a teammate this late has lost its core: let it have ours */
+#define SHARED_QUANTIZE_ROWS 8  /* past this many rows the team shares the quantizing, as skippy_qmatmul does */
 
 int skippy_qmatmul_check(int M, int K, int bits, int levels, int N);
 size_t skippy_qmatmul_scratch_bytes(int M, int K);
@@ -49,12 +50,8 @@ void skippy_decode_attention_task(int task, const float *qkv, int H, int KVH, in
                                   float *scores, float *out);
 void skippy_swiglu(const float *gate_up, int T, int F, float *out);
 
-/* The team's meeting point between the step's phases. libgomp's own barriers (and the
-   start of each parallel region) spin GOMP_SPINCOUNT pauses, then sleep in the kernel:
-   stages sharing a machine set that short (1,000) so a waiting stage's threads leave the
-   cores to the computing one, and a step of ~150 regions then paid a wake-up at many of
-   them (one process, 1,000 spins: 5.25 ms a step against 4.36 at 10,000). Inside the one
-   region of a step the team spins here instead, and sleeps only after the step. */
+/* The team's meeting point between the step's pieces: it spins (see above: libgomp's own
+   barriers sleep after GOMP_SPINCOUNT pauses) */
 typedef struct {
     atomic_int arrived;
     atomic_int phase;
@@ -86,12 +83,12 @@ static void matmul_share(const void *scratch, int M, int K, const int64_t *w, in
 }
 
 /* x [M, K], written by thread 0, quantized into scratch for the matmul whose fields start
-   at w, then a barrier: past 8 rows the team shares the groups (as skippy_qmatmul's own
-   quantizing does), else thread 0 quantizes them (a barrier costs more than the work) */
+   at w, then a barrier: past SHARED_QUANTIZE_ROWS rows the team shares the groups, else
+   thread 0 quantizes them (a barrier costs more than the work) */
 static void quantize_for(const float *x, int M, int K, const int64_t *w, void *scratch, int tid, int team,
                          Barrier *barrier) {
     const int groups = M * (K / 32);
-    if (M > 8) {
+    if (M > SHARED_QUANTIZE_ROWS) {
         barrier_wait(barrier, team);
         skippy_qmatmul_quantize(x, M, K, (int)w[4], scratch, (int)((int64_t)groups * tid / team),
                                 (int)((int64_t)groups * (tid + 1) / team));
