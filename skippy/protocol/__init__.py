@@ -25,7 +25,8 @@ from .stats import (
     stage_mask,
 )
 from .stream import (
-    client_handshake, read_message, read_reply, server_handshake, write_message, write_reply,
+    client_handshake, read_message, read_message_body, read_message_header, read_reply, server_handshake,
+    write_message, write_reply,
 )
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "decode_message", "decode_reply", "encode_message", "encode_message_parts", "encode_reply",
     "expects_reply", "is_control", "is_loopback", "is_generation_control", "is_prefix_cache_control",
     "is_session_control", "merge", "merge_all", "parse_endpoint", "plan_layer_split",
-    "prefill_compute_observation", "prefill_edge_observation", "read_message", "read_reply",
+    "prefill_compute_observation", "prefill_edge_observation", "read_message", "read_message_body",
+    "read_message_header", "read_reply",
     "requires_predicted_reply", "server_handshake", "stage_mask", "write_message", "write_reply",
 ]

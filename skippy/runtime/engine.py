@@ -126,6 +126,14 @@ class StageRuntime:
                                      timed.run_s, timed.wait_s)
         return timed
 
+    def lend(self, fd: int, key: SessionKey, feed) -> asyncio.Future:
+        """Lend a socket's read side to the worker (runtime/lending.py); the future settles
+        with the bytes it read and did not take."""
+        return self.scheduler.lend(fd, key, feed)
+
+    def recall(self, loan: asyncio.Future) -> None:
+        self.scheduler.recall(loan)
+
     async def call(self, fn: Callable[[], T]) -> T:
         """fn() on the runtime's worker, after the work queued before it: other model work
         of this process (a draft model's forward) belongs on this thread (model/threads.py)."""

@@ -45,12 +45,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import select
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+
+from .lending import NEED_MORE, Loan, Taken
 
 T = TypeVar("T")
 log = logging.getLogger("skippy.runtime")
@@ -94,6 +98,7 @@ class SchedulerStats:
     batched_iterations: int = 0  # forwards that carried more than one step
     max_batch_size: int = 0
     ops: int = 0
+    lent_steps: int = 0          # steps fed from a lent socket (lending.py)
     prefill_forwards: int = 0    # forwards of prompt chunks
     prefill_chunks: int = 0      # chunks inside them
     batch_sizes: dict[int, int] = field(default_factory=dict)
@@ -138,6 +143,7 @@ class _Command:
     prefill_rows: int = 0              # > 0: a prompt chunk (the payload is its step)
     last_chunk: bool = False           # the prompt's last chunk: the session decodes next
     then: Callable[[Any], None] | None = None  # an iteration's: on the worker, with its result
+    done: Callable[[Exception | None, Any], bool] | None = None  # a lent socket's step: settles here
 
 
 class IterationScheduler:
@@ -163,6 +169,10 @@ class IterationScheduler:
         self._announced: dict[Hashable, float] = {}  # sessions opened, first chunk not yet submitted
         self._closed = False
         self._last_kind = "op"
+        self._loan: Loan | None = None   # a socket lent to the worker (lending.py)
+        self._polling = False            # the worker waits on the loan's socket: wake it by the pipe
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -215,8 +225,36 @@ class IterationScheduler:
                     awaited.discard(key)
                     if awaited:  # the worker waits for more of this wave: waking it now only
                         return command.future  # costs a GIL hand-off to the loop delivering them
-            self._cv.notify()
+            self._wake()
         return command.future
+
+    def _wake(self) -> None:
+        """Called with the lock held: wake the worker, waiting on the condition or on a loan."""
+        self._cv.notify()
+        if self._polling:
+            os.write(self._wake_w, b"\0")
+
+    # -- lending (lending.py) ---------------------------------------------------------
+    def lend(self, fd: int, key: Hashable, feed: Callable[[bytearray], Taken | object | None]) -> asyncio.Future:
+        """Lend the readable socket `fd` to the worker until it gives it back: the future's
+        result is the bytes it read and did not take. One loan at a time."""
+        loop = asyncio.get_running_loop()
+        with self._cv:
+            if self._closed:
+                raise SchedulerClosedError("the runtime is shut down")
+            if self._loan is not None:
+                raise RuntimeError("the worker already holds a lent socket")
+            self._loan = Loan(fd, key, feed, loop.create_future(), loop)
+            self._cv.notify()
+            return self._loan.future
+
+    def recall(self, future: asyncio.Future) -> None:
+        """End the loan whose future this is (the lender is closing): the worker gives it back."""
+        with self._cv:
+            loan = self._loan
+            if loan is not None and loan.future is future:
+                loan.recalled = True
+                self._wake()
 
     def forget(self, key: Hashable) -> None:
         """The session ended: stop waiting for its steps."""
@@ -230,7 +268,7 @@ class IterationScheduler:
             pending = list(self._iterations) + list(self._ops)
             self._iterations.clear()
             self._ops.clear()
-            self._cv.notify()
+            self._wake()
         for command in pending:
             _resolve(command, SchedulerClosedError("the runtime is shut down"), None)
         if threading.current_thread() is not self._thread:
@@ -240,19 +278,33 @@ class IterationScheduler:
     def _work(self) -> None:
         while True:
             with self._cv:
-                while not (self._iterations or self._ops or self._closed):
+                while not (self._iterations or self._ops or self._closed or self._loan):
                     self._cv.wait()
                 if self._closed:
+                    self._end_loan()
+                    os.close(self._wake_r)  # nothing writes once closed: _polling stays False
+                    os.close(self._wake_w)
                     return
-                run_iterations = bool(self._iterations) and (not self._ops or self._last_kind == "op")
-                if run_iterations:
-                    self._wait_for_peers()
-                    batch = [self._iterations.popleft()
-                             for _ in range(min(self.max_batch_steps, len(self._iterations)))]
+                loan = None
+                if self._loan is not None and self._loan.recalled:
+                    self._end_loan()
+                    continue
+                if not (self._iterations or self._ops):  # only a lent socket: wait on it
+                    loan, self._polling = self._loan, True
                 else:
-                    ahead = self._gather_prompts() if self._ops[0].prefill_rows else None
-                    op = ahead or self._ops.popleft()
-                    chunks = self._prefills_behind(op) if op.prefill_rows else []
+                    self._end_loan()  # other work came first: the lender reads on
+                    run_iterations = bool(self._iterations) and (not self._ops or self._last_kind == "op")
+                    if run_iterations:
+                        self._wait_for_peers()
+                        batch = [self._iterations.popleft()
+                                 for _ in range(min(self.max_batch_steps, len(self._iterations)))]
+                    else:
+                        ahead = self._gather_prompts() if self._ops[0].prefill_rows else None
+                        op = ahead or self._ops.popleft()
+                        chunks = self._prefills_behind(op) if op.prefill_rows else []
+            if loan is not None:
+                self._serve_loan(loan)
+                continue
             if run_iterations:
                 self._last_kind = "iteration"
                 self._run_iterations(batch)
@@ -262,6 +314,67 @@ class IterationScheduler:
             else:
                 self._last_kind = "op"
                 self._run_op(op)
+
+    def _serve_loan(self, loan: Loan) -> None:
+        """Wait on the lent socket and run the steps fed from it, until anything else comes
+        (work, a recall, the shutdown) or `feed` or `done` ends the loan; then give it back."""
+        buffer = loan.buffer
+        try:
+            while True:
+                try:
+                    readable, _, _ = select.select([loan.fd, self._wake_r], [], [])
+                except (OSError, ValueError):
+                    return  # the socket was closed under the loan: the lender finds out
+                if self._wake_r in readable:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                with self._cv:
+                    if self._iterations or self._ops or self._closed or loan.recalled:
+                        return
+                if loan.fd not in readable:
+                    continue
+                try:
+                    data = os.read(loan.fd, 1 << 16)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    return  # the lender's reader meets the same error and reports it
+                if not data:
+                    return  # EOF: the lender's reader sees it too
+                buffer += data
+                while buffer:
+                    taken = loan.feed(buffer)
+                    if taken is NEED_MORE:
+                        break
+                    if taken is None or not self._run_taken(taken, loan.key):
+                        return
+        finally:
+            with self._cv:
+                self._polling = False
+                if self._loan is loan:
+                    self._end_loan()
+
+    def _end_loan(self) -> None:
+        """Called with the lock held: give the lent socket back, if one is lent."""
+        loan, self._loan = self._loan, None
+        if loan is not None:
+            loan.give_back()
+
+    def _run_taken(self, taken: Taken, key: Hashable) -> bool:
+        """One step fed from a lent socket, run as an iteration; `done` says whether to go on."""
+        command = _Command(taken.step, None, None, time.perf_counter(), key, then=taken.then,
+                           done=taken.done)
+        with self._cv:
+            if (cadence := self._cadences.get(key)) is None:
+                self._cadences[key] = _Cadence(command.submitted)
+            else:
+                cadence.observe(command.submitted)
+        self._last_kind = "iteration"
+        self.stats.lent_steps += 1
+        self._run_iterations([command])
+        return command.done is not None
 
     def _prefills_behind(self, first: _Command) -> list[_Command]:
         """Called with the lock held: the prompt chunks of other sessions queued right
@@ -404,6 +517,11 @@ def _settle(commands: list[_Command], results: list, started: float, finished: f
 
 
 def _resolve(command: _Command, error: Exception | None, timed: Timed | None) -> None:
+    if command.done is not None:  # a lent socket's step: its lender learns at the give-back
+        if not command.done(error, timed):
+            command.done = None  # tells _run_taken to end the loan
+        return
+
     def settle() -> None:
         if command.future.done():  # the awaiting task was cancelled
             return

@@ -21,11 +21,12 @@ import numpy as np
 from ..model.errors import ContextOverflowError
 from ..protocol import (
     ActivationDtype, FrameError, MessageKind, ProtocolError, StageMessage, StageReply,
-    StageReplyStats, merge, read_message, write_reply,
+    StageReplyStats, merge, read_message_body, read_message_header, write_reply,
 )
 from ..runtime import LaneLimitError, SampleMode, Session, SessionError, SessionKey, Step
 from .downstream import DownstreamLink
-from .handlers import HANDLERS, StageError
+from .handlers import HANDLERS, StageError, deliver_step
+from .lane_loan import LaneLoan
 
 # Errors a message causes by itself (malformed, out of order, for no such session, past the
 # context or the lanes): the connection closes with a warning, the stage is fine.
@@ -65,6 +66,9 @@ class StageConnection:
         self.inbox: asyncio.Queue = asyncio.Queue(INBOX_MESSAGES)
         self.inbox_bytes = 0
         self._inbox_drained = asyncio.Event()
+        self._between_frames = False  # the read-ahead waits for a frame's first byte
+        self._reader_task: asyncio.Task | None = None
+        self._loan: asyncio.Future | None = None  # the socket lent to the runtime's worker (_lend)
         self.close_reason: str | None = None
 
     @property
@@ -134,7 +138,7 @@ class StageConnection:
 
     # -- the connection's life --------------------------------------------------------------
     async def run(self) -> None:
-        reader_task = asyncio.create_task(self._read_ahead())
+        self._reader_task = asyncio.create_task(self._read_ahead())
         try:
             while (msg := await self.inbox.get()) is not None:
                 if isinstance(msg, BaseException):
@@ -149,6 +153,8 @@ class StageConnection:
                     if msg.trace_context is not None and span.traceparent is not None:
                         msg = dataclasses.replace(msg, trace_context=span.traceparent)
                     await HANDLERS[msg.kind](self, msg, span)
+                if msg.kind == MessageKind.DecodeEmbd and self.inbox.empty():
+                    await self._lend(msg)
         except asyncio.CancelledError:
             self.close_reason = self.close_reason or "stage shutting down"
         except Exception as error:  # noqa: BLE001 - every failure closes this connection only
@@ -159,13 +165,54 @@ class StageConnection:
                     "stage %d: closing connection %d: %s", self.config.stage_index, self.conn_id,
                     self.close_reason, exc_info=not upstream_fault)
         finally:
-            reader_task.cancel()
+            self._reader_task.cancel()
             # Shielded: a second cancellation must not skip reclaiming the sessions.
-            await asyncio.shield(self._cleanup(reader_task))
+            await asyncio.shield(self._cleanup(self._reader_task))
+
+    async def _lend(self, msg: StageMessage) -> None:
+        """Lend the socket to the runtime's worker while this lane decodes alone
+        (lane_loan.py), from a frame boundary with nothing read ahead; read on once it is back."""
+        # _buffer: asyncio.StreamReader's unread bytes (no public accessor); empty and between
+        # frames, the read-ahead has consumed nothing that the worker would then miss
+        if not self._between_frames or self.reader._buffer or (loan := LaneLoan.offer(self, msg)) is None:
+            return
+        transport = self.writer.transport
+        transport.pause_reading()  # at once: what arrives from here on is the worker's to read
+        self._reader_task.cancel()
+        await asyncio.gather(self._reader_task, return_exceptions=True)
+        try:
+            lent = self._loan = self.runtime.lend(self.writer.get_extra_info("socket").fileno(),
+                                                  loan.session.key, loan.feed)
+        except RuntimeError:  # the runtime is closing
+            lent = None
+        try:
+            rest = b"" if lent is None else await asyncio.shield(lent)
+        except asyncio.CancelledError:
+            # the socket closes after this: not while the worker may still wait on it
+            self.runtime.recall(lent)
+            await lent
+            raise
+        finally:
+            self._loan = None
+            loan.settle()
+        if rest:
+            self.reader.feed_data(rest)
+        transport.resume_reading()
+        self._reader_task = asyncio.create_task(self._read_ahead())
+        if loan.error is not None:
+            raise loan.error  # as the step's handler would have
+        if loan.unsent is not None:
+            await deliver_step(self, *loan.unsent)
 
     async def _read_ahead(self) -> None:
         try:
-            while (msg := await read_message(self.reader)) is not None:
+            while True:
+                self._between_frames = True
+                header = await read_message_header(self.reader)
+                self._between_frames = False
+                if header is None:
+                    break
+                msg = await read_message_body(self.reader, header)
                 if msg.kind == MessageKind.PrefillEmbd:
                     await self.reply(StageReply.ack())  # early ACK, before compute (spec §2.6)
                 elif msg.kind == MessageKind.DiscardStaleWindows:
@@ -178,6 +225,8 @@ class StageConnection:
             await self.inbox.put(None)
         except (ProtocolError, ConnectionError, OSError, asyncio.IncompleteReadError) as error:
             await self.inbox.put(error)
+        finally:
+            self._between_frames = False
 
     def _record_discard(self, msg: StageMessage) -> None:
         key = self.key(msg.session_id)
@@ -187,6 +236,8 @@ class StageConnection:
 
     def _downstream_broken(self, reason: str) -> None:
         # Propagate the failure upstream at once: closing our side ends the upstream's lane.
+        if self._loan is not None:  # before the socket closes, not while the worker waits on it
+            self.runtime.recall(self._loan)
         log.warning("stage %d: downstream link of connection %d broke: %s",
                     self.config.stage_index, self.conn_id, reason)
         self.close_reason = self.close_reason or f"downstream {reason}"

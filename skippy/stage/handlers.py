@@ -110,7 +110,7 @@ async def on_predicting(conn: StageConnection, msg: StageMessage, span: Span) ->
                                                    msg.token_count))
     else:
         if not is_window or link is not None:  # a window's reply carries its own stats: the loop's way
-            send, reply_stats = _worker_send(conn, msg, link)
+            send, reply_stats = worker_send(conn, msg, link)
         timed = await conn.runtime.iterate(step, send)  # batched with other sessions' steps
     sent = send is not None and send.sent
     if send is not None:
@@ -142,7 +142,16 @@ def _prediction_reply(msg: StageMessage, result: StepResult, stats: StageReplySt
                             prompt_logprobs=result.prompt_logprobs)
 
 
-def _worker_send(conn: StageConnection, msg: StageMessage,
+async def deliver_step(conn: StageConnection, msg: StageMessage, result: StepResult) -> None:
+    """A lent lane's decode step whose frame the worker could not send (lane_loan.py): its
+    row down the chain, or its token back to stage 0, the loop's way."""
+    if conn.link is not None:
+        await conn.link.send(conn.forwarded(msg, result.rows))
+    else:
+        await conn.return_prediction(msg, _prediction_reply(msg, result, conn.take_stats(), False))
+
+
+def worker_send(conn: StageConnection, msg: StageMessage,
                  link: DownstreamLink | None) -> tuple[WorkerSend | None, StageReplyStats | None]:
     """The step's outgoing frame for the worker to send as the forward ends (shared_writer.py),
     and, on the final stage, the stats its reply carries (taken now; they go back into the
