@@ -888,3 +888,20 @@ def test_token_reply_equals_encode_reply():
     for token in (I32_MAX + 1, I32_MIN - 1):
         with pytest.raises(FrameError):
             token_reply(token)
+
+
+def test_token_of_reply_reads_back_token_reply_only():
+    from skippy.protocol.decode_frames import TOKEN_REPLY_BYTES, token_of_reply, token_reply
+
+    for token in (0, 1, 42, 151_000, I32_MAX, I32_MIN):
+        frame = token_reply(token)
+        assert len(frame) == TOKEN_REPLY_BYTES
+        assert token_of_reply(frame) == token
+        assert token_of_reply(frame + b"next frame") == token  # the first frame of a buffer
+        assert token_of_reply(frame[:-1]) is None  # short
+    for other in (StageReply.token(5, StageReplyStats(kv_lookup_hits=1)), StageReply.window([5], 1),
+                  StageReply.ack()):
+        assert token_of_reply(encode_reply(other)) is None
+    torn = bytearray(token_reply(7))
+    torn[-4:] = token_reply(8)[-4:]  # the header's token and the array's disagree
+    assert token_of_reply(torn) is None

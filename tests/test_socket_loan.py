@@ -106,6 +106,7 @@ def test_a_lane_decoding_alone_is_lent_and_its_tokens_match_one_process(make_sta
             # every stage below stage 0 ran the decode steps after its first from the lent socket
             for server in chain.servers:
                 assert server.runtime.scheduler.stats.lent_steps >= 2 * (24 - 3)
+            assert chain.client.runtime.scheduler.stats.lent_steps >= 2 * (24 - 4)  # stage 0 ran ahead
         finally:
             await chain.close()
 

@@ -160,7 +160,7 @@ class ChainClient:
             session = lane.session = ChainSession(self.env, lane.link, lane_id, request_id, request_id,
                                                   sampling, prompt_token_count, cache_namespace, skip_draws)
             session.trace_context = trace_context
-            self.hub.register(session.return_key, session.waiter)
+            self.hub.register(session.return_key, session.waiter, session.return_loan)
             await session.configure()
             yield session
             if not session.stopped:
@@ -181,6 +181,7 @@ class ChainClient:
     async def _release(self, lane: Lane, session: ChainSession | None) -> None:
         if session is not None:
             self.hub.unregister(session.return_key)
+            await session.end_run_ahead()
             if session.key in self.runtime.sessions:
                 await self.runtime.drop(session.key)
             if not session.stopped and lane.link is not None:

@@ -32,6 +32,7 @@ from ..protocol.logprobs import TokenLogprob
 from ..runtime.proposers import Proposer
 from ..runtime.speculation import AdaptiveWindow, SpeculationStats, SpeculativeSettings, Speculator
 from ..telemetry import Telemetry
+from .run_ahead import DecodePlan
 
 if TYPE_CHECKING:
     from .session import ChainSession
@@ -118,6 +119,8 @@ class ChainDecoder:
         """The one decode loop: a verify window whenever the proposer has drafts (none without
         speculation), else one plain step of the current token."""
         spec, session = self.spec, self.session
+        if not self.settings.is_enabled:  # every step a plain one: stage 0's worker may run it ahead
+            session.enable_run_ahead(DecodePlan(spec.stop_ids, spec.max_tokens, self.ctx_size))
         inflight: deque[_Window] = deque()
         while not spec.is_finished:
             while len(inflight) < self.pipeline_depth:
@@ -134,7 +137,7 @@ class ChainDecoder:
                     self.finish_reason = "context"
                     return
                 started = time.perf_counter()
-                token = await session.decode(spec.current, pos_start=position)
+                token = await session.decode(spec.current, pos_start=position, emitted=spec.num_emitted)
                 self.stats.verify_seconds += time.perf_counter() - started
                 for emitted in _paired(spec.settle([], [token]).tokens, session.last_logprobs):
                     yield emitted

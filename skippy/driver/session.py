@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..protocol import (
     LOOKUP_ERROR, ActivationDtype, MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply,
@@ -23,11 +23,12 @@ from ..protocol import (
 )
 from ..protocol.decode_frames import DecodeFrames
 from ..protocol.logprobs import TokenLogprob
-from ..runtime import SampleMode, Step, StepResult
+from ..runtime import SampleMode, SessionKey, Step, StepResult
 from ..runtime.engine import StageRuntime
 from ..runtime.prefix_identity import cacheable_prefix_length
 from ..stage.downstream import DownstreamLink, LinkBroken
 from ..stage.shared_writer import WorkerSend
+from .run_ahead import DecodePlan, RunAhead
 from ..telemetry import Telemetry
 
 log = logging.getLogger("skippy.driver")
@@ -97,6 +98,12 @@ class NoStagesBelow:
         pass
 
 
+def _frame_fields(tokens: list[int], start: int, decode_step: int, window_id: int | None) -> dict:
+    """The header fields of stage 0's frame for a step of `tokens` at `start`."""
+    return dict(pos_start=start, token_count=len(tokens), tokens=tokens, current_token=tokens[0],
+                decode_step=decode_step, seq_id=window_id or 0)
+
+
 class ChainSession:
     def __init__(self, env: SessionEnv, link: DownstreamLink | NoStagesBelow, lane_id: int, request_id: int,
                  session_id: int, sampling: SamplingConfig, prompt_token_count: int,
@@ -127,6 +134,7 @@ class ChainSession:
         self.out_dtype = env.out_dtype
         self.trace_context: bytes | None = None  # the request's span: every frame's parent
         self._decode_frames: DecodeFrames | None = None
+        self._run_ahead: RunAhead | None = None
 
     @property
     def samples_here(self) -> bool:
@@ -327,14 +335,46 @@ class ChainSession:
             self.stats = merge(self.stats, await link.drain())
         await link.send(msg)
 
-    async def decode(self, token: int, *, pos_start: int | None = None) -> int:
-        """One decode step of `token` at `pos_start` (default: the current position)."""
+    async def decode(self, token: int, *, pos_start: int | None = None, emitted: int | None = None) -> int:
+        """One decode step of `token` at `pos_start` (default: the current position).
+        `emitted`: the tokens the request has emitted so far, from a decoder that enabled the
+        run-ahead (run_ahead.py): the worker may then start the next step itself."""
         self.position = self.position if pos_start is None else pos_start
         self.decode_step += 1
-        await self._submit(MessageKind.DecodeEmbd, [token], None)
+        ahead = self._run_ahead
+        started = None if ahead is None else ahead.take(self.position, token)
+        if started is not None:  # the worker ran it as the token came in
+            timed, send = await asyncio.wrap_future(started)
+            await self._sent(MessageKind.DecodeEmbd, [token], None, timed, send)
+        else:
+            if ahead is not None:
+                if emitted is None:
+                    ahead.disarm()
+                else:
+                    ahead.arm(self.position, emitted, self.decode_step)
+            await self._submit(MessageKind.DecodeEmbd, [token], None)
         reply = await self._guard(f"DecodeEmbd step {self.decode_step}", self._prediction())
         self.timings.decode_steps += 1
         return reply.predicted_tokens[0]
+
+    def enable_run_ahead(self, plan: DecodePlan) -> None:
+        """Let stage 0's worker start each decode step from its token (run_ahead.py): for a
+        decoder of one stream without speculation, on a chain (a single stage has no trip)."""
+        if self.link.stages_below and self._run_ahead is None:
+            self._run_ahead = RunAhead(plan, self._run_ahead_step, self.waiter.put_nowait,
+                                       asyncio.get_running_loop())
+
+    def return_loan(self) -> tuple[StageRuntime, SessionKey, Callable] | None:
+        """What the return stream is lent to, while the run-ahead may go on: (stage 0's runtime,
+        this session's key, the feed); None when it may not (no run-ahead, other sessions)."""
+        ahead, runtime = self._run_ahead, self.env.runtime
+        if ahead is None or self.stopped or len(runtime.sessions) != 1:
+            return None
+        return runtime, self.key, ahead.feed
+
+    def _run_ahead_step(self, token: int, position: int, decode_step: int):
+        """On stage 0's worker: the step of `token` at `position`, and its frame's send."""
+        return self._outgoing(MessageKind.DecodeEmbd, [token], position, decode_step, None)
 
     async def submit_verify(self, tokens: Sequence[int], window_id: int, *,
                             pos_start: int | None = None) -> None:
@@ -350,17 +390,28 @@ class ChainSession:
 
     async def _submit(self, kind: MessageKind, tokens: list[int], window_id: int | None) -> None:
         """Run stage 0's rows, then send them down (or, holding the head, deliver its predictions)."""
-        start = self.position
-        step = self._step(start, tokens, SampleMode.LAST if window_id is None else SampleMode.ALL, window_id)
-        fields = dict(pos_start=start, token_count=len(tokens), tokens=tokens, current_token=tokens[0],
-                      decode_step=self.decode_step, seq_id=window_id or 0)
-        writer = self.link.idle_writer()
-        send = None if writer is None else WorkerSend(  # sent by the worker as the forward ends
-            writer, lambda result: self._encode(kind, result.rows, fields))
+        step, send = self._outgoing(kind, tokens, self.position, self.decode_step, window_id)
         timed = await self.env.runtime.iterate(step, send)
+        await self._sent(kind, tokens, window_id, timed, send)
+
+    def _outgoing(self, kind: MessageKind, tokens: list[int], start: int, decode_step: int,
+                  window_id: int | None) -> tuple[Step, WorkerSend | None]:
+        """A step of stage 0's, and the send that puts its frame on the wire from the worker
+        as the forward ends (None: the link is busy, the loop sends it)."""
+        step = self._step(start, tokens, SampleMode.LAST if window_id is None else SampleMode.ALL, window_id)
+        fields = _frame_fields(tokens, start, decode_step, window_id)
+        writer = self.link.idle_writer()
+        send = None if writer is None else WorkerSend(
+            writer, lambda result: self._encode(kind, result.rows, fields))
+        return step, send
+
+    async def _sent(self, kind: MessageKind, tokens: list[int], window_id: int | None, timed,
+                    send: WorkerSend | None) -> None:
+        """After stage 0's step at the current position: its frame sent, unless the worker did."""
+        start = self.position
         self.position = start + len(tokens)
         if not self.samples_here and (send is None or not send.sent):
-            msg = self._message(kind, timed.value.rows, **fields)
+            msg = self._message(kind, timed.value.rows, **_frame_fields(tokens, start, self.decode_step, window_id))
             await self._guard(f"{kind.name} step {self.decode_step}", self._send_predicting(msg))
         self._deliver(timed.value, window_id)
 
@@ -373,6 +424,15 @@ class ChainSession:
         if frames is None or not frames.matches(self.trace_context, rows):
             frames = self._decode_frames = DecodeFrames(self._message(kind, rows, **fields))
         return frames.encode(fields["pos_start"], fields["decode_step"], fields["current_token"], rows)
+
+    async def end_run_ahead(self) -> None:
+        """Start no step ahead any more, and wait for those the worker is running."""
+        if self._run_ahead is not None:
+            for started in self._run_ahead.disarm():
+                try:
+                    await asyncio.wrap_future(started)
+                except Exception:  # noqa: BLE001 - its request is over; Stop or the drop follows
+                    pass
 
     async def retire(self, start: int, count: int, *, wait: bool = True) -> None:
         """RetireVerifyWindow on every stage. `wait` False does not wait for stage 0's own
@@ -398,6 +458,7 @@ class ChainSession:
 
     async def stop(self) -> StageReplyStats:
         """End the session on every stage; returns the request's merged stats."""
+        await self.end_run_ahead()  # a step run ahead goes down before Stop does
         if self.key in self.env.runtime.sessions:  # the full-prefill record (spec §4.3)
             await self._record(self.env.runtime.record_prefix(self.key))
         reply = await self._guard("Stop", self._control(self._message(MessageKind.Stop)))

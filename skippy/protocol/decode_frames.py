@@ -79,3 +79,21 @@ def token_reply(token: int) -> bytes:
     except struct.error as error:
         raise FrameError(f"reply tokens: expected i32 token ids ({error})") from error
     return bytes(frame)
+
+
+TOKEN_REPLY_BYTES = len(_TOKEN_REPLY)
+_AFTER_PREDICTED = _PREDICTED + 4
+
+
+def token_of_reply(frame) -> int | None:
+    """The token of a reply `token_reply` would have written (the first TOKEN_REPLY_BYTES of
+    `frame`); None for any other reply (stats, logprobs, a window...)."""
+    view = memoryview(frame)[:TOKEN_REPLY_BYTES]
+    if len(view) < TOKEN_REPLY_BYTES:
+        return None
+    token = _I32.unpack_from(view, _PREDICTED)[0]
+    if (_I32.unpack_from(view, TOKEN_REPLY_BYTES - 4)[0] != token
+            or view[:_PREDICTED] != _TOKEN_REPLY[:_PREDICTED]
+            or view[_AFTER_PREDICTED:-4] != _TOKEN_REPLY[_AFTER_PREDICTED:-4]):
+        return None
+    return token

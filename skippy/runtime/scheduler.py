@@ -292,7 +292,8 @@ class IterationScheduler:
                 if not (self._iterations or self._ops):  # only a lent socket: wait on it
                     loan, self._polling = self._loan, True
                 else:
-                    self._end_loan()  # other work came first: the lender reads on
+                    if self._loan is not None and self._others_waiting(self._loan):
+                        self._end_loan()  # other work came first: the lender reads on
                     run_iterations = bool(self._iterations) and (not self._ops or self._last_kind == "op")
                     if run_iterations:
                         self._wait_for_peers()
@@ -317,8 +318,9 @@ class IterationScheduler:
 
     def _serve_loan(self, loan: Loan) -> None:
         """Wait on the lent socket and run the steps fed from it, until anything else comes
-        (work, a recall, the shutdown) or `feed` or `done` ends the loan; then give it back."""
-        buffer = loan.buffer
+        (work, a recall, the shutdown) or `feed` or `done` ends the loan; then give it back.
+        A step of the loan's own session submitted the usual way is run with the loan kept."""
+        buffer, keep = loan.buffer, False
         try:
             while True:
                 try:
@@ -331,7 +333,10 @@ class IterationScheduler:
                     except BlockingIOError:
                         pass
                 with self._cv:
-                    if self._iterations or self._ops or self._closed or loan.recalled:
+                    if self._closed or loan.recalled or self._others_waiting(loan):
+                        return
+                    if self._iterations:  # a step of the loan's own session: run it, keep the loan
+                        keep = True
                         return
                 if loan.fd not in readable:
                     continue
@@ -345,7 +350,11 @@ class IterationScheduler:
                     return  # EOF: the lender's reader sees it too
                 buffer += data
                 while buffer:
-                    taken = loan.feed(buffer)
+                    try:
+                        taken = loan.feed(buffer)
+                    except Exception:  # a bug in a feed must not take the worker down
+                        log.exception("runtime worker: a lent socket's feed failed")
+                        return
                     if taken is NEED_MORE:
                         break
                     if taken is None or not self._run_taken(taken, loan.key):
@@ -353,8 +362,12 @@ class IterationScheduler:
         finally:
             with self._cv:
                 self._polling = False
-                if self._loan is loan:
+                if self._loan is loan and not keep:
                     self._end_loan()
+
+    def _others_waiting(self, loan: Loan) -> bool:
+        """Called with the lock held: work waits that is not a step of the loan's session."""
+        return bool(self._ops) or any(command.key != loan.key for command in self._iterations)
 
     def _end_loan(self) -> None:
         """Called with the lock held: give the lent socket back, if one is lent."""

@@ -27,6 +27,7 @@ from ..runtime import LaneLimitError, SampleMode, Session, SessionError, Session
 from .downstream import DownstreamLink
 from .handlers import HANDLERS, StageError, deliver_step
 from .lane_loan import LaneLoan
+from .stream_loan import StreamLoan, has_unread_bytes
 
 # Errors a message causes by itself (malformed, out of order, for no such session, past the
 # context or the lanes): the connection closes with a warning, the stage is fine.
@@ -68,7 +69,7 @@ class StageConnection:
         self._inbox_drained = asyncio.Event()
         self._between_frames = False  # the read-ahead waits for a frame's first byte
         self._reader_task: asyncio.Task | None = None
-        self._loan: asyncio.Future | None = None  # the socket lent to the runtime's worker (_lend)
+        self._loan: StreamLoan | None = None  # the socket, while lent to the runtime's worker
         self.close_reason: str | None = None
 
     @property
@@ -172,32 +173,20 @@ class StageConnection:
     async def _lend(self, msg: StageMessage) -> None:
         """Lend the socket to the runtime's worker while this lane decodes alone
         (lane_loan.py), from a frame boundary with nothing read ahead; read on once it is back."""
-        # _buffer: asyncio.StreamReader's unread bytes (no public accessor); empty and between
-        # frames, the read-ahead has consumed nothing that the worker would then miss
-        if not self._between_frames or self.reader._buffer or (loan := LaneLoan.offer(self, msg)) is None:
+        if (not self._between_frames or has_unread_bytes(self.reader) or not StreamLoan.can_lend(self.writer)
+                or (loan := LaneLoan.offer(self, msg)) is None):
             return
-        transport = self.writer.transport
-        transport.pause_reading()  # at once: what arrives from here on is the worker's to read
-        self._reader_task.cancel()
-        await asyncio.gather(self._reader_task, return_exceptions=True)
+
+        async def stop_reading() -> None:
+            self._reader_task.cancel()
+            await asyncio.gather(self._reader_task, return_exceptions=True)
+
+        self._loan = StreamLoan(self.runtime, self.reader, self.writer)
         try:
-            lent = self._loan = self.runtime.lend(self.writer.get_extra_info("socket").fileno(),
-                                                  loan.session.key, loan.feed)
-        except RuntimeError:  # the runtime is closing
-            lent = None
-        try:
-            rest = b"" if lent is None else await asyncio.shield(lent)
-        except asyncio.CancelledError:
-            # the socket closes after this: not while the worker may still wait on it
-            self.runtime.recall(lent)
-            await lent
-            raise
+            await self._loan.run(loan.session.key, loan.feed, stop_reading=stop_reading)
         finally:
             self._loan = None
             loan.settle()
-        if rest:
-            self.reader.feed_data(rest)
-        transport.resume_reading()
         self._reader_task = asyncio.create_task(self._read_ahead())
         if loan.error is not None:
             raise loan.error  # as the step's handler would have
@@ -237,7 +226,7 @@ class StageConnection:
     def _downstream_broken(self, reason: str) -> None:
         # Propagate the failure upstream at once: closing our side ends the upstream's lane.
         if self._loan is not None:  # before the socket closes, not while the worker waits on it
-            self.runtime.recall(self._loan)
+            self._loan.recall()
         log.warning("stage %d: downstream link of connection %d broke: %s",
                     self.config.stage_index, self.conn_id, reason)
         self.close_reason = self.close_reason or f"downstream {reason}"

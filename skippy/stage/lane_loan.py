@@ -39,14 +39,13 @@ class LaneLoan:
     def offer(cls, conn: StageConnection, msg: StageMessage) -> LaneLoan | None:
         """A loan for the lane that just ran `msg`, or None when the next step must take the
         usual way: several sessions on this stage (their steps batch), a traced request or
-        stage (a span per message), a TLS stream, logprobs or stats owed on the final stage's reply, or a link
-        whose frames the worker may not send (stage/shared_writer.py)."""
+        stage (a span per message), logprobs or stats owed on the final stage's reply, or a
+        link whose frames the worker may not send (stage/shared_writer.py). The stream itself
+        must be plain TCP (StreamLoan.can_lend)."""
         runtime = conn.runtime
         key = conn.key(msg.session_id)
         if (msg.kind != MessageKind.DecodeEmbd or msg.token_count != 1 or msg.trace_context is not None
-                or conn.telemetry.tracing or len(runtime.sessions) != 1 or key not in runtime.sessions
-                or conn.writer.get_extra_info("sslcontext") is not None
-                or conn.writer.get_extra_info("socket") is None):
+                or conn.telemetry.tracing or len(runtime.sessions) != 1 or key not in runtime.sessions):
             return None
         session = runtime.session(key)
         if conn.is_final:

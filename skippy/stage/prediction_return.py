@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from ..protocol import (
     MessageKind, ProtocolError, StageMessage, StageReply, parse_endpoint, read_message, read_reply,
@@ -22,6 +23,7 @@ from ..protocol import (
 from . import tls
 from .downstream import CONNECT_TIMEOUT_S, LinkBroken, open_connection
 from .shared_writer import SharedWriter
+from .stream_loan import StreamLoan, has_unread_bytes
 
 log = logging.getLogger("skippy.stage")
 
@@ -34,13 +36,24 @@ class PredictionHub:
 
     def __init__(self) -> None:
         self._waiters: dict[ReturnKey, asyncio.Queue] = {}
+        self._lenders: dict[ReturnKey, Callable[[], tuple | None]] = {}
 
-    def register(self, key: ReturnKey, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+    def register(self, key: ReturnKey, queue: asyncio.Queue | None = None,
+                 lender: Callable[[], tuple | None] | None = None) -> asyncio.Queue:
+        """`lender()`: (runtime, session key, feed) when the key's stream may be lent to stage
+        0's worker now (driver/run_ahead.py), else None."""
         queue = self._waiters[key] = asyncio.Queue() if queue is None else queue
+        if lender is not None:
+            self._lenders[key] = lender
         return queue
 
     def unregister(self, key: ReturnKey) -> None:
         self._waiters.pop(key, None)
+        self._lenders.pop(key, None)
+
+    def loan(self, key: ReturnKey) -> tuple | None:
+        lender = self._lenders.get(key)
+        return None if lender is None else lender()
 
     def deliver(self, key: ReturnKey, item: StageReply | Exception) -> bool:
         queue = self._waiters.get(key)
@@ -79,9 +92,13 @@ class ReturnListener:
                 raise ProtocolError(f"first frame: expected PredictionReturnOpen, got {got}")
             key = (opening.request_id, opening.session_id)
             self.num_streams += 1
+            lendable = StreamLoan.can_lend(writer)
             while (reply := await read_reply(reader)) is not None:
                 if not self.hub.deliver(key, reply):
                     log.debug("prediction for a finished request dropped")
+                if lendable and not has_unread_bytes(reader) and (loan := self.hub.loan(key)) is not None:
+                    runtime, session_key, feed = loan
+                    await StreamLoan(runtime, reader, writer).run(session_key, feed)
         except (ProtocolError, TimeoutError) as error:
             log.warning("prediction-return stream refused or broken: %s", error)
         except (ConnectionError, OSError, asyncio.IncompleteReadError):
