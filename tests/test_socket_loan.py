@@ -107,6 +107,9 @@ def test_a_lane_decoding_alone_is_lent_and_its_tokens_match_one_process(make_sta
             for server in chain.servers:
                 assert server.runtime.scheduler.stats.lent_steps >= 2 * (24 - 3)
             assert chain.client.runtime.scheduler.stats.lent_steps >= 2 * (24 - 4)  # stage 0 ran ahead
+            # and each stage's metrics count every step, lent or not: 23 decode steps a request
+            for runtime in [chain.client.runtime, *(server.runtime for server in chain.servers)]:
+                assert runtime.metric_values().counters["rows.decode"] == 2 * 23
         finally:
             await chain.close()
 

@@ -19,6 +19,7 @@ from ..protocol.stage_metrics import StageMetricValues
 from ..telemetry import Telemetry
 from .metrics import StageMetrics
 from .runner import Runner
+from .lending import Taken
 from .scheduler import PEER_WAIT_FORWARDS, IterationScheduler, Timed
 from .session import Session, SessionKey, SessionTable
 from .step import Step, StepResult
@@ -122,14 +123,29 @@ class StageRuntime:
         """A decode or verify step: batched with other sessions' steps. `then(result)`: on the
         worker, as soon as the step's forward ends (scheduler.submit_iteration)."""
         timed = await self.scheduler.submit_iteration(step, step.session.key, then)
+        self._observe_step(step, timed)
+        return timed
+
+    def _observe_step(self, step: Step, timed: Timed[StepResult]) -> None:
         self.metrics.observe_forward("decode" if step.window_id is None else "verify", step.num_rows,
                                      timed.run_s, timed.wait_s)
-        return timed
 
     def lend(self, fd: int, key: SessionKey, feed) -> asyncio.Future:
         """Lend a socket's read side to the worker (runtime/lending.py); the future settles
-        with the bytes it read and did not take."""
-        return self.scheduler.lend(fd, key, feed)
+        with the bytes it read and did not take. A step the worker takes from it counts in
+        this stage's metrics as a submitted one does."""
+        def counted(buffer: bytearray):
+            taken = feed(buffer)
+            if isinstance(taken, Taken):
+                step, done = taken.step, taken.done
+
+                def observed(error: Exception | None, timed) -> bool:
+                    if error is None:
+                        self._observe_step(step, timed)
+                    return done(error, timed)
+                taken.done = observed
+            return taken
+        return self.scheduler.lend(fd, key, counted)
 
     def recall(self, loan: asyncio.Future) -> None:
         self.scheduler.recall(loan)

@@ -6,7 +6,7 @@ session becomes the step the handler would have submitted, with the same outgoin
 sent by the worker as the forward ends; anything else ends the loan, and the event loop's
 reader takes that frame and the rest, as if it had read them itself. What a handler notes
 per step (the request summary) is added up here and handed over at the give-back; the
-runtime's metrics are counted as the steps run (they lock).
+runtime counts its metrics for every step it takes from a lent socket (engine.lend).
 """
 
 from __future__ import annotations
@@ -98,7 +98,6 @@ class LaneLoan:
         self.compute_s += timed.run_s
         self.wait_s += timed.wait_s
         self.auto_aligns += timed.value.auto_aligned_from is not None
-        self.conn.runtime.metrics.observe_forward("decode", 1, timed.run_s, timed.wait_s)
         if not send.sent:
             self.unsent = (msg, timed.value)
             return False
