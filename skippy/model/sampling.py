@@ -196,6 +196,12 @@ class RequestSampler:
         )
         self._max_bias_id = max(config.logit_bias, default=-1)
 
+    @property
+    def uses_history(self) -> bool:
+        """Whether `sample` reads its `history` (penalties, a grammar): building it walks the
+        whole context, which a plain request need not pay on every token."""
+        return self.grammar is not None or self.config.has_penalties
+
     def skip_draws(self, num_draws: int) -> None:
         """Advance the generator past `num_draws` draws (one uniform each, see draw_token): a
         request replayed onto a fresh chain continues its seeded stream where it was cut."""
@@ -211,7 +217,8 @@ class RequestSampler:
         """Pick the next token for [V] logits (-> int) or each row of [N, V] (-> list).
 
         `history` is every token the request has seen so far (prompt and output),
-        ending with the token whose logits these are (row 0's input).
+        ending with the token whose logits these are (row 0's input); it is not read
+        unless `uses_history`.
 
         For [N, V] (a VerifyWindow with input tokens [c, d1, ..., d(N-1)]),
         `row_tokens` must be the drafts d1..d(N-1): the input tokens of rows 1..N-1.

@@ -155,12 +155,14 @@ class Runner:
             sampler = session.sampler or self._new_sampler(session)
             if step.sample is SampleMode.LAST:
                 mine = logits[row:row + 1]
-                tokens = [sampler.sample(mine[0], session.history(step.start + step.num_rows))]
+                history = session.history(step.start + step.num_rows) if sampler.uses_history else ()
+                tokens = [sampler.sample(mine[0], history)]
                 row += 1
             else:
                 mine = logits[row:row + step.num_rows]
                 drafts = session.ledger[step.start + 1:step.start + step.num_rows]
-                tokens = list(sampler.sample(mine, session.history(step.start + 1), drafts))
+                history = session.history(step.start + 1) if sampler.uses_history else ()
+                tokens = list(sampler.sample(mine, history, drafts))
                 row += step.num_rows
             num_top = session.sampling.logprobs if session.sampling is not None else None
             logprobs = None if num_top is None else token_logprobs(mine, tokens, num_top)
