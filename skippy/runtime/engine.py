@@ -17,9 +17,9 @@ from ..model.llama import StageModel
 from ..protocol.sampling_config import SamplingConfig
 from ..protocol.stage_metrics import StageMetricValues
 from ..telemetry import Telemetry
+from .lending import Taken
 from .metrics import StageMetrics
 from .runner import Runner
-from .lending import Taken
 from .scheduler import PEER_WAIT_FORWARDS, IterationScheduler, Timed
 from .session import Session, SessionKey, SessionTable
 from .step import Step, StepResult
@@ -143,6 +143,7 @@ class StageRuntime:
                     if error is None:
                         self._observe_step(step, timed)
                     return done(error, timed)
+
                 taken.done = observed
             return taken
         return self.scheduler.lend(fd, key, counted)
