@@ -100,6 +100,28 @@ def test_run_ahead_output_equals_one_process(make_stage, max_tokens, stop_at):
     run(main())
 
 
+def test_a_request_with_logprobs_does_not_lend_its_return_stream(make_stage):
+    """The final stage's replies then carry logprobs, which the run-ahead never takes: lending
+    the stream for each one, only to have it handed back, would cost a loan a token."""
+    from skippy.protocol.sampling_config import SamplingConfig
+
+    expected, _ = reference_greedy(make_stage(), PROMPTS[1], 12)
+
+    async def main():
+        chain = await start_chain(make_stage, 2)
+        try:
+            stats = chain.client.runtime.scheduler.stats
+            result = await chain.client.generate(PROMPTS[1], max_tokens=12, sampling=SamplingConfig(logprobs=2))
+            assert result.tokens == expected
+            assert stats.loans == 0 and stats.lent_steps == 0
+            await chain.client.generate(PROMPTS[1], max_tokens=12)
+            assert stats.loans == 1 and stats.lent_steps >= 12 - 4  # a plain request still runs ahead
+        finally:
+            await chain.close()
+
+    run(main())
+
+
 def test_a_request_left_early_leaves_its_lane_clean(make_stage, caplog):
     expected, _ = reference_greedy(make_stage(), PROMPTS[0], 16)
 

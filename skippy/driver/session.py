@@ -359,8 +359,10 @@ class ChainSession:
 
     def enable_run_ahead(self, plan: DecodePlan) -> None:
         """Let stage 0's worker start each decode step from its token (run_ahead.py): for a
-        decoder of one stream without speculation, on a chain (a single stage has no trip)."""
-        if self.link.stages_below and self._run_ahead is None:
+        decoder of one stream without speculation, on a chain (a single stage has no trip).
+        Not when the request asks for logprobs: the final stage's replies then carry them, and
+        the worker would take none of them."""
+        if self.link.stages_below and self._run_ahead is None and self.sampling.logprobs is None:
             self._run_ahead = RunAhead(plan, self._run_ahead_step, self.waiter.put_nowait,
                                        asyncio.get_running_loop())
 

@@ -98,7 +98,8 @@ class SchedulerStats:
     batched_iterations: int = 0  # forwards that carried more than one step
     max_batch_size: int = 0
     ops: int = 0
-    lent_steps: int = 0          # steps fed from a lent socket (lending.py)
+    loans: int = 0               # sockets lent to the worker (lending.py)
+    lent_steps: int = 0          # steps fed from a lent socket
     prefill_forwards: int = 0    # forwards of prompt chunks
     prefill_chunks: int = 0      # chunks inside them
     batch_sizes: dict[int, int] = field(default_factory=dict)
@@ -245,6 +246,7 @@ class IterationScheduler:
             if self._loan is not None:
                 raise RuntimeError("the worker already holds a lent socket")
             self._loan = Loan(fd, key, feed, loop.create_future(), loop)
+            self.stats.loans += 1
             self._cv.notify()
             return self._loan.future
 
