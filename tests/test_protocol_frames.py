@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -876,6 +877,40 @@ def test_decode_frames_refuse_what_encode_message_refuses():
             encode_message(_decode_message(pos, step, token, rows, ActivationDtype.f32, None))
     with pytest.raises(ValueError, match="one-token DecodeEmbd"):
         DecodeFrames(StageMessage(K.Stop))
+
+
+@pytest.mark.parametrize("dtype, np_dtype", [(ActivationDtype.f32, np.float32), (ActivationDtype.bf16, np.uint16)])
+def test_decode_frame_reader_reads_what_decode_message_reads(dtype, np_dtype):
+    from skippy.protocol.decode_frames import DecodeFrameReader
+
+    rng = np.random.default_rng(3)
+    rows = lambda: rng.integers(0, 2**15, (1, 24)).astype(np_dtype)  # noqa: E731
+    first = _decode_message(512, 1, 42, rows(), dtype, None)
+    reader = DecodeFrameReader(encode_message(first), first)
+    for pos, step, token in [(513, 2, 7), (2047, 1535, I32_MAX), (0, -1, I32_MIN)]:
+        frame = encode_message(_decode_message(pos, step, token, rows(), dtype, None))
+        read = reader.read(bytearray(frame + b"the next frame"))
+        assert read == decode_message(frame)
+        assert (read.pos_start, read.decode_step, read.current_token) == (pos, step, token)
+        assert read.tokens.tolist() == [token]
+    # the sideband and the header's token are read where decode_message reads them
+    odd = encode_message(replace(_decode_message(600, 3, 11, rows(), dtype, None), current_token=12))
+    assert reader.read(bytearray(odd)) == decode_message(odd)
+
+    # anything else that differs: decoded in full, where each check speaks
+    others = [replace(first, session_id=5), replace(first, request_id=10), replace(first, prompt_token_count=9),
+              replace(first, trace_context=TRACE), StageMessage(K.Stop, request_id=9, session_id=4),
+              _decode_message(512, 1, 42, rows().astype(np.float16), ActivationDtype.f16, None),
+              _decode_message(512, 1, 42, np.zeros((1, 32), np_dtype), dtype, None)]
+    for other in others:
+        assert reader.read(bytearray(encode_message(other))) is None
+    whole = encode_message(_decode_message(513, 2, 7, rows(), dtype, None))
+    assert reader.read(bytearray(whole[:-1])) is None  # not all there yet
+    negative = bytearray(whole)
+    negative[36:40] = (-1).to_bytes(4, "little", signed=True)  # pos_start, which the header check refuses
+    assert reader.read(negative) is None
+    with pytest.raises(ValueError, match="one-token DecodeEmbd"):
+        DecodeFrameReader(encode_message(StageMessage(K.Stop)), StageMessage(K.Stop))
 
 
 def test_token_reply_equals_encode_reply():

@@ -195,13 +195,14 @@ class StageModel:
         assert T == sum(s.num_tokens for s in segments), "rows must match the segments"
         for s in segments:
             s.cache.reserve(s.start, s.num_tokens)
-        ropes = [self._rope_rows(segments, table) for table in self.rope_tables]  # cos, sin [T, head_dim] each
         rows = decode_rows(segments, x)  # a decode step: each layer's attention in one call
         H, KVH, eps = args.num_heads, args.num_kv_heads, args.rms_norm_eps
 
         if rows is not None and self.decode_layers is not None:
-            x = self.decode_layers(x, rows, *ropes[0])  # a decode step on our kernels: the loop below in one call
+            # a decode step on our kernels: the loop below in one call, reading RoPE at each row's position
+            x = self.decode_layers(x, rows, *self.rope_tables[0])
         else:
+            ropes = [self._rope_rows(segments, table) for table in self.rope_tables]  # cos, sin [T, head_dim] each
             for layer, block in enumerate(self.blocks):
                 # attention: x + Wo · attn(rope(Wq·h), rope(Wk·h), Wv·h), each session over its own cache
                 h = rms_norm(x, block.attn_norm, eps)

@@ -47,7 +47,7 @@ SIGNATURES = {  # the C functions' (argument types, return type), in their argum
     "skippy_swiglu": ([_P, _I, _I, _P], None),
     "skippy_geglu": ([_P, _I, _I, _P], None),
     "skippy_qmatmul_vector_path": ([], _I),
-    "skippy_decode_layers": ([_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _F, _F], _I),
+    "skippy_decode_layers": ([_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _F, _F], _I),
 }
 
 
@@ -283,13 +283,14 @@ class DecodeLayers:
 
     def __call__(self, x: torch.Tensor, rows: DecodeRows, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """x [S, D] float32 contiguous, one row per session of `rows`, through every layer
-        in place; cos, signed_sin [S, head_dim] contiguous at the rows' positions. Returns x."""
+        in place; cos, signed_sin: the RoPE tables [positions, head_dim] contiguous, read at
+        the rows' positions. Returns x."""
         x = x.contiguous()
         sessions, hidden = x.shape
         status = library().skippy_decode_layers(
             x.data_ptr(), sessions, hidden, self.heads, self.kv_heads, self.head_dim, self.ffn, len(self.table),
             self.table.data_ptr(), rows.k, rows.v, rows.capacity, rows.position, rows.f16, cos.data_ptr(),
-            signed_sin.data_ptr(), self.eps, self.scale)  # fmt: skip
+            signed_sin.data_ptr(), cos.shape[0], self.eps, self.scale)  # fmt: skip
         if status:
             raise RuntimeError(f"decode_layers failed ({status}): x {tuple(x.shape)}")
         return x

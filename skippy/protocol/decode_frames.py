@@ -10,6 +10,10 @@ values written in (struct.pack_into at fixed offsets, the row copied over the ol
 The final stage's reply to a decode step is, as a rule, one token with no stats and no
 logprobs: `token_reply` writes the token into that reply's bytes. tests/test_protocol_frames.py
 holds both byte for byte to encode_message and encode_reply.
+
+Reading is the same in reverse (`DecodeFrameReader`): a frame that equals a session's
+checked frame everywhere but in those four values is read from them alone, without the
+header's field-by-field checks and the body's sections (~130 us on a lent lane, cold).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ _POS_START = header_offset(MESSAGE_HEADER_FIELDS, "pos_start")
 _STEP_AND_TOKEN = header_offset(MESSAGE_HEADER_FIELDS, "decode_step")
 assert header_offset(MESSAGE_HEADER_FIELDS, "current_token") == _STEP_AND_TOKEN + 4
 _I32, _TWO_I32 = struct.Struct("<i"), struct.Struct("<ii")
+_WIRE_I32 = np.dtype("<i4")
 _TOKEN = MESSAGE_HEADER.size  # the token sideband comes first in the body
 
 
@@ -63,6 +68,49 @@ class DecodeFrames:
                              f"decode_step {decode_step}, token {token} ({error})") from error
         frame[self._activation] = memoryview(np.ascontiguousarray(rows)).cast("B")
         return bytes(frame)
+
+
+class DecodeFrameReader:
+    """A session's one-row DecodeEmbd frames read against one of them already decoded and
+    checked in full (`frame`, decoded as `message`): a frame that equals it everywhere but in
+    pos_start, decode_step, current_token, the token sideband and the activation row passed
+    every check it did, so only those values are read (pos_start checked as the header's
+    check would)."""
+
+    def __init__(self, frame: bytes, message: StageMessage):
+        if (message.kind != MessageKind.DecodeEmbd or message.token_count != 1 or len(message.tokens) != 1
+                or len(message.positions) != 0):
+            raise ValueError("a decode-frame reader reads one-token DecodeEmbd frames without positions")
+        self.message, self._frame, self.size = message, bytes(frame), len(frame)
+        start = _TOKEN + 4
+        self._activation = slice(start, start + message.activation.nbytes)
+        # the bytes two frames of the session share: the header but for its three values, what follows the row
+        self._same = [slice(0, _POS_START), slice(_POS_START + 4, _STEP_AND_TOKEN),
+                      slice(_STEP_AND_TOKEN + 8, MESSAGE_HEADER.size), slice(self._activation.stop, self.size)]
+
+    def read(self, buffer) -> StageMessage | None:
+        """The message of the frame at the front of `buffer` when it is whole there and differs
+        from the reader's only in those values; None otherwise (decode it in full)."""
+        if len(buffer) < self.size:
+            return None
+        frame = self._frame
+        if any(buffer[same] != frame[same] for same in self._same):
+            return None
+        pos_start = _I32.unpack_from(buffer, _POS_START)[0]
+        if pos_start < 0:
+            return None
+        decode_step, current_token = _TWO_I32.unpack_from(buffer, _STEP_AND_TOKEN)
+        data = bytes(buffer[:self.size])  # the caller deletes the frame from `buffer`
+        m = self.message
+        return StageMessage(
+            kind=m.kind, pos_start=pos_start, token_count=1, request_id=m.request_id, session_id=m.session_id,
+            seq_id=m.seq_id, checkpoint_generation=m.checkpoint_generation,
+            prompt_token_count=m.prompt_token_count, decode_step=decode_step, current_token=current_token,
+            source_stage_index=m.source_stage_index, sampling=m.sampling, chat_metadata=m.chat_metadata,
+            cache_namespace=m.cache_namespace, trace_context=m.trace_context,
+            tokens=np.frombuffer(data, dtype=_WIRE_I32, count=1, offset=_TOKEN), positions=m.positions,
+            activation_dtype=m.activation_dtype, activation_rows=m.activation_rows,
+            activation_width=m.activation_width, activation=memoryview(data)[self._activation])
 
 
 NO_STATS = StageReplyStats()

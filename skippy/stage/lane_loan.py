@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..protocol import MessageKind, ProtocolError, StageMessage
 from ..protocol.constants import MESSAGE_HEADER
-from ..protocol.decode_frames import NO_STATS
+from ..protocol.decode_frames import NO_STATS, DecodeFrameReader
 from ..protocol.frames import decode_message_body, parse_message_header
 from ..runtime import SampleMode, Session, StepResult, Timed
 from ..runtime.lending import NEED_MORE, Taken
@@ -34,6 +34,7 @@ class LaneLoan:
         self.steps, self.compute_s, self.wait_s, self.auto_aligns = 0, 0.0, 0.0, 0
         self.error: Exception | None = None                    # a step failed: the connection closes
         self.unsent: tuple[StageMessage, StepResult] | None = None  # its frame is the loop's to send
+        self.reader: DecodeFrameReader | None = None  # from the first frame decoded in full
 
     @classmethod
     def offer(cls, conn: StageConnection, msg: StageMessage) -> LaneLoan | None:
@@ -64,21 +65,29 @@ class LaneLoan:
         (the event loop's reader reads it again, and reports what is wrong with it)."""
         if len(buffer) < MESSAGE_HEADER.size:
             return NEED_MORE
-        try:
-            header = parse_message_header(buffer)
-        except ProtocolError:
-            return None
-        if header.kind != MessageKind.DecodeEmbd or header.session_id != self.session_id:
-            return None
-
-        size = MESSAGE_HEADER.size + header.body_bytes
-        if len(buffer) < size:
-            return NEED_MORE
+        reader = self.reader
+        msg = None if reader is None else reader.read(buffer)
+        if msg is not None:
+            size = reader.size
+        else:
+            try:
+                header = parse_message_header(buffer)
+            except ProtocolError:
+                return None
+            if header.kind != MessageKind.DecodeEmbd or header.session_id != self.session_id:
+                return None
+            size = MESSAGE_HEADER.size + header.body_bytes
+            if len(buffer) < size:
+                return NEED_MORE
         conn = self.conn
         try:
-            msg = decode_message_body(header, bytes(buffer[MESSAGE_HEADER.size:size]))
-            if msg.token_count != 1 or msg.trace_context is not None:
-                return None
+            if msg is None:
+                frame = bytes(buffer[:size])
+                msg = decode_message_body(header, frame[MESSAGE_HEADER.size:])
+                if msg.token_count != 1 or msg.trace_context is not None:
+                    return None
+                if len(msg.tokens) == 1 and not len(msg.positions):  # the session's next frames, read from their values
+                    self.reader = DecodeFrameReader(frame, msg)
             step = conn.step(self.session, msg, self.sample)
             # no stats are owed (offer), so taking them here takes nothing the loop is owed
             send, _ = worker_send(conn, msg, conn.link)

@@ -26,6 +26,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define cpu_relax() _mm_pause()
@@ -103,17 +104,22 @@ static int matmul_ok(int M, int K, const int64_t *w, int N) {
 }
 
 /* x [S, D]: one row per session, updated in place through num_layers layers; k, v,
-   capacity, pos, f16: the sessions' caches as skippy_decode_attention takes them; cos,
-   sin [S, hd]: RoPE at each row's position. One parallel region for the whole step:
+   capacity, pos, f16: the sessions' caches as skippy_decode_attention takes them;
+   cos_table, sin_table [table_rows, hd]: RoPE at every position, each row's read here at its
+   position (slicing them in Python cost ~35 us a step, after a forward evicted the interpreter's
+   caches). One parallel region for the whole step:
    one thread runs the row-sized pieces (norms, RoPE, SwiGLU, quantizing a matmul's
    input), the team shares each matmul's blocks and the attention's (session, kv head)
    tasks, every piece computing exactly as its standalone kernel does. Returns 0, -1
    for arguments a kernel refuses (checked before x changes), -2 when out of memory. */
 int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, int num_layers,
                          const int64_t *desc, void *const *k, void *const *v, const int *capacity, const int *pos,
-                         int f16, const float *cos, const float *sin, float eps, float scale) {
+                         int f16, const float *cos_table, const float *sin_table, int table_rows, float eps,
+                         float scale) {
     const int row = (H + 2 * KVH) * hd, max_t = skippy_decode_attention_span(S, H, KVH, hd, capacity, pos);
     if (max_t < 0 || num_layers < 0) return -1;
+    for (int s = 0; s < S; s++)
+        if (pos[s] < 0 || pos[s] >= table_rows) return -1;
     for (int l = 0; l < num_layers; l++) {
         const int64_t *d = desc + (size_t)l * LAYER_FIELDS;
         if (!matmul_ok(S, D, d + 2, row) || !matmul_ok(S, H * hd, d + 7, D) || !matmul_ok(S, D, d + 12, 2 * F)
@@ -123,7 +129,7 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
     const int widest = D > H * hd ? (D > F ? D : F) : (H * hd > F ? H * hd : F);
     const int group = H / KVH, team_max = omp_get_max_threads();
     const size_t scores = (size_t)group * max_t;
-    float *h = malloc(sizeof(float) * ((size_t)S * ((size_t)D + row + (size_t)H * hd + 3 * (size_t)F)
+    float *h = malloc(sizeof(float) * ((size_t)S * ((size_t)D + row + (size_t)H * hd + 3 * (size_t)F + 2 * (size_t)hd)
                                        + scores * team_max));
     void *scratch = malloc(skippy_qmatmul_scratch_bytes(S, widest));
     atomic_int *next = calloc((size_t)num_layers, sizeof(atomic_int)); /* each layer's next attention task */
@@ -132,7 +138,12 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
         return -2;
     }
     float *qkv = h + (size_t)S * D, *attn = qkv + (size_t)S * row, *gate_up = attn + (size_t)S * H * hd,
-          *act = gate_up + (size_t)S * 2 * F, *score_rows = act + (size_t)S * F;
+          *act = gate_up + (size_t)S * 2 * F, *cos = act + (size_t)S * F, *sin = cos + (size_t)S * hd,
+          *score_rows = sin + (size_t)S * hd;
+    for (int s = 0; s < S; s++) {
+        memcpy(cos + (size_t)s * hd, cos_table + (size_t)pos[s] * hd, sizeof(float) * hd);
+        memcpy(sin + (size_t)s * hd, sin_table + (size_t)pos[s] * hd, sizeof(float) * hd);
+    }
     Barrier barrier = {0, 0};
     #pragma omp parallel num_threads(team_max)
     {
