@@ -318,9 +318,12 @@ def test_one_call_decode_layers_equal_the_loop(start, sessions, quant_model, mak
     """A decode step's layers in one C call (qkernel.DecodeLayers) against forward's
     per-layer loop: bit for bit, the rows out and the KV rows written, for one session
     and for several batched at different positions (past 8 rows the team shares the
-    quantizing of each matmul's input), on the first stage and on one fed hidden rows."""
+    quantizing of each matmul's input), on the first stage and on one fed hidden rows; and
+    the logits the call goes on to compute on a stage with the head, against compute_logits'
+    own two calls."""
     model = quant_model if start == 0 else make_quant_stage(start)
     assert model.decode_layers is not None  # the bundled SmolLM2 is a model it runs
+    assert model.layers.is_last and model.decode_layers.head is not None
     prompts = [PROMPT, PROMPT[:13], [5, 6, 7, 8, 9, 10, 11]]
     prompts += [PROMPT[i:] + [100 + i] for i in range(sessions - len(prompts))]
 
@@ -339,8 +342,10 @@ def test_one_call_decode_layers_equal_the_loop(start, sessions, quant_model, mak
             model.decode_layers = fused if one_call else None
             for step in range(3):
                 tokens = [3 + step, 40 + step, 500 + step, *(1000 + 37 * i + step for i in range(sessions - 3))]
-                outputs.append(model.forward(rows_of(tokens), [Segment(c, c.length, 1) for c in caches]))
-                outputs.append(model.forward(rows_of([tokens[0]]), [Segment(caches[0], caches[0].length, 1)]))
+                for segments, x in [([Segment(c, c.length, 1) for c in caches], rows_of(tokens)),
+                                    ([Segment(caches[0], caches[0].length, 1)], rows_of([tokens[0]]))]:
+                    hidden = model.forward(x, segments)
+                    outputs += [hidden, model.compute_logits(hidden)]
         finally:
             model.decode_layers = fused
         return outputs, caches

@@ -93,6 +93,7 @@ class StageModel:
                 self.embedding = self.head.weight  # tied: look tokens up in the head's copy, not a second one
             on_built()
         self.decode_layers = self._decode_layers()
+        self._step_logits: tuple[torch.Tensor, torch.Tensor] | None = None  # (hidden, its logits) of the last step
 
     def _decode_layers(self) -> qkernel.DecodeLayers | None:
         """The blocks as one kernel call for decode steps, where every block is one it runs
@@ -108,8 +109,12 @@ class StageModel:
                     and b.attn_norm.dtype == b.ffn_norm.dtype == torch.float32):
                 return None
         layers = [(b.attn_norm, b.ffn_norm, b.wqkv, b.wo, b.w_gate_up, b.w_down, b.window) for b in blocks]
+        head = None
+        if (self.layers.is_last and isinstance(self.head, QuantLinear) and self.head.bias is None
+                and self.output_norm.dtype == torch.float32 and not args.final_logit_softcapping):
+            head = (self.output_norm, self.head)  # the step's logits in the same call (compute_logits)
         return qkernel.DecodeLayers(layers, args.num_heads, args.num_kv_heads, args.head_dim,
-                                    blocks[0].w_down.in_features, args.rms_norm_eps, self.scale)
+                                    blocks[0].w_down.in_features, args.rms_norm_eps, self.scale, head)
 
     def _block(self, w: dict[str, Weight], i: int, arena: WeightArena | None) -> Block:
         p, args, arch = f"blk.{i}.", self.args, self.args.arch
@@ -198,9 +203,13 @@ class StageModel:
         rows = decode_rows(segments, x)  # a decode step: each layer's attention in one call
         H, KVH, eps = args.num_heads, args.num_kv_heads, args.rms_norm_eps
 
+        self._step_logits = None
         if rows is not None and self.decode_layers is not None:
-            # a decode step on our kernels: the loop below in one call, reading RoPE at each row's position
-            x = self.decode_layers(x, rows, *self.rope_tables[0])
+            # a decode step on our kernels: the loop below in one call, reading RoPE at each row's position;
+            # on the final stage the call goes on to the rows' logits, which compute_logits hands out
+            logits = torch.empty(T, self.decode_layers.vocab) if self.decode_layers.head is not None else None
+            x = self.decode_layers(x, rows, *self.rope_tables[0], logits)
+            self._step_logits = None if logits is None else (x, logits)
         else:
             ropes = [self._rope_rows(segments, table) for table in self.rope_tables]  # cos, sin [T, head_dim] each
             for layer, block in enumerate(self.blocks):
@@ -243,6 +252,10 @@ class StageModel:
         """hidden [T, D] -> float32 logits [T, vocab] (last stage only)."""
         if not self.layers.is_last:
             raise RuntimeError(f"Stage {self.layers} has no output head; only the last stage computes logits")
+        step = self._step_logits
+        if step is not None and step[0] is hidden:  # the decode step's call computed them (forward)
+            self._step_logits = None
+            return step[1]
         logits = self.head(rms_norm(hidden, self.output_norm, self.args.rms_norm_eps)).float()  # no copy if float32
         cap = self.args.final_logit_softcapping
         if cap:  # Gemma: logits squashed into (-cap, cap)

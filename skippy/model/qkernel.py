@@ -47,7 +47,8 @@ SIGNATURES = {  # the C functions' (argument types, return type), in their argum
     "skippy_swiglu": ([_P, _I, _I, _P], None),
     "skippy_geglu": ([_P, _I, _I, _P], None),
     "skippy_qmatmul_vector_path": ([], _I),
-    "skippy_decode_layers": ([_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _F, _F], _I),
+    "skippy_decode_layers": ([_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _F, _F,
+                              _P, _P, _I, _P], _I),
 }
 
 
@@ -265,32 +266,51 @@ class DecodeLayers:
     per-layer loop computes (the same kernels, in the same order)."""
 
     def __init__(self, layers: list[tuple], heads: int, kv_heads: int, head_dim: int, ffn: int, eps: float,
-                 scale: float):
+                 scale: float, head: tuple | None = None):
         """layers: per layer (attn_norm, ffn_norm, wqkv, wo, w_gate_up, w_down, window), the
-        norms float32 [D], the matmuls QuantLinear (codes, scale, offset, bits, levels)."""
+        norms float32 [D], the matmuls QuantLinear (codes, scale, offset, bits, levels).
+        head: (output norm float32 [D], QuantLinear) of the final stage, whose logits the
+        call then computes too (`__call__`'s `logits`)."""
         table = []
         for attn_norm, ffn_norm, *matmuls, window in layers:
             fields = [attn_norm.data_ptr(), ffn_norm.data_ptr()]
             for m in matmuls:
-                fields += [m.codes.data_ptr(), m.scale.data_ptr(), m.offset.data_ptr(), m.bits, m.levels]
+                fields += _matmul_fields(m)
             table.append([*fields, window])
         self.table = torch.tensor(table, dtype=torch.int64)
         assert self.table.shape[1] == LAYER_FIELDS
         self._weights = [t for layer in layers for t in layer[:2]]  # the table points into these
         self._weights += [m for layer in layers for m in layer[2:6]]
+        self.head, self.vocab = None, 0
+        if head is not None:
+            self._weights += list(head)
+            self.head_norm, matmul = head
+            self.head, self.vocab = torch.tensor(_matmul_fields(matmul), dtype=torch.int64), matmul.out_features
         self.heads, self.kv_heads, self.head_dim, self.ffn, self.eps, self.scale = (
             heads, kv_heads, head_dim, ffn, eps, scale)
 
-    def __call__(self, x: torch.Tensor, rows: DecodeRows, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: DecodeRows, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 logits: torch.Tensor | None = None) -> torch.Tensor:
         """x [S, D] float32 contiguous, one row per session of `rows`, through every layer
         in place; cos, signed_sin: the RoPE tables [positions, head_dim] contiguous, read at
-        the rows' positions. Returns x."""
+        the rows' positions. With `logits` [S, vocab] float32 contiguous (a call built with a
+        head), the rows' logits are written there as well. Returns x."""
         x = x.contiguous()
         sessions, hidden = x.shape
+        head = self.head if logits is not None else None
+        if head is None and logits is not None:
+            raise ValueError("logits need a DecodeLayers built with the output head")
         status = library().skippy_decode_layers(
             x.data_ptr(), sessions, hidden, self.heads, self.kv_heads, self.head_dim, self.ffn, len(self.table),
             self.table.data_ptr(), rows.k, rows.v, rows.capacity, rows.position, rows.f16, cos.data_ptr(),
-            signed_sin.data_ptr(), cos.shape[0], self.eps, self.scale)  # fmt: skip
+            signed_sin.data_ptr(), cos.shape[0], self.eps, self.scale,
+            None if head is None else self.head_norm.data_ptr(), None if head is None else head.data_ptr(),
+            self.vocab, None if head is None else logits.data_ptr())  # fmt: skip
         if status:
             raise RuntimeError(f"decode_layers failed ({status}): x {tuple(x.shape)}")
         return x
+
+
+def _matmul_fields(m) -> list[int]:
+    """A QuantLinear as skippy_decode_layers reads a matmul: codes, scale, offset, bits, levels."""
+    return [m.codes.data_ptr(), m.scale.data_ptr(), m.offset.data_ptr(), m.bits, m.levels]

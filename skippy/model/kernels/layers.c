@@ -107,7 +107,10 @@ static int matmul_ok(int M, int K, const int64_t *w, int N) {
    capacity, pos, f16: the sessions' caches as skippy_decode_attention takes them;
    cos_table, sin_table [table_rows, hd]: RoPE at every position, each row's read here at its
    position (slicing them in Python cost ~35 us a step, after a forward evicted the interpreter's
-   caches). One parallel region for the whole step:
+   caches). With `head` (the final stage), the region goes on to the output: RMS norm by
+   out_norm, then the head's matmul (its five fields as a layer's) into logits [S, vocab], as
+   compute_logits' two calls compute them. Its own region used to start ~60 us after this one
+   ended: past the co-located stages' short spin, so it began by waking a sleeping worker. One parallel region for the whole step:
    one thread runs the row-sized pieces (norms, RoPE, SwiGLU, quantizing a matmul's
    input), the team shares each matmul's blocks and the attention's (session, kv head)
    tasks, every piece computing exactly as its standalone kernel does. Returns 0, -1
@@ -115,7 +118,7 @@ static int matmul_ok(int M, int K, const int64_t *w, int N) {
 int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, int num_layers,
                          const int64_t *desc, void *const *k, void *const *v, const int *capacity, const int *pos,
                          int f16, const float *cos_table, const float *sin_table, int table_rows, float eps,
-                         float scale) {
+                         float scale, const float *out_norm, const int64_t *head, int vocab, float *logits) {
     const int row = (H + 2 * KVH) * hd, max_t = skippy_decode_attention_span(S, H, KVH, hd, capacity, pos);
     if (max_t < 0 || num_layers < 0) return -1;
     for (int s = 0; s < S; s++)
@@ -126,6 +129,7 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
             || !matmul_ok(S, F, d + 17, D))
             return -1;
     }
+    if (head && !matmul_ok(S, D, head, vocab)) return -1;
     const int widest = D > H * hd ? (D > F ? D : F) : (H * hd > F ? H * hd : F);
     const int group = H / KVH, team_max = omp_get_max_threads();
     const size_t scores = (size_t)group * max_t;
@@ -172,6 +176,11 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
             quantize_for(act, S, F, d + 17, scratch, tid, team, &barrier);
             matmul_share(scratch, S, F, d + 17, D, x, 1, tid, team);
             barrier_wait(&barrier, team);
+        }
+        if (head) {
+            if (tid == 0) skippy_rms_norm(x, S, D, out_norm, eps, h);
+            quantize_for(h, S, D, head, scratch, tid, team, &barrier);
+            matmul_share(scratch, S, D, head, vocab, logits, 0, tid, team);
         }
     }
     free(h), free(scratch), free(next);
