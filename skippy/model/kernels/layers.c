@@ -110,11 +110,12 @@ static int matmul_ok(int M, int K, const int64_t *w, int N) {
    caches). With `head` (the final stage), the region goes on to the output: RMS norm by
    out_norm, then the head's matmul (its five fields as a layer's) into logits [S, vocab], as
    compute_logits' two calls compute them. Its own region used to start ~60 us after this one
-   ended: past the co-located stages' short spin, so it began by waking a sleeping worker. One parallel region for the whole step:
-   one thread runs the row-sized pieces (norms, RoPE, SwiGLU, quantizing a matmul's
-   input), the team shares each matmul's blocks and the attention's (session, kv head)
-   tasks, every piece computing exactly as its standalone kernel does. Returns 0, -1
-   for arguments a kernel refuses (checked before x changes), -2 when out of memory. */
+   ended: past the co-located stages' short spin, so it began by waking a sleeping worker.
+   One parallel region for the whole step: one thread runs the row-sized pieces (norms,
+   RoPE, SwiGLU, quantizing a matmul's input), the team shares each matmul's blocks and
+   the attention's (session, kv head) tasks, every piece computing exactly as its
+   standalone kernel does. Returns 0, -1 for arguments a kernel refuses (checked before x
+   changes), -2 when out of memory. */
 int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, int num_layers,
                          const int64_t *desc, void *const *k, void *const *v, const int *capacity, const int *pos,
                          int f16, const float *cos_table, const float *sin_table, int table_rows, float eps,
