@@ -52,6 +52,9 @@ class KVCache:
         self.v = self._empty(min(INITIAL_CAPACITY, max_tokens))
         self._checkpoints: dict[int, int] = {}  # checkpoint id -> length it restores
         self._next_checkpoint = 0
+        # (what a kernel reads of k and v: their addresses and capacity; the arguments built
+        # from them), kept while those stay (layers.decode_rows)
+        self.kernel_view: tuple | None = None
 
     def _empty(self, capacity: int) -> torch.Tensor:
         layers, heads, head_dim = self._shape
