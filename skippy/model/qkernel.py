@@ -297,15 +297,15 @@ class DecodeLayers:
         head), the rows' logits are written there as well. Returns x."""
         x = x.contiguous()
         sessions, hidden = x.shape
-        head = self.head if logits is not None else None
-        if head is None and logits is not None:
-            raise ValueError("logits need a DecodeLayers built with the output head")
+        output = (None, None, 0, None)  # the head's norm, its matmul, the vocab, logits: none asked for
+        if logits is not None:
+            if self.head is None:
+                raise ValueError("logits need a DecodeLayers built with the output head")
+            output = (self.head_norm.data_ptr(), self.head.data_ptr(), self.vocab, logits.data_ptr())
         status = library().skippy_decode_layers(
             x.data_ptr(), sessions, hidden, self.heads, self.kv_heads, self.head_dim, self.ffn, len(self.table),
             self.table.data_ptr(), rows.k, rows.v, rows.capacity, rows.position, rows.f16, cos.data_ptr(),
-            signed_sin.data_ptr(), cos.shape[0], self.eps, self.scale,
-            None if head is None else self.head_norm.data_ptr(), None if head is None else head.data_ptr(),
-            self.vocab, None if head is None else logits.data_ptr())  # fmt: skip
+            signed_sin.data_ptr(), cos.shape[0], self.eps, self.scale, *output)  # fmt: skip
         if status:
             raise RuntimeError(f"decode_layers failed ({status}): x {tuple(x.shape)}")
         return x

@@ -14,12 +14,13 @@ holds both byte for byte to encode_message and encode_reply.
 Reading is the same in reverse (`DecodeFrameReader`): a frame that equals a session's
 checked frame everywhere but in those four values is read from them alone, without the
 header's field-by-field checks and the body's sections. On a lent lane, cold, those took
-61 + 70 us and the reader ~90, most of it the StageMessage it still builds.
+61 + 70 us and the reader ~90, most of it the StageMessage it still builds (`replace`).
 """
 
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 import numpy as np
 
@@ -36,12 +37,17 @@ _WIRE_I32 = np.dtype("<i4")
 _TOKEN = MESSAGE_HEADER.size  # the token sideband comes first in the body
 
 
+def is_decode_frame(message: StageMessage) -> bool:
+    """Whether `message` is a frame both classes below take: a one-token DecodeEmbd without positions."""
+    return (message.kind == MessageKind.DecodeEmbd and message.token_count == 1 and len(message.tokens) == 1
+            and len(message.positions) == 0)
+
+
 class DecodeFrames:
     """Frames of one session's one-row DecodeEmbd steps, like its first (`prototype`)."""
 
     def __init__(self, prototype: StageMessage):
-        if (prototype.kind != MessageKind.DecodeEmbd or prototype.token_count != 1 or len(prototype.tokens) != 1
-                or len(prototype.positions) != 0):
+        if not is_decode_frame(prototype):
             raise ValueError("a decode-frame template is a one-token DecodeEmbd without positions")
         self.prototype = prototype
         self._frame = bytearray(encode_message(prototype))  # every section checked once, here
@@ -79,8 +85,7 @@ class DecodeFrameReader:
     check would)."""
 
     def __init__(self, frame: bytes, message: StageMessage):
-        if (message.kind != MessageKind.DecodeEmbd or message.token_count != 1 or len(message.tokens) != 1
-                or len(message.positions) != 0):
+        if not is_decode_frame(message):
             raise ValueError("a decode-frame reader reads one-token DecodeEmbd frames without positions")
         self.message, self._frame, self.size = message, bytes(frame), len(frame)
         start = _TOKEN + 4
@@ -102,16 +107,9 @@ class DecodeFrameReader:
             return None
         decode_step, current_token = _TWO_I32.unpack_from(buffer, _STEP_AND_TOKEN)
         data = bytes(buffer[:self.size])  # the caller deletes the frame from `buffer`
-        m = self.message
-        return StageMessage(
-            kind=m.kind, pos_start=pos_start, token_count=1, request_id=m.request_id, session_id=m.session_id,
-            seq_id=m.seq_id, checkpoint_generation=m.checkpoint_generation,
-            prompt_token_count=m.prompt_token_count, decode_step=decode_step, current_token=current_token,
-            source_stage_index=m.source_stage_index, sampling=m.sampling, chat_metadata=m.chat_metadata,
-            cache_namespace=m.cache_namespace, trace_context=m.trace_context,
-            tokens=np.frombuffer(data, dtype=_WIRE_I32, count=1, offset=_TOKEN), positions=m.positions,
-            activation_dtype=m.activation_dtype, activation_rows=m.activation_rows,
-            activation_width=m.activation_width, activation=memoryview(data)[self._activation])
+        return replace(self.message, pos_start=pos_start, decode_step=decode_step, current_token=current_token,
+                       tokens=np.frombuffer(data, dtype=_WIRE_I32, count=1, offset=_TOKEN),
+                       activation=memoryview(data)[self._activation])
 
 
 NO_STATS = StageReplyStats()

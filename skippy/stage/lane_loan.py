@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..protocol import MessageKind, ProtocolError, StageMessage
 from ..protocol.constants import MESSAGE_HEADER
-from ..protocol.decode_frames import NO_STATS, DecodeFrameReader
+from ..protocol.decode_frames import NO_STATS, DecodeFrameReader, is_decode_frame
 from ..protocol.frames import decode_message_body, parse_message_header
 from ..runtime import SampleMode, Session, StepResult, Timed
 from ..runtime.lending import NEED_MORE, Taken
@@ -86,7 +86,7 @@ class LaneLoan:
                 msg = decode_message_body(header, frame[MESSAGE_HEADER.size:])
                 if msg.token_count != 1 or msg.trace_context is not None:
                     return None
-                if len(msg.tokens) == 1 and not len(msg.positions):  # the session's next frames, read from their values
+                if is_decode_frame(msg):  # the session's next frames are read from their values
                     self.reader = DecodeFrameReader(frame, msg)
             step = conn.step(self.session, msg, self.sample)
             # no stats are owed (offer), so taking them here takes nothing the loop is owed
