@@ -914,9 +914,11 @@ def test_decode_frame_reader_reads_what_decode_message_reads(dtype, np_dtype):
 
 
 def test_token_reply_equals_encode_reply():
-    from skippy.protocol.decode_frames import NO_STATS, token_reply
+    from skippy.protocol.decode_frames import token_reply
+    from skippy.protocol.stats import NO_STATS, is_empty
 
-    assert NO_STATS == StageReplyStats()
+    assert NO_STATS == StageReplyStats() and is_empty(StageReplyStats()) and is_empty(NO_STATS)
+    assert not is_empty(StageReplyStats(kv_lookup_hits=1))
     for token in (0, 1, 42, 151_000, I32_MAX, I32_MIN):
         assert token_reply(token) == encode_reply(StageReply.token(token))
         assert decode_reply(token_reply(token)).predicted_tokens == [token]

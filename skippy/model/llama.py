@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import qkernel
+from .inference import inference_mode
 from .args import LayerRange, ModelArgs
 from .kv_cache import KVCache
 from .layers import (Linear, add_residual, apply_rope, attend_sessions, decode_rows, gated_mlp, head_norms_,
@@ -182,7 +183,7 @@ class StageModel:
         bytes added; 0 off CPU float32."""
         return sum(linear.repack() for linear in self.linears)
 
-    @torch.inference_mode()
+    @inference_mode
     def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """x: token ids [T] (first stage) or hidden rows [T, D]; returns hidden [T, D].
 
@@ -247,7 +248,7 @@ class StageModel:
         sin = torch.cat([sin_table[s.start : s.start + s.num_tokens] for s in segments])
         return cos, sin
 
-    @torch.inference_mode()
+    @inference_mode
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, D] -> float32 logits [T, vocab] (last stage only)."""
         if not self.layers.is_last:

@@ -20,7 +20,7 @@ from .frames import (
 from .handshake import AuthPreamble, Ready
 from .sampling_config import SamplingConfig
 from .stats import (
-    LOOKUP_ERROR, StageReplyStats, lookup_observation, merge, merge_all, prefill_compute_observation,
+    LOOKUP_ERROR, NO_STATS, StageReplyStats, lookup_observation, merge, merge_all, prefill_compute_observation,
     prefill_edge_observation, record_observation, restore_missed_below,
     stage_mask,
 )
@@ -31,7 +31,7 @@ from .stream import (
 
 __all__ = [
     "ActivationDtype", "AuthError", "AuthPreamble", "FrameError", "KIND_INFO", "KvCacheConfig", "LinkConditioning",
-    "MessageKind", "PROTOCOL_VERSION", "PeerEndpoint", "Phase", "ProtocolError", "Ready",
+    "MessageKind", "NO_STATS", "PROTOCOL_VERSION", "PeerEndpoint", "Phase", "ProtocolError", "Ready",
     "ReplyKind", "SamplingConfig", "StageConfig", "StageMessage", "StageReply", "StageReplyStats",
     "StageStatusReport", "StateFlags", "activation_fields", "TlsConfig", "Topology", "TopologyStage", "VersionMismatch",
     "cache_namespace_digest", "client_handshake",

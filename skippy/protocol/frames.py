@@ -32,7 +32,7 @@ from .errors import FrameError, VersionMismatch
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from .sampling_config import GrammarSpec, SamplingConfig
 from .stage_metrics import METRIC_VALUE_COUNT, StageMetricValues
-from .stats import StageReplyStats, decode_stats, encode_stats
+from .stats import NO_STATS, StageReplyStats, decode_stats, encode_stats
 
 _I32 = np.dtype("<i4")
 Buffer = bytes | bytearray | memoryview
@@ -577,21 +577,21 @@ class StageReply:
 
     @classmethod
     def ack(cls, stats: StageReplyStats | None = None) -> StageReply:
-        return cls(ReplyKind.Ack, stats=stats or StageReplyStats())
+        return cls(ReplyKind.Ack, stats=stats or NO_STATS)
 
     @classmethod
     def token(cls, predicted: int, stats: StageReplyStats | None = None,
               predicted_tokens: list[int] | None = None, logprobs: list[TokenLogprob] | None = None,
               prompt_logprobs: list[TokenLogprob] | None = None) -> StageReply:
         return cls(ReplyKind.PredictedToken, predicted, predicted_tokens or [predicted],
-                   stats=stats or StageReplyStats(), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                   stats=stats or NO_STATS, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @classmethod
     def window(cls, predicted_tokens: list[int], window_id: int,
                stats: StageReplyStats | None = None,
                logprobs: list[TokenLogprob] | None = None) -> StageReply:
         return cls(ReplyKind.PredictedTokens, predicted_tokens[0] if predicted_tokens else 0,
-                   list(predicted_tokens), window_id, stats or StageReplyStats(), logprobs=logprobs)
+                   list(predicted_tokens), window_id, stats or NO_STATS, logprobs=logprobs)
 
     @classmethod
     def of_status(cls, status: StageStatusReport) -> StageReply:

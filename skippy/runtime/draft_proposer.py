@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..model.inference import inference_mode
 from ..model.llama import Segment, StageModel
 from ..model.loader import load_stage
 from .proposers import Proposer
@@ -65,7 +66,7 @@ class DraftProposer(Proposer, name="draft"):
             self.cache.truncate(n)
         self._num_synced = n
 
-    @torch.inference_mode()
+    @inference_mode
     def propose(self, max_tokens: int) -> list[int]:
         history = self.history
         # Each draft but the last is fed back, so n drafts need len(history) + n - 1 positions.

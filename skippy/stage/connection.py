@@ -21,7 +21,7 @@ import numpy as np
 from ..model.errors import ContextOverflowError
 from ..protocol import (
     ActivationDtype, FrameError, MessageKind, ProtocolError, StageMessage, StageReply,
-    StageReplyStats, merge, read_message_body, read_message_header, write_reply,
+    NO_STATS, StageReplyStats, merge, read_message_body, read_message_header, write_reply,
 )
 from ..runtime import LaneLimitError, SampleMode, Session, SessionError, SessionKey, Step
 from .downstream import DownstreamLink
@@ -61,7 +61,7 @@ class StageConnection:
         self.config, self.runtime, self.telemetry = server.config, server.runtime, server.telemetry
         self.reader, self.writer = reader, writer
         self.link: DownstreamLink | None = None
-        self.pending_stats = StageReplyStats()
+        self.pending_stats = NO_STATS
         self.out_dtype = ActivationDtype[self.config.activation_dtype]
         self.summaries: dict[int, RequestSummary] = {}
         self.inbox: asyncio.Queue = asyncio.Queue(INBOX_MESSAGES)
@@ -124,7 +124,7 @@ class StageConnection:
 
     def take_stats(self) -> StageReplyStats:
         """Stats owed upstream: early-ACKed chunks' own, deferred ACKs', edge writes'."""
-        stats, self.pending_stats = self.pending_stats, StageReplyStats()
+        stats, self.pending_stats = self.pending_stats, NO_STATS
         if self.link is not None:
             stats = merge(stats, self.link.take_edge_stats())
         return stats

@@ -29,7 +29,8 @@ from ..protocol import (
     encode_message, encode_reply, lookup_observation, merge, prefill_compute_observation,
     prefill_edge_observation, record_observation, restore_missed_below,
 )
-from ..protocol.decode_frames import NO_STATS, token_reply
+from ..protocol.decode_frames import token_reply
+from ..protocol.stats import is_empty
 from ..runtime import SampleMode, StepResult, Timed
 from ..telemetry import Span
 from .downstream import DownstreamLink
@@ -167,7 +168,7 @@ def worker_send(conn: StageConnection, msg: StageMessage,
     stats = conn.take_stats()
 
     def encode(result: StepResult) -> bytes:
-        if stats == NO_STATS and result.logprobs is None and result.prompt_logprobs is None:
+        if is_empty(stats) and result.logprobs is None and result.prompt_logprobs is None:
             return token_reply(result.tokens[0])  # the rule: a template (protocol/decode_frames.py)
         return encode_reply(_prediction_reply(msg, result, stats, False))
 

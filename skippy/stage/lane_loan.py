@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 from ..protocol import MessageKind, ProtocolError, StageMessage
 from ..protocol.constants import MESSAGE_HEADER
-from ..protocol.decode_frames import NO_STATS, DecodeFrameReader, is_decode_frame
+from ..protocol.decode_frames import DecodeFrameReader, is_decode_frame
 from ..protocol.frames import decode_message_body, parse_message_header
+from ..protocol.stats import is_empty
 from ..runtime import SampleMode, Session, StepResult, Timed
 from ..runtime.lending import NEED_MORE, Taken
 from .handlers import worker_send
@@ -52,7 +53,7 @@ class LaneLoan:
         if conn.is_final:
             sampling = session.sampling
             if (conn.server.returns.writer((msg.request_id, msg.session_id)) is None
-                    or conn.pending_stats != NO_STATS
+                    or not is_empty(conn.pending_stats)
                     or (sampling is not None and (sampling.logprobs is not None or sampling.prompt_logprobs))):
                 return None
         elif conn.link is None or conn.link.idle_writer() is None:
