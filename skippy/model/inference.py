@@ -1,8 +1,8 @@
 """`torch.inference_mode` for the model's entry points, entered once however they nest.
 
 The runtime runs each forward inside inference mode already, and a decode step calls
-`forward` and then `compute_logits`: entering the mode again each time costs ~3 us hot
-and 15-20 us where a step's Python runs, cold, right after another stage's forward.
+`forward` and then `compute_logits`: entering the mode again each time costs ~3 us hot,
+several times that where a step's Python runs cold (docs/architecture.md).
 """
 
 from __future__ import annotations

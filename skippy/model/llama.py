@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from . import qkernel
-from .inference import inference_mode
 from .args import LayerRange, ModelArgs
+from .inference import inference_mode
 from .kv_cache import KVCache
 from .layers import (Linear, add_residual, apply_rope, attend_sessions, decode_rows, gated_mlp, head_norms_,
                      rms_norm, rope_tables)

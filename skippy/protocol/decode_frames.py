@@ -14,7 +14,8 @@ holds both byte for byte to encode_message and encode_reply.
 Reading is the same in reverse (`DecodeFrameReader`): a frame that equals a session's
 checked frame everywhere but in those four values is read from them alone, without the
 header's field-by-field checks and the body's sections. On a lent lane, cold, those took
-61 + 70 us and the reader ~90, most of it the StageMessage it still builds (`replace`).
+61 + 70 us and the reader ~90, most of it the StageMessage it built with `replace`; built
+field by field from the checked one, 78 -> 42 us (10.4 us hot).
 """
 
 from __future__ import annotations

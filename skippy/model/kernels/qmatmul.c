@@ -210,8 +210,8 @@ static inline __attribute__((always_inline)) void block_avx2(int b, int M, int G
                matmuls of a SmolLM2 token, 2 threads, EPYC: 15.5 -> 12.3 ms, 8 groups ahead),
                non-temporally: read once, they need not pass through L2 and L3, where they evicted
                everything the step's Python runs on. On a Zen 2 EPYC the matmuls took the same time
-               either way, and the Python between a stage's layers ran ~2x faster after them: a
-               2-stage chain's hop 1.8 -> 1.1 ms a token, one process and 2 stages +7% decode */
+               either way, and the Python between a stage's layers ran ~2x faster after them: between
+               a 2-stage chain's layers 1.7 -> 0.9 ms a token, one process and 2 stages +7% decode */
             for (int l = 0; l < block_group_bytes; l += 64)
                 _mm_prefetch((const char *)(codes + PREFETCH_GROUPS * block_group_bytes + l), _MM_HINT_NTA);
             __m256i cw[8][2], sg[8][2]; /* [k chunk][row half]: unsigned codes (8 bits: |c - 128|, sg: c - 128) */
