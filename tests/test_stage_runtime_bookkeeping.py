@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from skippy.runtime.scheduler import (LATE_TOLERANCE, ONE_WAVE_PEER_WAIT_FORWARDS, PEER_WAIT_FORWARDS, IterationScheduler,
+from skippy.runtime.scheduler import (LATE_TOLERANCE, MIN_WAVE_SESSIONS, ONE_WAVE_PEER_WAIT_FORWARDS, PEER_WAIT_FORWARDS, IterationScheduler,
                                       SchedulerBusyError, _Cadence)
 from skippy.runtime.session import LaneLimitError, SessionError, SessionTable
 
@@ -121,7 +121,7 @@ def test_which_peers_a_batch_waits_for(peer_wait_forwards, last_submit_ago, wait
     forward is worth waiting for (its row costs less than a forward of its own), and a
     little past its time, since its arrivals jitter by a part of its period; a peer of the
     other wave is computing on the next stage meanwhile, unless the stages share the
-    cores, where every session belongs in one wave."""
+    cores and the sessions are too few to split into waves: then they are one wave."""
     scheduler = IterationScheduler(FakeModel(delay_s=0), peer_wait_forwards=peer_wait_forwards)
     try:
         now = time.perf_counter()
@@ -137,12 +137,55 @@ def test_which_peers_a_batch_waits_for(peer_wait_forwards, last_submit_ago, wait
         scheduler.shutdown()
 
 
-def test_a_local_chain_shares_the_cores_as_one_wave(gguf_path):
+class CoreShares:
+    """share_cores that records what each forward was given, by its batch's size."""
+
+    def __init__(self, model: FakeModel):
+        self.model, self.shares = model, []
+
+    def __call__(self, ways: int) -> None:
+        self.shares.append((len(self.model.batches), ways))
+
+    def of_batches(self) -> list[tuple[int, int]]:
+        """(batch size, share) of every forward: a share is set just before its forward."""
+        return [(len(self.model.batches[i]), ways) for i, ways in self.shares if i < len(self.model.batches)]
+
+
+@pytest.mark.parametrize("sessions", [2 * MIN_WAVE_SESSIONS - 1, 8])
+def test_stages_sharing_cores_split_enough_sessions_into_waves(sessions):
+    """Two waves (stages sharing the cores): 8 sessions decode as two waves of 4, each
+    forward on half the cores while the other wave is in flight; too few sessions for two
+    waves of MIN_WAVE_SESSIONS stay one wave on every core. Prompts take every core."""
+    model = FakeModel(delay_s=0.01)
+    shares = CoreShares(model)
+    scheduler = IterationScheduler(model, waves=2, share_cores=shares, batch_wait_s=0.005,
+                                   peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)  # as LocalChain
+
+    async def main():
+        await asyncio.gather(*(scheduler.submit_prefill(f"p{k}", k, 4) for k in range(sessions)))
+        # the other wave's steps come back a forward later, as from the next stage
+        await asyncio.gather(*(_decode_loop(scheduler, k, 6, downstream_s=0.012) for k in range(sessions)))
+
+    asyncio.run(main())
+    scheduler.shutdown()
+    forwards = shares.of_batches()
+    assert forwards[0] == (sessions, 1)  # the prompts: one forward, every core
+    decode = forwards[1:]
+    if sessions < 2 * MIN_WAVE_SESSIONS:
+        assert {size for size, _ in decode} == {sessions} and {ways for _, ways in decode} == {1}
+    else:
+        assert max(size for size, _ in decode) == 4 and sum(size for size, _ in decode) == 6 * 8
+        assert sum(ways == 2 for _, ways in decode) >= len(decode) - 2  # all but a straggling tail
+        assert all(ways == 2 for size, ways in decode if size == 4)
+
+
+def test_a_local_chain_shares_the_cores_in_waves(gguf_path):
     from skippy.launch.local_chain import LocalChain
 
     chain, on_gpu = LocalChain(gguf_path, 2), LocalChain(gguf_path, 2, device="cuda:1")
     try:
         assert chain.threads == os.cpu_count()
+        assert {c.decode_waves for c in chain.configs} == {2} and chain._stage0_options["decode_waves"] == 2
         assert {c.peer_wait_forwards for c in chain.configs} == {ONE_WAVE_PEER_WAIT_FORWARDS}
         # the device reaches every stage (it was "cpu" for the child stages whatever --device said)
         assert {c.device for c in chain.configs} == {"auto"} and chain.device == "auto"

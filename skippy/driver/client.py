@@ -76,6 +76,7 @@ class ChainClient:
                  connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  telemetry: Telemetry | None = None, record_logits: bool = False,
                  batch_wait_s: float = 0.002, peer_wait_forwards: float = PEER_WAIT_FORWARDS,
+                 decode_waves: int = 1,
                  prefix_cache: StagePrefixCache | None = None,
                  speculative: SpeculativeSettings = SpeculativeSettings(),
                  draft_model: StageModel | None = None,
@@ -106,7 +107,7 @@ class ChainClient:
         self.telemetry = telemetry or Telemetry("skippy-stage0")
         self.runtime = StageRuntime(model, lane_count=concurrency, ctx_size=ctx_size,
                                     telemetry=self.telemetry, batch_wait_s=batch_wait_s,
-                                    peer_wait_forwards=peer_wait_forwards,
+                                    peer_wait_forwards=peer_wait_forwards, decode_waves=decode_waves,
                                     record_logits=record_logits, name="skippy-stage0",
                                     prefix_cache=prefix_cache, grammars=grammars)
         self.grammars = grammars

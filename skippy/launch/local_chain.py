@@ -185,7 +185,9 @@ class LocalChain:
         every stage; by default every core: a stream visits the stages in turn, so each may use
         them all while the others wait (2 stages on 2 cores: 108 tok/s with 2 threads each,
         71 with 1), provided a waiting stage's OpenMP workers stop spinning soon
-        (model/threads.py: co_located_spin_count, given to the stage processes here).
+        (model/threads.py: co_located_spin_count, given to the stage processes here). Enough
+        sessions decoding form one wave per stage instead, each wave's forward on its
+        share of the threads (runtime/scheduler.py: waves).
         `max_restarts`: supervise the stage processes (supervisor.py), restarting each at most
         this often; None: no supervision (a stage that dies stays down). `link_conditioning`: a
         test knob on every link of the chain, stage 0's lanes included (stage/link.py)."""
@@ -201,14 +203,15 @@ class LocalChain:
         self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
                                    ctx_size=ctx_size, lane_count=lane_count,
                                    weight_dtype=_WEIGHT_NAMES[dtype], repack_weights=repack, device=device,
-                                   peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, threads=threads,
+                                   peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS,
+                                   decode_waves=num_stages, threads=threads,
                                    otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
                                    link_conditioning=link_conditioning)
         self.link_conditioning = link_conditioning
         self._stage0_options = dict(dtype=dtype, device=device, repack=repack, concurrency=concurrency,
                                     ctx_size=ctx_size, activation_dtype=activation_dtype, kv_cache=kv_cache,
                                     otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
-                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS,
+                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, decode_waves=num_stages,
                                     **client_options)
         self._model_args = model_args(model_path)
         self._plan()

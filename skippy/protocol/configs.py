@@ -160,9 +160,11 @@ class StageConfig(_Frozen):
     max_inflight: int = Field(4, ge=1)
     reply_credit_limit: int | None = Field(None, ge=0)   # None = max_inflight - 1 (§2.6)
     kv_cache: KvCacheConfig = KvCacheConfig()
-    # batch a decoding peer due back within this many forwards (runtime/scheduler.py);
-    # stages that share one machine's cores run one wave of sessions (2.0), others two
+    # batch a decoding peer due back within this many forwards (runtime/scheduler.py)
     peer_wait_forwards: float = Field(0.25, ge=0.0)
+    # the waves decoding sessions form when stages share one machine's cores (one per
+    # stage, each wave's forward on its share of them); 1: however they arrive
+    decode_waves: int = Field(1, ge=1)
     threads: int | None = Field(None, ge=1)    # torch threads; None = torch's default
     otlp_endpoint: str | None = None           # export spans over OTLP; None = no spans
     otlp_protocol: Literal["http", "grpc"] = "http"  # OTLP over HTTP (port 4318) or gRPC (4317)

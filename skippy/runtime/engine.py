@@ -38,7 +38,7 @@ BATCH_ROWS_COUNTER = "skippy.runtime.batched_decode_steps"
 class StageRuntime:
     def __init__(self, model: StageModel, *, lane_count: int = 4, ctx_size: int | None = None,
                  telemetry: Telemetry | None = None, batch_wait_s: float = 0.002,
-                 peer_wait_forwards: float = PEER_WAIT_FORWARDS,
+                 peer_wait_forwards: float = PEER_WAIT_FORWARDS, decode_waves: int = 1,
                  record_logits: bool = False, name: str = "skippy-runtime",
                  prefix_cache: StagePrefixCache | None = None, grammars: GrammarCompiler | None = None):
         """`prefix_cache`: this stage's prefix KV cache (None: every restore is a miss).
@@ -52,6 +52,7 @@ class StageRuntime:
                              record_logits=record_logits, grammars=grammars)
         self.scheduler = IterationScheduler(self.runner.run_batch, capacity=64 + lane_count,
                                             batch_wait_s=batch_wait_s, peer_wait_forwards=peer_wait_forwards,
+                                            waves=decode_waves, share_cores=self.runner.share_cores,
                                             on_batch=self._count_batch,
                                             name=name)
 

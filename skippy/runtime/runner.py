@@ -47,11 +47,21 @@ class Runner:
         self.is_first, self.is_last = model.layers.is_first, model.layers.is_last
         self.record_logits = record_logits
         self.last_logits: dict = {}   # session key -> logits of its last sampled rows (tests)
+        self._all_threads: int | None = None  # share_cores' whole
 
     @staticmethod
     def num_threads() -> int:
         """torch's intra-op threads (one process-wide setting, read from any thread)."""
         return torch.get_num_threads()
+
+    def share_cores(self, ways: int) -> None:
+        """Run the next forwards on 1 / `ways` of the threads the first call found (torch's,
+        which size our kernels' OpenMP team too): a wave's share where stages share cores."""
+        if self._all_threads is None:
+            self._all_threads = torch.get_num_threads()
+        threads = max(1, self._all_threads // ways)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     # -- iterations ---------------------------------------------------------------
     def run_batch(self, steps: list[Step]) -> list[StepResult | Exception]:

@@ -32,11 +32,21 @@ for it, that wave is computing on the next stage, and pulling every session into
 one wave leaves each stage idle while the other works. On CPU that measured 1.3x
 slower at 4 sessions on 2 stages than two waves that keep both stages busy (with
 MKL's small batches; the repacked weights make batches cheaper, but one wave still
-idles each stage half the time). Stages that share one machine's cores are the
-exception (`peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS`, set by LocalChain):
-each uses every core while the others wait, two waves would only fight over the
-cores, so every session joins one wave (8 streams on 2 stages, 2 cores: 117 ->
-213 tok/s in aggregate).
+idles each stage half the time).
+
+Stages that share one machine's cores (`waves`, set by LocalChain to the number of
+stages) split the decoding sessions into that many waves themselves, and a wave's
+forward takes its share of the cores (`share_cores(waves)`) while another wave is in
+flight: each stage then computes one wave on its own cores while the other stage
+computes the other, and the Python between forwards (a stage's frames, the API's
+work) runs beside the other stage's forward instead of leaving every core idle.
+Each stage using every core in turn, as one wave, had two processes' Python in
+series with the layers: 8 streams served on 2 stages, 2 cores (bench/serve_ab.py,
+8 interleaved rounds) 246 -> 279 tok/s in aggregate with two waves of 4 at one
+thread each; with every core in each stage's forward two waves only fought over
+them (90-101 against 220-236 tok/s, measured before). Sessions split only when
+every wave gets `MIN_WAVE_SESSIONS`: 4 streams as two waves of 2 measured 0.94x.
+Prompts still take every core: prefill is compute-bound and rarely overlaps.
 
 Decides only: no torch. `run_batch` (the runner) turns steps into tensors.
 """
@@ -61,7 +71,8 @@ log = logging.getLogger("skippy.runtime")
 
 RECENT_DECODER_S = 0.05   # with no cadence yet, a step this recent counts as decoding
 PEER_WAIT_FORWARDS = 0.25  # wait for a peer due back within this many forwards' time
-ONE_WAVE_PEER_WAIT_FORWARDS = 2.0  # stages sharing cores: every decoding session in one wave
+ONE_WAVE_PEER_WAIT_FORWARDS = 2.0  # stages sharing cores: sessions too few to split, one wave
+MIN_WAVE_SESSIONS = 3    # stages sharing cores split the decoding sessions into waves of at least this
 MAX_PEER_WAIT_S = 0.25    # never idle longer than this for a peer, however slow the forward
 MAX_PREFILL_ROWS = 1024   # prompt rows of several sessions that may share one forward
 PROMPT_GATHER_S = 0.01    # the longest wait for the first chunks of sessions opened together
@@ -150,16 +161,22 @@ class _Command:
 class IterationScheduler:
     def __init__(self, run_batch: Callable[[list[Any]], list[Any]], *, capacity: int = 72,
                  batch_wait_s: float = 0.002, max_batch_steps: int = 32,
-                 peer_wait_forwards: float = PEER_WAIT_FORWARDS,
+                 peer_wait_forwards: float = PEER_WAIT_FORWARDS, waves: int = 1,
+                 share_cores: Callable[[int], None] | None = None,
                  on_batch: Callable[[int], None] | None = None, name: str = "skippy-runtime"):
         """`run_batch(steps)` returns one result per step: a value, or an Exception for that
-        step alone. `on_batch(size)` is called after every iteration (telemetry counters)."""
+        step alone. `on_batch(size)` is called after every iteration (telemetry counters).
+        `waves`: how many waves the decoding sessions form (stages sharing cores: one per
+        stage); `share_cores(n)`, called before each forward, gives the model 1 / n of the
+        cores (1: all of them)."""
         self._run_batch = run_batch
         self._on_batch = on_batch
         self.capacity = max(8, capacity)
         self.batch_wait_s = batch_wait_s
         self.peer_wait_forwards = peer_wait_forwards
         self.max_batch_steps = max_batch_steps
+        self.waves = waves
+        self._share_cores = share_cores
         self.stats = SchedulerStats()
         self._cv = threading.Condition()
         self._iterations: deque[_Command] = deque()
@@ -299,8 +316,10 @@ class IterationScheduler:
                     run_iterations = bool(self._iterations) and (not self._ops or self._last_kind == "op")
                     if run_iterations:
                         self._wait_for_peers()
+                        waves = self._waves_now()
                         batch = [self._iterations.popleft()
-                                 for _ in range(min(self.max_batch_steps, len(self._iterations)))]
+                                 for _ in range(min(self._wave_size(waves), len(self._iterations)))]
+                        sharing = waves if self._decoding() > len(batch) else 1  # another wave in flight
                     else:
                         ahead = self._gather_prompts() if self._ops[0].prefill_rows else None
                         op = ahead or self._ops.popleft()
@@ -310,7 +329,7 @@ class IterationScheduler:
                 continue
             if run_iterations:
                 self._last_kind = "iteration"
-                self._run_iterations(batch)
+                self._run_iterations(batch, sharing)
             elif op.prefill_rows:
                 self._last_kind = "op"
                 self._run_prefills([op, *chunks])
@@ -388,7 +407,7 @@ class IterationScheduler:
                 cadence.observe(command.submitted)
         self._last_kind = "iteration"
         self.stats.lent_steps += 1
-        self._run_iterations([command])
+        self._run_iterations([command], 1)  # a session decoding alone: every core
         return command.done is not None
 
     def _prefills_behind(self, first: _Command) -> list[_Command]:
@@ -446,13 +465,17 @@ class IterationScheduler:
 
         A straggler due within a fraction of a forward is worth its wait: batched, its
         row adds less to this forward than a forward of its own would cost. A peer of
-        the other pipeline wave is due about one forward away, beyond the budget."""
+        the other pipeline wave is due about one forward away, beyond the budget. Waves
+        this scheduler splits wait for their own stragglers only, whatever
+        `peer_wait_forwards` says for one wave."""
         waiting = {c.key for c in self._iterations}
-        if len(waiting) >= self.max_batch_steps:
+        waves = self._waves_now()
+        if len(waiting) >= self._wave_size(waves):
             return None, set()
         now = time.perf_counter()
         forward_s = self._forward_s or 0.0
-        budget = min(MAX_PEER_WAIT_S, max(self.batch_wait_s, self.peer_wait_forwards * forward_s))
+        forwards = self.peer_wait_forwards if waves == 1 else min(self.peer_wait_forwards, PEER_WAIT_FORWARDS)
+        budget = min(MAX_PEER_WAIT_S, max(self.batch_wait_s, forwards * forward_s))
         latest = since + budget + self.batch_wait_s
         deadline, awaited = None, set()
         for key, cadence in list(self._cadences.items()):
@@ -470,7 +493,25 @@ class IterationScheduler:
                 awaited.add(key)
         return deadline, awaited
 
-    def _run_iterations(self, batch: list[_Command]) -> None:
+    def _decoding(self) -> int:
+        """Called with the lock held: the sessions decoding (a cadence, or a step waiting)."""
+        return len(self._cadences.keys() | {c.key for c in self._iterations})
+
+    def _waves_now(self) -> int:
+        """Called with the lock held: the waves the decoding sessions form now."""
+        if self.waves > 1 and self._decoding() >= self.waves * MIN_WAVE_SESSIONS:
+            return self.waves
+        return 1
+
+    def _wave_size(self, waves: int) -> int:
+        """Called with the lock held: the most steps one forward of `waves` waves takes."""
+        if waves == 1:
+            return self.max_batch_steps
+        return min(self.max_batch_steps, -(-self._decoding() // waves))
+
+    def _run_iterations(self, batch: list[_Command], sharing: int) -> None:
+        if self._share_cores is not None:
+            self._share_cores(sharing)
         results, started, finished = self._forward(batch)
         for command, result in zip(batch, results):
             if command.then is not None and not isinstance(result, Exception):
@@ -493,6 +534,8 @@ class IterationScheduler:
         _settle(batch, results, started, finished)
 
     def _run_prefills(self, chunks: list[_Command]) -> None:
+        if self._share_cores is not None:
+            self._share_cores(1)
         results, started, finished = self._forward(chunks)
         self.stats.prefill_forwards += 1
         self.stats.prefill_chunks += len(chunks)

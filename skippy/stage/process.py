@@ -54,6 +54,7 @@ def load_stage_runtime(config: StageConfig, telemetry: Telemetry) -> StageRuntim
     grammars = GrammarCompiler.for_model(config.model_path) if model.layers.is_last else None
     runtime = StageRuntime(model, lane_count=config.lane_count, ctx_size=config.ctx_size,
                            telemetry=telemetry, peer_wait_forwards=config.peer_wait_forwards,
+                           decode_waves=config.decode_waves,
                            name=f"skippy-stage{config.stage_index}", grammars=grammars)
     runtime.prefix_cache = StagePrefixCache.build(
         config.kv_cache, model_path=config.model_path, layer_start=config.layer_start,
