@@ -377,8 +377,7 @@ static inline __attribute__((always_inline)) void block_avx2_q4_lockstep(int b, 
                     const size_t r = (size_t)(m0 + j) * G + g;
                     const __m256i lo = _mm256_madd_epi16(l16[j], ones);
                     const __m256i hi = levels == 2 ? _mm256_madd_epi16(h16[j], ones) : _mm256_setzero_si256();
-                    const __m256i both = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(lo, 7), hi),
-                                                          _mm256_setzero_si256()); /* block_avx2's offset, 0 here */
+                    const __m256i both = _mm256_add_epi32(_mm256_slli_epi32(lo, 7), hi); /* 4-bit: no offset */
                     const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(both), d);
                     acc[j] = _mm256_fmadd_ps(scaled, _mm256_set1_ps(dx[2 * r + 1]), acc[j]);
                     acc[j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r]), acc[j]);
