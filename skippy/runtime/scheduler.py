@@ -316,10 +316,9 @@ class IterationScheduler:
                     run_iterations = bool(self._iterations) and (not self._ops or self._last_kind == "op")
                     if run_iterations:
                         self._wait_for_peers()
-                        waves = self._waves_now()
-                        batch = [self._iterations.popleft()
-                                 for _ in range(min(self._wave_size(waves), len(self._iterations)))]
-                        sharing = waves if self._decoding() > len(batch) else 1  # another wave in flight
+                        # split, a wave never holds every decoding session: another is in flight
+                        waves, size = self._waves()
+                        batch = [self._iterations.popleft() for _ in range(min(size, len(self._iterations)))]
                     else:
                         ahead = self._gather_prompts() if self._ops[0].prefill_rows else None
                         op = ahead or self._ops.popleft()
@@ -329,7 +328,7 @@ class IterationScheduler:
                 continue
             if run_iterations:
                 self._last_kind = "iteration"
-                self._run_iterations(batch, sharing)
+                self._run_iterations(batch, waves)
             elif op.prefill_rows:
                 self._last_kind = "op"
                 self._run_prefills([op, *chunks])
@@ -469,8 +468,8 @@ class IterationScheduler:
         this scheduler splits wait for their own stragglers only, whatever
         `peer_wait_forwards` says for one wave."""
         waiting = {c.key for c in self._iterations}
-        waves = self._waves_now()
-        if len(waiting) >= self._wave_size(waves):
+        waves, size = self._waves()
+        if len(waiting) >= size:
             return None, set()
         now = time.perf_counter()
         forward_s = self._forward_s or 0.0
@@ -493,25 +492,18 @@ class IterationScheduler:
                 awaited.add(key)
         return deadline, awaited
 
-    def _decoding(self) -> int:
-        """Called with the lock held: the sessions decoding (a cadence, or a step waiting)."""
-        return len(self._cadences.keys() | {c.key for c in self._iterations})
+    def _waves(self) -> tuple[int, int]:
+        """Called with the lock held: the waves the decoding sessions (a cadence, or a step
+        waiting) form now, and the most steps one forward takes."""
+        if self.waves > 1:
+            decoding = len(self._cadences.keys() | {c.key for c in self._iterations})
+            if decoding >= self.waves * MIN_WAVE_SESSIONS:
+                return self.waves, min(self.max_batch_steps, -(-decoding // self.waves))
+        return 1, self.max_batch_steps
 
-    def _waves_now(self) -> int:
-        """Called with the lock held: the waves the decoding sessions form now."""
-        if self.waves > 1 and self._decoding() >= self.waves * MIN_WAVE_SESSIONS:
-            return self.waves
-        return 1
-
-    def _wave_size(self, waves: int) -> int:
-        """Called with the lock held: the most steps one forward of `waves` waves takes."""
-        if waves == 1:
-            return self.max_batch_steps
-        return min(self.max_batch_steps, -(-self._decoding() // waves))
-
-    def _run_iterations(self, batch: list[_Command], sharing: int) -> None:
+    def _run_iterations(self, batch: list[_Command], waves: int) -> None:
         if self._share_cores is not None:
-            self._share_cores(sharing)
+            self._share_cores(waves)
         results, started, finished = self._forward(batch)
         for command, result in zip(batch, results):
             if command.then is not None and not isinstance(result, Exception):
