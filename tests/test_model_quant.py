@@ -3,6 +3,7 @@ own dequantization, and the quantized model path end to end."""
 
 from __future__ import annotations
 
+import math
 import platform
 
 import numpy as np
@@ -18,6 +19,8 @@ from skippy.model import gguf_loader, qkernel
 from skippy.model.llama import Segment
 from skippy.model.quant import (REQUANTIZED, SUPPORTED, FloatWeight, GroupAffine, QuantizedTensor, QuantLinear, deinterleave,
                                 from_gguf_blocks, interleave)
+from skippy.model.sampling import RequestSampler
+from skippy.protocol.sampling_config import SamplingConfig
 
 BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 BLOCK_WEIGHTS = {Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256}  # the rest: 32
@@ -454,3 +457,81 @@ def test_torch_fallback_equals_our_kernels(make_stage, monkeypatch):
     tolerance = forward_tolerance(model.args, layers=model.args.num_layers, positions=len(prompt) + len(decode),
                                   head=True)
     assert_close("our row kernels == torch's ops, float32 logits", ours, fallback, tolerance)
+
+
+@given(st.integers(1, 300), st.sampled_from(["normal", "nan", "ties", "-inf", "inf", "zeros"]),
+       st.lists(st.tuples(st.integers(0, 299), st.sampled_from([-100.0, -1.5, 0.0, 0.25, 7.0, math.inf, -math.inf])),
+                max_size=5, unique_by=lambda pair: pair[0]), st.integers(0, 2**32 - 1))
+@settings(max_examples=400, deadline=None)
+def test_kernel_greedy_pick_is_the_samplers(n, kind, bias, seed):
+    """The kernels' greedy pick (what a decode call picks as it writes the logits) is the
+    sampler's: numpy's first argmax, a NaN counting as the largest, of the logits plus
+    logit_bias added in float32, ties, infinities and signed zeros included; the row
+    itself is left as it was."""
+    rng = np.random.default_rng(seed)
+    row = rng.standard_normal(n).astype(np.float32)
+    if kind == "nan":
+        row[rng.integers(0, n, 2)] = np.nan
+    elif kind == "ties":
+        row = np.round(row)
+    elif kind in ("-inf", "inf"):
+        row[rng.integers(0, n, 1 if kind == "inf" else n)] = float(kind)
+    elif kind == "zeros":
+        row[:] = 0.0
+        row[rng.integers(0, n, 3)] = -0.0
+    bias = {token: value for token, value in bias if token < n}
+    sampler = RequestSampler(SamplingConfig(temperature=0.0, logit_bias=bias))
+    expected = sampler.sample(torch.from_numpy(row.copy()), ())
+    ids, values = sampler.greedy_bias(n)
+    x = torch.from_numpy(row.copy())
+    assert qkernel.greedy_pick(x, ids, values) == expected
+    assert np.array_equal(x.numpy(), row, equal_nan=True)
+
+
+def test_decode_step_picks_are_the_samplers(quant_model):
+    """A decode step on the final stage picks greedy rows in the layers' call (forward's
+    `greedy`, as the runner asks); each pick is its sampler's on the step's own logits,
+    batched with rows that ask for none, with and without logit_bias."""
+    configs = [SamplingConfig(temperature=0.0, logit_bias={2: -100.0, 0: -100.0}), None,
+               SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.0, logit_bias={1234: 100.0})]
+    caches = [quant_model.new_cache() for _ in configs]
+    for i, cache in enumerate(caches):
+        logits_of(quant_model, PROMPT[i:], cache)
+    for step in range(3):
+        tokens = [7 + step, 70 + step, 700 + step, 4000 + step]
+        greedy = [None if c is None else RequestSampler(c).greedy_bias(quant_model.args.vocab_size) for c in configs]
+        hidden = quant_model.forward(torch.tensor(tokens), [Segment(c, c.length, 1) for c in caches], greedy)
+        picks = quant_model.step_picks(hidden)
+        logits_now = quant_model.compute_logits(hidden)
+        assert picks is not None and picks[1] is None
+        assert picks[3] == 1234  # its bias makes it the largest: a pick that skipped the bias differs
+        for row, config in enumerate(configs):
+            if config is not None:
+                assert picks[row] == RequestSampler(config).sample(logits_now[row].clone(), ())
+        assert quant_model.step_picks(hidden) is picks  # handed out until the next forward
+
+
+def test_runner_picks_batched_greedy_rows_in_the_forward(quant_model, monkeypatch):
+    """The runner has a batched decode step's greedy rows picked in the layers' call (its
+    samplers then pick nothing), a lone row by its sampler: the same tokens either way."""
+    from skippy.runtime.runner import Runner
+    from skippy.runtime.session import Session
+    from skippy.runtime.step import SampleMode, Step
+
+    runner = Runner(quant_model, 256, record_logits=True)
+    sessions = [Session(key=(1, i), request_id=i) for i in range(3)]
+    for i, session in enumerate(sessions):
+        runner.configure(session, SamplingConfig(temperature=0.0, logit_bias={2: -100.0} if i else {}))
+        runner.run_batch([Step(session, 0, len(PROMPT) - i, tokens=PROMPT[i:], sample=SampleMode.LAST)])
+    sampled = []
+    monkeypatch.setattr(RequestSampler, "sample", lambda self, *a: sampled.append(a) or -1)
+    for step in range(2):
+        steps = [Step(s, s.cache.length, 1, tokens=[9 + step], sample=SampleMode.LAST) for s in sessions]
+        results = runner.run_batch(steps)
+        assert not sampled
+        for s, result in zip(sessions, results):
+            expected = RequestSampler(s.sampling).greedy_bias(quant_model.args.vocab_size)
+            row = runner.last_logits[s.key].clone()
+            assert result.tokens == [qkernel.greedy_pick(row, *expected)]
+    runner.run_batch([Step(sessions[0], sessions[0].cache.length, 1, tokens=[5], sample=SampleMode.LAST)])
+    assert len(sampled) == 1  # one row: its sampler's pick

@@ -95,6 +95,7 @@ class StageModel:
             on_built()
         self.decode_layers = self._decode_layers()
         self._step_logits: tuple[torch.Tensor, torch.Tensor] | None = None  # (hidden, its logits) of the last step
+        self._step_picks: tuple[torch.Tensor, list[int | None]] | None = None  # (hidden, its greedy picks)
 
     def _decode_layers(self) -> qkernel.DecodeLayers | None:
         """The blocks as one kernel call for decode steps, where every block is one it runs
@@ -184,11 +185,15 @@ class StageModel:
         return sum(linear.repack() for linear in self.linears)
 
     @inference_mode
-    def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: list[Segment],
+                greedy: list[tuple[list[int], list[float]] | None] | None = None) -> torch.Tensor:
         """x: token ids [T] (first stage) or hidden rows [T, D]; returns hidden [T, D].
 
         Rows are the segments' tokens, concatenated in order. Each segment writes
         its keys/values at [start, start+n), overwriting anything from there on.
+        `greedy` (final stage, per segment): None, or the logit_bias of a greedy pick
+        (RequestSampler.greedy_bias) that a decode step's kernels may make as they write
+        its logits: `step_picks` hands those out.
         """
         args = self.args
         if self.layers.is_first and not torch.is_floating_point(x):
@@ -204,13 +209,19 @@ class StageModel:
         rows = decode_rows(segments, x)  # a decode step: each layer's attention in one call
         H, KVH, eps = args.num_heads, args.num_kv_heads, args.rms_norm_eps
 
-        self._step_logits = None
+        self._step_logits = self._step_picks = None
         if rows is not None and self.decode_layers is not None:
             # a decode step on our kernels: the loop below in one call, reading RoPE at each row's position;
             # on the final stage the call goes on to the rows' logits, which compute_logits hands out
             logits = torch.empty(T, self.decode_layers.vocab) if self.decode_layers.head is not None else None
-            x = self.decode_layers(x, rows, *self.rope_tables[0], logits)
+            picks = None
+            # the bias ids were checked against the vocab (greedy_bias), which must be the head's
+            if (logits is not None and greedy is not None and logits.shape[1] == self.args.vocab_size
+                    and any(bias is not None for bias in greedy)):
+                picks = qkernel.GreedyPicks(greedy)
+            x = self.decode_layers(x, rows, *self.rope_tables[0], logits, picks)
             self._step_logits = None if logits is None else (x, logits)
+            self._step_picks = None if picks is None else (x, picks.tokens())
         else:
             ropes = [self._rope_rows(segments, table) for table in self.rope_tables]  # cos, sin [T, head_dim] each
             for layer, block in enumerate(self.blocks):
@@ -249,6 +260,12 @@ class StageModel:
         return cos, sin
 
     @inference_mode
+    def step_picks(self, hidden: torch.Tensor) -> list[int | None] | None:
+        """The greedy tokens the decode step that returned `hidden` picked (forward's
+        `greedy`), one per row (None: not picked), or None when it picked none."""
+        picks = self._step_picks
+        return picks[1] if picks is not None and picks[0] is hidden else None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, D] -> float32 logits [T, vocab] (last stage only)."""
         if not self.layers.is_last:

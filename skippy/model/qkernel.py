@@ -48,7 +48,8 @@ SIGNATURES = {  # the C functions' (argument types, return type), in their argum
     "skippy_geglu": ([_P, _I, _I, _P], None),
     "skippy_qmatmul_vector_path": ([], _I),
     "skippy_decode_layers": ([_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _F, _F,
-                              _P, _P, _I, _P], _I),
+                              _P, _P, _I, _P, _P, _P, _P, _P], _I),
+    "skippy_greedy_pick": ([_P, _I, _P, _P, _I], _I),
 }
 
 
@@ -290,11 +291,12 @@ class DecodeLayers:
             heads, kv_heads, head_dim, ffn, eps, scale)
 
     def __call__(self, x: torch.Tensor, rows: DecodeRows, cos: torch.Tensor, signed_sin: torch.Tensor,
-                 logits: torch.Tensor | None = None) -> torch.Tensor:
+                 logits: torch.Tensor | None = None, picks: GreedyPicks | None = None) -> torch.Tensor:
         """x [S, D] float32 contiguous, one row per session of `rows`, through every layer
         in place; cos, signed_sin: the RoPE tables [positions, head_dim] contiguous, read at
         the rows' positions. With `logits` [S, vocab] float32 contiguous (a call built with a
-        head), the rows' logits are written there as well. Returns x."""
+        head), the rows' logits are written there as well, and with `picks` the greedy token
+        of the rows it asks for (GreedyPicks.tokens). Returns x."""
         x = x.contiguous()
         sessions, hidden = x.shape
         output = (None, None, 0, None)  # the head's norm, its matmul, the vocab, logits: none asked for
@@ -302,13 +304,50 @@ class DecodeLayers:
             if self.head is None:
                 raise ValueError("logits need a DecodeLayers built with the output head")
             output = (self.head_norm.data_ptr(), self.head.data_ptr(), self.vocab, logits.data_ptr())
+        chosen = (None, None, None, None) if picks is None or logits is None else (
+            picks.start, picks.ids, picks.values, picks.out)
         status = library().skippy_decode_layers(
             x.data_ptr(), sessions, hidden, self.heads, self.kv_heads, self.head_dim, self.ffn, len(self.table),
             self.table.data_ptr(), rows.k, rows.v, rows.capacity, rows.position, rows.f16, cos.data_ptr(),
-            signed_sin.data_ptr(), cos.shape[0], self.eps, self.scale, *output)  # fmt: skip
+            signed_sin.data_ptr(), cos.shape[0], self.eps, self.scale, *output, *chosen)  # fmt: skip
         if status:
             raise RuntimeError(f"decode_layers failed ({status}): x {tuple(x.shape)}")
+        if picks is not None and logits is None:
+            picks.out[:] = [-1] * len(picks.out)  # none computed: the sampler picks
         return x
+
+
+class GreedyPicks:
+    """The rows whose greedy token a decode call picks as it writes their logits: per row
+    None (the sampler picks) or the logit_bias (token ids, values) to add first, as
+    RequestSampler's greedy pick does. `tokens()` after the call: per row the id, or None."""
+
+    def __init__(self, biases: list[tuple[list[int], list[float]] | None]):
+        n = len(biases)
+        ids = [i for bias in biases if bias is not None for i in bias[0]]
+        values = [v for bias in biases if bias is not None for v in bias[1]]
+        starts = [0]
+        for bias in biases:
+            starts.append(starts[-1] + (0 if bias is None else len(bias[0])))
+        self.start = (ctypes.c_int * (n + 1))(*starts)
+        self.ids = (ctypes.c_int * max(1, len(ids)))(*ids)
+        self.values = (ctypes.c_float * max(1, len(values)))(*values)
+        self.out = (ctypes.c_int * n)(*(bias is not None for bias in biases))  # in: wanted; out: the id
+
+    def tokens(self) -> list[int | None]:
+        return [None if token < 0 else token for token in self.out]
+
+
+def greedy_pick(row: torch.Tensor, ids: list[int], values: list[float]) -> int:
+    """The kernel's greedy pick of one float32 row [V] with `values` added at `ids` (the row
+    is patched for the scan and put back), as the decode call picks each row."""
+    if row.dtype != torch.float32 or row.dim() != 1 or not row.is_contiguous():
+        raise ValueError(f"Expected a contiguous float32 row, got {row.dtype} {tuple(row.shape)}")
+    status = library().skippy_greedy_pick(row.data_ptr(), row.shape[0], (ctypes.c_int * max(1, len(ids)))(*ids),
+                                          (ctypes.c_float * max(1, len(values)))(*values), len(ids))
+    if status < 0:
+        raise ValueError(f"greedy_pick failed ({status}): ids {ids} for a row of {row.shape[0]}")
+    return status
 
 
 def _matmul_fields(m) -> list[int]:

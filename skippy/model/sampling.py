@@ -202,6 +202,15 @@ class RequestSampler:
         whole context, which a plain request need not pay on every token."""
         return self.grammar is not None or self.config.has_penalties
 
+    def greedy_bias(self, vocab: int) -> tuple[list[int], list[float]] | None:
+        """When a pick is the first argmax of logits + logit_bias (greedy: no penalties, no
+        grammar), the bias as (token ids, values), for a kernel that picks as it writes the
+        logits (qkernel.GreedyPicks); else None, and `sample` picks."""
+        cfg = self.config
+        if not cfg.is_greedy or cfg.has_penalties or self.grammar is not None or self._max_bias_id >= vocab:
+            return None
+        return list(cfg.logit_bias), list(cfg.logit_bias.values())
+
     def skip_draws(self, num_draws: int) -> None:
         """Advance the generator past `num_draws` draws (one uniform each, see draw_token): a
         request replayed onto a fresh chain continues its seeded stream where it was cut."""

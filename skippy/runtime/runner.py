@@ -18,6 +18,16 @@ from .session import Session, SessionError, VerifyCheckpoint
 from .step import SampleMode, Step, StepResult
 
 
+# A batched decode step's greedy picks are made in the layers' call (StageModel.forward's
+# `greedy`): read after the call, each row's 192 KiB of logits came back from the other
+# core's caches and memory (an 8-row step's sampling 0.65 ms; 8 streams on 2 stages +4%).
+# A lone row keeps the sampler's pick after the call: on 2 stages sharing 2 cores, those
+# ~200 us of the final stage are when stage 0's API loop does its work for the last token
+# in the other process; without them that work met stage 0's next step at the interpreter
+# lock, and a served stream ran 9-12% slower (three interleaved A/Bs).
+PICK_MIN_STEPS = 2
+
+
 def rows_to_tensor(rows: np.ndarray, dtype: ActivationDtype) -> torch.Tensor:
     """Wire rows (f32, f16, or bf16 as uint16 bits) -> float32 tensor. `rows` must be writable."""
     if dtype == ActivationDtype.bf16:
@@ -118,7 +128,8 @@ class Runner:
             if any(s.rows is None or s.rows_dtype != dtype for s in steps):
                 raise ValueError("later stages need input rows of one dtype for every step")
             x = rows_to_tensor(np.concatenate([s.rows for s in steps]), dtype)  # a writable copy
-        hidden = model.forward(x, [Segment(s.session.cache, s.start, s.num_rows) for s in steps])
+        greedy = [self._greedy_bias(s) for s in steps] if self.is_last and len(steps) >= PICK_MIN_STEPS else None
+        hidden = model.forward(x, [Segment(s.session.cache, s.start, s.num_rows) for s in steps], greedy)
 
         offsets, row = [], 0
         for s in steps:
@@ -131,6 +142,13 @@ class Runner:
             if step.out_dtype is not None:
                 rows = tensor_to_rows(hidden[offset:offset + step.num_rows], step.out_dtype)
             results[index] = StepResult(rows, tokens, aligned_from, logprobs, prompt_logprobs)
+
+    def _greedy_bias(self, step: Step) -> tuple[list[int], list[float]] | None:
+        """The logit_bias of a decode step's greedy pick the forward may make (StageModel.forward)."""
+        if step.sample is not SampleMode.LAST or step.num_rows != 1 or self._wants_prompt_logprobs(step):
+            return None
+        sampler = step.session.sampler or self._new_sampler(step.session)
+        return sampler.greedy_bias(self.model.args.vocab_size)
 
     def _wants_prompt_logprobs(self, step: Step) -> bool:
         """A prompt chunk of a request with prompt logprobs, on the stage with the head."""
@@ -151,9 +169,10 @@ class Runner:
             return [(None, None, None)] * len(steps)
         if not self.is_last:
             raise ValueError(f"stage {self.model.layers} has no output head to sample with")
+        picked = self.model.step_picks(hidden)  # the greedy tokens the forward picked, by hidden row
         logits = self.model.compute_logits(hidden[picks] if len(picks) < hidden.shape[0] else hidden)
         out, row = [], 0
-        for step, is_every in zip(steps, every_row):
+        for step, offset, is_every in zip(steps, offsets, every_row):
             session = step.session
             prompt_logprobs = None
             if is_every:
@@ -165,8 +184,11 @@ class Runner:
             sampler = session.sampler or self._new_sampler(session)
             if step.sample is SampleMode.LAST:
                 mine = logits[row:row + 1]
-                history = session.history(step.start + step.num_rows) if sampler.uses_history else ()
-                tokens = [sampler.sample(mine[0], history)]
+                if picked is not None and picked[offset] is not None:
+                    tokens = [picked[offset]]  # the sampler's own greedy pick, made in the forward
+                else:
+                    history = session.history(step.start + step.num_rows) if sampler.uses_history else ()
+                    tokens = [sampler.sample(mine[0], history)]
                 row += 1
             else:
                 mine = logits[row:row + step.num_rows]

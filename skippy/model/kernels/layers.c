@@ -21,6 +21,7 @@
    weights, then each matmul's codes, scales, offsets, bits and levels (q/k/v, output,
    gate/up, down), then the layer's attention window (0: all keys). */
 
+#include <math.h>
 #include <omp.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -99,6 +100,63 @@ static void quantize_for(const float *x, int M, int K, const int64_t *w, void *s
     barrier_wait(barrier, team);
 }
 
+/* The first index of the largest of x[0, n), a NaN counting as larger than any number
+   (numpy's argmax, which the sampler's greedy pick is); *value is x at that index */
+static int first_max(const float *x, int n, float *value) {
+    int i = 0;
+    float top = -INFINITY;
+#ifdef __AVX2__
+    __m256 tops = _mm256_set1_ps(-INFINITY), nans = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        nans = _mm256_or_ps(nans, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        tops = _mm256_max_ps(tops, v);
+    }
+    if (_mm256_movemask_ps(nans)) {
+        for (int j = 0;; j++)
+            if (x[j] != x[j]) return *value = x[j], j;
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, tops);
+    for (int j = 0; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
+#endif
+    for (int j = i; j < n; j++) {
+        if (x[j] != x[j]) {
+            for (int f = 0;; f++) /* a NaN before i was ruled out above */
+                if (x[f] != x[f]) return *value = x[f], f;
+        }
+        top = x[j] > top ? x[j] : top;
+    }
+    for (int j = 0; j < n; j++) /* -0 and +0 are equal, as in numpy: the first of either */
+        if (x[j] == top) return *value = x[j], j;
+    return *value = x[0], 0; /* every entry is -inf */
+}
+
+/* first_max of x[lo, hi) with vals[j] added at ids[j] (the ones within [lo, hi)), as
+   float32 sums: the sampler's logits + logit_bias. x is patched in place for the scan and
+   put back, so it keeps the raw logits; saved holds nb floats. Returns the index in x. */
+static int pick_range(float *x, int lo, int hi, const int *ids, const float *vals, int nb, float *saved,
+                      float *value) {
+    for (int j = 0; j < nb; j++)
+        if (ids[j] >= lo && ids[j] < hi) saved[j] = x[ids[j]], x[ids[j]] = x[ids[j]] + vals[j];
+    const int at = lo + first_max(x + lo, hi - lo, value);
+    for (int j = 0; j < nb; j++)
+        if (ids[j] >= lo && ids[j] < hi) x[ids[j]] = saved[j];
+    return at;
+}
+
+/* One row's greedy pick (tests, and the check the decode call's picks are held to) */
+int skippy_greedy_pick(float *x, int n, const int *ids, const float *vals, int nb) {
+    if (n < 1) return -1;
+    for (int j = 0; j < nb; j++)
+        if (ids[j] < 0 || ids[j] >= n) return -1;
+    float *saved = malloc(sizeof(float) * (nb ? nb : 1)), value;
+    if (!saved) return -2;
+    const int at = pick_range(x, 0, n, ids, vals, nb, saved, &value);
+    free(saved);
+    return at;
+}
+
 static int matmul_ok(int M, int K, const int64_t *w, int N) {
     return skippy_qmatmul_check(M, K, (int)w[3], (int)w[4], N) == 0;
 }
@@ -114,12 +172,15 @@ static int matmul_ok(int M, int K, const int64_t *w, int N) {
    One parallel region for the whole step: one thread runs the row-sized pieces (norms,
    RoPE, SwiGLU, quantizing a matmul's input), the team shares each matmul's blocks and
    the attention's (session, kv head) tasks, every piece computing exactly as its
-   standalone kernel does. Returns 0, -1 for arguments a kernel refuses (checked before x
-   changes), -2 when out of memory. */
+   standalone kernel does. With pick_from (offsets [S + 1] into pick_ids and pick_vals, each
+   row's logit_bias), the rows with picks[s] != 0 get their greedy token in picks[s] (the
+   sampler's: first_max of the logits plus the bias), the others -1. Returns 0, -1 for
+   arguments a kernel refuses (checked before x changes), -2 when out of memory. */
 int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, int num_layers,
                          const int64_t *desc, void *const *k, void *const *v, const int *capacity, const int *pos,
                          int f16, const float *cos_table, const float *sin_table, int table_rows, float eps,
-                         float scale, const float *out_norm, const int64_t *head, int vocab, float *logits) {
+                         float scale, const float *out_norm, const int64_t *head, int vocab, float *logits,
+                         const int *pick_from, const int *pick_ids, const float *pick_vals, int *picks) {
     const int row = (H + 2 * KVH) * hd, max_t = skippy_decode_attention_span(S, H, KVH, hd, capacity, pos);
     if (max_t < 0 || num_layers < 0) return -1;
     for (int s = 0; s < S; s++)
@@ -131,6 +192,17 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
             return -1;
     }
     if (head && !matmul_ok(S, D, head, vocab)) return -1;
+    int most_biases = 0;
+    if (pick_from) {
+        if (!head || pick_from[0] != 0) return -1;
+        for (int s = 0; s < S; s++) {
+            const int nb = pick_from[s + 1] - pick_from[s];
+            if (nb < 0) return -1;
+            most_biases = nb > most_biases ? nb : most_biases;
+        }
+        for (int j = 0; j < pick_from[S]; j++)
+            if (pick_ids[j] < 0 || pick_ids[j] >= vocab) return -1;
+    }
     const int widest = D > H * hd ? (D > F ? D : F) : (H * hd > F ? H * hd : F);
     const int group = H / KVH, team_max = omp_get_max_threads();
     const size_t scores = (size_t)group * max_t;
@@ -138,10 +210,15 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
                                        + scores * team_max));
     void *scratch = malloc(skippy_qmatmul_scratch_bytes(S, widest));
     atomic_int *next = calloc((size_t)num_layers, sizeof(atomic_int)); /* each layer's next attention task */
-    if (!h || !scratch || !next) {
-        free(h), free(scratch), free(next);
+    /* the greedy picks: each thread's (index, value) per row, and room to patch in a row's biases */
+    const size_t pick_parts = pick_from ? (size_t)team_max * S : 0;
+    int *part_at = malloc(sizeof(int) * (pick_parts + 1));
+    float *part_value = malloc(sizeof(float) * (pick_parts + (size_t)team_max * most_biases + 1));
+    if (!h || !scratch || !next || !part_at || !part_value) {
+        free(h), free(scratch), free(next), free(part_at), free(part_value);
         return -2;
     }
+    int team_used = 1;
     float *qkv = h + (size_t)S * D, *attn = qkv + (size_t)S * row, *gate_up = attn + (size_t)S * H * hd,
           *act = gate_up + (size_t)S * 2 * F, *cos = act + (size_t)S * F, *sin = cos + (size_t)S * hd,
           *score_rows = sin + (size_t)S * hd;
@@ -182,8 +259,41 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
             if (tid == 0) skippy_rms_norm(x, S, D, out_norm, eps, h);
             quantize_for(h, S, D, head, scratch, tid, team, &barrier);
             matmul_share(scratch, S, D, head, vocab, logits, 0, tid, team);
+            if (pick_from) {
+                /* each thread picks within the logits it just wrote, while its caches hold them:
+                   read once more after the call, a row's 192 KiB came from the other core's caches
+                   and from memory, ~130 us of a one-row step's sampling */
+                const int blocks = vocab / 16, lo = 16 * (int)((int64_t)blocks * tid / team),
+                          hi = 16 * (int)((int64_t)blocks * (tid + 1) / team);
+                float *saved = part_value + pick_parts + (size_t)tid * most_biases;
+                for (int s = 0; s < S; s++) {
+                    const size_t part = (size_t)tid * S + s;
+                    part_at[part] = -1;
+                    if (picks[s] && lo < hi)
+                        part_at[part] = pick_range(logits + (size_t)s * vocab, lo, hi, pick_ids + pick_from[s],
+                                                   pick_vals + pick_from[s], pick_from[s + 1] - pick_from[s],
+                                                   saved, &part_value[part]);
+                }
+                if (tid == 0) team_used = team;
+            }
         }
     }
-    free(h), free(scratch), free(next);
+    for (int s = 0; pick_from && s < S; s++) {
+        if (!picks[s]) {
+            picks[s] = -1;
+            continue;
+        }
+        /* the threads' ranges in order: the first NaN, else the first of the largest */
+        int at = -1;
+        float top = 0.f;
+        for (int t = 0; t < team_used; t++) {
+            const size_t part = (size_t)t * S + s;
+            const float value = part_value[part];
+            if (part_at[part] < 0) continue;
+            if (at < 0 || (value != value && top == top) || (top == top && value > top)) at = part_at[part], top = value;
+        }
+        picks[s] = at;
+    }
+    free(h), free(scratch), free(next), free(part_at), free(part_value);
     return 0;
 }
