@@ -259,13 +259,13 @@ class StageModel:
         sin = torch.cat([sin_table[s.start : s.start + s.num_tokens] for s in segments])
         return cos, sin
 
-    @inference_mode
     def step_picks(self, hidden: torch.Tensor) -> list[int | None] | None:
         """The greedy tokens the decode step that returned `hidden` picked (forward's
         `greedy`), one per row (None: not picked), or None when it picked none."""
         picks = self._step_picks
         return picks[1] if picks is not None and picks[0] is hidden else None
 
+    @inference_mode
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, D] -> float32 logits [T, vocab] (last stage only)."""
         if not self.layers.is_last:

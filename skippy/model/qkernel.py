@@ -304,16 +304,17 @@ class DecodeLayers:
             if self.head is None:
                 raise ValueError("logits need a DecodeLayers built with the output head")
             output = (self.head_norm.data_ptr(), self.head.data_ptr(), self.vocab, logits.data_ptr())
-        chosen = (None, None, None, None) if picks is None or logits is None else (
-            picks.start, picks.ids, picks.values, picks.out)
+        chosen = (None, None, None, None)
+        if picks is not None:
+            if logits is None:
+                raise ValueError("greedy picks need the logits they are picked from")
+            chosen = (picks.start, picks.ids, picks.values, picks.out)
         status = library().skippy_decode_layers(
             x.data_ptr(), sessions, hidden, self.heads, self.kv_heads, self.head_dim, self.ffn, len(self.table),
             self.table.data_ptr(), rows.k, rows.v, rows.capacity, rows.position, rows.f16, cos.data_ptr(),
             signed_sin.data_ptr(), cos.shape[0], self.eps, self.scale, *output, *chosen)  # fmt: skip
         if status:
             raise RuntimeError(f"decode_layers failed ({status}): x {tuple(x.shape)}")
-        if picks is not None and logits is None:
-            picks.out[:] = [-1] * len(picks.out)  # none computed: the sampler picks
         return x
 
 
