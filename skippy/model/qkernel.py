@@ -24,6 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch  # first: the kernel links libgomp.so.1 and so shares the pool torch loaded
 
 from .locate import cache_root
@@ -50,6 +51,7 @@ SIGNATURES = {  # the C functions' (argument types, return type), in their argum
     "skippy_decode_layers": ([_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _F, _F,
                               _P, _P, _I, _P, _P, _P, _P, _P], _I),
     "skippy_greedy_pick": ([_P, _I, _P, _P, _I], _I),
+    "skippy_embed_rows": ([_P, ctypes.c_int64, ctypes.c_int64, _I, _P, _I, _I, _P], _I),
 }
 
 
@@ -337,6 +339,18 @@ class GreedyPicks:
 
     def tokens(self) -> list[int | None]:
         return [None if token < 0 else token for token in self.out]
+
+
+def embed_rows(raw: np.ndarray, block_bytes: int, ids: torch.Tensor, cols: int) -> torch.Tensor:
+    """float32 [n, cols]: rows `ids` of a GGUF tensor in legacy blocks of 32 (`block_bytes` a
+    block: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), raw its bytes [rows, row bytes], e.g. the memory map."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.shape[0], cols, dtype=torch.float32)
+    status = library().skippy_embed_rows(raw.ctypes.data, raw.shape[1], raw.shape[0], block_bytes, ids.data_ptr(),
+                                         ids.shape[0], cols, out.data_ptr())
+    if status:
+        raise ValueError(f"embed_rows failed ({status}): ids {ids.tolist()} of {raw.shape[0]} rows")
+    return out
 
 
 def greedy_pick(row: torch.Tensor, ids: list[int], values: list[float]) -> int:

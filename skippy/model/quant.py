@@ -190,6 +190,9 @@ class QuantizedTensor:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows [n, in] of the tokens `ids`: only their blocks are read."""
+        if (self.qtype in LEGACY_BLOCK_BYTES and self.raw.flags.c_contiguous and ids.device.type == "cpu"
+                and qkernel.available()):
+            return qkernel.embed_rows(self.raw, LEGACY_BLOCK_BYTES[self.qtype], ids, self.shape[1])
         index = ids.cpu().numpy()
         if self.qtype in REQUANTIZED:  # the file's own values, not the kernel's 8-bit copy
             values = gguf_dequantize(self.raw[index], self.qtype).reshape(len(index), self.shape[1])
