@@ -550,3 +550,27 @@ def test_runner_picks_batched_greedy_rows_in_the_forward(quant_model, monkeypatc
             assert result.tokens == [qkernel.greedy_pick(row, *expected)]
     runner.run_batch([Step(sessions[0], sessions[0].cache.length, 1, tokens=[5], sample=SampleMode.LAST)])
     assert len(sampled) == 1  # one row: its sampler's pick
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 4), (9, 3), (8, 2), (10, 2)])
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_attention_rows_equal_float64_softmax_attention(heads, kv_heads, head_dim, dtype):
+    """Our attention kernel (the decode step's and a prompt's) against softmax attention in
+    float64 over the same cached keys: groups of 1-5 query heads a kv head (its rows go 3 at a
+    time), head sizes that split into 4-vector chunks or not, key counts with and without a
+    tail of 4, causal rows."""
+    rng = torch.Generator().manual_seed(heads * head_dim + kv_heads)
+    start, n = 41, 6  # rows at positions 41..46: 42..47 keys each
+    k = torch.randn(kv_heads, start + n, head_dim, generator=rng).to(dtype)
+    v = torch.randn(kv_heads, start + n, head_dim, generator=rng).to(dtype)
+    qkv = torch.randn(n, heads + 2 * kv_heads, head_dim, generator=rng)
+    scale = head_dim**-0.5
+    got = qkernel.attend_rows(qkv, heads, k, v, start, scale).double()
+    group = heads // kv_heads
+    for i in range(n):
+        keys, values = k[:, : start + i + 1].double(), v[:, : start + i + 1].double()
+        q = qkv[i, :heads].double().view(kv_heads, group, head_dim)
+        weights = torch.softmax(q @ keys.transpose(1, 2) * scale, dim=-1)  # [kv, group, keys]
+        expected = (weights @ values).reshape(heads * head_dim)
+        torch.testing.assert_close(got[i], expected, rtol=0, atol=2e-6 * float(values.abs().max()))

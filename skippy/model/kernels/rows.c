@@ -142,19 +142,59 @@ static inline __attribute__((always_inline)) void attend_group_avx512(
 #endif
 
 #ifdef SKIPPY_AVX2
+/* Rows g0 .. g0 + gt of a group, vectors c0 .. c0 + cn of each: the softmax-weighted sums of
+   the values (probabilities sj [group, T]) into oj, unscaled */
+static inline __attribute__((always_inline)) void values_avx2(const int gt, const int cn, int n, int g0, int c0,
+                                                               const float *sj, const void *v, int f16, int T,
+                                                               float *oj) {
+    __m256 o[3][4];
+    for (int g = 0; g < gt; g++)
+        for (int i = 0; i < cn; i++) o[g][i] = _mm256_setzero_ps();
+    for (int t = 0; t < T; t++) {
+        __m256 p[3];
+        for (int g = 0; g < gt; g++) p[g] = _mm256_set1_ps(sj[(size_t)(g0 + g) * T + t]);
+        for (int i = 0; i < cn; i++) {
+            const __m256 row = load8(v, f16, (size_t)t * (8 * n) + 8 * (c0 + i));
+            for (int g = 0; g < gt; g++) o[g][i] = _mm256_fmadd_ps(p[g], row, o[g][i]);
+        }
+    }
+    for (int g = 0; g < gt; g++)
+        for (int i = 0; i < cn; i++) _mm256_storeu_ps(oj + (g0 + g) * (8 * n) + 8 * (c0 + i), o[g][i]);
+}
+
+/* Scores of rows g0 .. g0 + gt of a group (queries qj [group, 8 n]) against keys t .. t + kt:
+   sj[g, t] = scale * (q_g . k_t), the dot product's lanes summed as one pair alone sums them */
+static inline __attribute__((always_inline)) void scores_avx2(const int gt, const int kt, int n, int g0, int t,
+                                                               const float *qj, const void *k, int f16, int T,
+                                                               float scale, float *sj) {
+    __m256 dot[3][4];
+    for (int i = 0; i < n; i++) {
+        __m256 q[3];
+        for (int g = 0; g < gt; g++) q[g] = _mm256_loadu_ps(qj + (g0 + g) * (8 * n) + 8 * i);
+        for (int j = 0; j < kt; j++) {
+            const __m256 key = load8(k, f16, (size_t)(t + j) * (8 * n) + 8 * i);
+            for (int g = 0; g < gt; g++) dot[g][j] = i ? _mm256_fmadd_ps(q[g], key, dot[g][j]) : _mm256_mul_ps(q[g], key);
+        }
+    }
+    for (int g = 0; g < gt; g++)
+        for (int j = 0; j < kt; j++) sj[(size_t)(g0 + g) * T + t + j] = sum8(dot[g][j]) * scale;
+}
+
 /* attend_group_avx512's passes with 8-float vectors, for hd = 8 n */
 static inline __attribute__((always_inline)) void attend_group_avx2(
     const int n, const float *qj, int group, const void *k, const void *v, int f16, int T, float scale,
     float *sj, float *oj) {
-    for (int t = 0; t < T; t++) {
-        __m256 row[MAX_HEAD_DIM / 8];
-        for (int i = 0; i < n; i++) row[i] = load8(k, f16, (size_t)t * (8 * n) + 8 * i);
-        for (int g = 0; g < group; g++) {
-            const float *qg = qj + g * (8 * n);
-            __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(qg), row[0]);
-            for (int i = 1; i < n; i++) dot = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i), row[i], dot);
-            sj[(size_t)g * T + t] = sum8(dot) * scale;
+    /* scores: up to 3 rows against 4 keys at a time, 12 independent sums (one row against one
+       key at a time chained every multiply-add on the one before); each sum in the order one
+       row and one key alone take */
+    for (int g0 = 0; g0 < group; g0 += 3) {
+        const int gt = group - g0 < 3 ? group - g0 : 3;
+        int t = 0;
+        for (; t + 4 <= T; t += 4) {
+            if (gt == 3) scores_avx2(3, 4, n, g0, t, qj, k, f16, T, scale, sj);
+            else scores_avx2(gt, 4, n, g0, t, qj, k, f16, T, scale, sj);
         }
+        for (; t < T; t++) scores_avx2(gt, 1, n, g0, t, qj, k, f16, T, scale, sj);
     }
     for (int g = 0; g < group; g++) {
         float *s = sj + (size_t)g * T;
@@ -166,18 +206,26 @@ static inline __attribute__((always_inline)) void attend_group_avx2(
         for (t = 0; t < T; t++) s[t] -= m;
         exp_n(s, T, s);
     }
-    for (int g = 0; g < group; g++) {
-        const float *s = sj + (size_t)g * T;
-        __m256 o[MAX_HEAD_DIM / 8];
-        for (int i = 0; i < n; i++) o[i] = _mm256_setzero_ps();
-        float sum = 0.f;
-        for (int t = 0; t < T; t++) {
-            const __m256 p = _mm256_set1_ps(s[t]);
-            sum += s[t];
-            for (int i = 0; i < n; i++) o[i] = _mm256_fmadd_ps(p, load8(v, f16, (size_t)t * (8 * n) + 8 * i), o[i]);
+    /* values: up to 3 rows of the group take each value vector as it is read (a float16 row
+       widened once for all of them, not once a row), 4 vectors of a row at a time so the sums
+       stay in registers; each row's sums run over the keys in the same order as one row alone */
+    for (int g0 = 0; g0 < group; g0 += 3) {
+        const int gt = group - g0 < 3 ? group - g0 : 3;
+        for (int c0 = 0; c0 < n; c0 += 4) {
+            const int cn = n - c0 < 4 ? n - c0 : 4;
+            if (gt == 3 && cn == 4) values_avx2(3, 4, n, g0, c0, sj, v, f16, T, oj);
+            else values_avx2(gt, cn, n, g0, c0, sj, v, f16, T, oj);
         }
-        const __m256 inv = _mm256_set1_ps(1.f / sum);
-        for (int i = 0; i < n; i++) _mm256_storeu_ps(oj + g * (8 * n) + 8 * i, _mm256_mul_ps(o[i], inv));
+        for (int g = g0; g < g0 + gt; g++) {
+            const float *s = sj + (size_t)g * T;
+            float sum = 0.f;
+            for (int t = 0; t < T; t++) sum += s[t];
+            const __m256 inv = _mm256_set1_ps(1.f / sum);
+            for (int i = 0; i < n; i++) {
+                float *o = oj + g * (8 * n) + 8 * i;
+                _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), inv));
+            }
+        }
     }
 }
 #endif
