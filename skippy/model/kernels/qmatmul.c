@@ -51,6 +51,7 @@
 #define LANES 16 /* rows per block */
 #define M_TILE 8 /* rows of x sharing one unpacking of a block's codes */
 #define PREFETCH_GROUPS 8 /* AVX2 path: groups of a block fetched ahead */
+#define VNNI_PREFETCH_GROUPS 24 /* AVX512-VNNI path: groups fetched ahead (a thread's blocks lie end to end) */
 #define LOCKSTEP_ROWS 4 /* AVX2 path, 4-bit codes, 3 rows or more: rows of x in lockstep */
 
 static inline float f16_to_f32(uint16_t h) {
@@ -165,6 +166,13 @@ static inline __attribute__((always_inline)) void block_vnni(int b, int M, int G
         const uint8_t *codes = w + (size_t)b * G * block_group_bytes;
         const uint16_t *bd = wd + (size_t)b * G * LANES, *bm = wm + (size_t)b * G * LANES;
         for (int g = 0; g < G; g++, codes += block_group_bytes) {
+            /* the weights stream from memory once a step: fetch them well ahead, into every
+               cache level (Intel Xeon with AVX512-VNNI, 2 threads, bundled model, one-row decode
+               steps: none 283 tok/s, 8 groups ahead 343, 16 385, 24-32 394-396, 64 390;
+               _MM_HINT_NTA, which suits the AVX2 path on a Zen 2 EPYC, 109 at 8 groups) */
+            if (m0 == 0) /* later tiles of rows find the block's codes in L1 */
+                for (int l = 0; l < block_group_bytes; l += 64)
+                    _mm_prefetch((const char *)(codes + VNNI_PREFETCH_GROUPS * block_group_bytes + l), _MM_HINT_T0);
             __m512i cw[8];
             if (bits == 4) {
                 for (int c = 0; c < 4; c++) {
