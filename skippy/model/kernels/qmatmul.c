@@ -173,6 +173,10 @@ static inline __attribute__((always_inline)) void block_vnni(int b, int M, int G
             if (m0 == 0) /* later tiles of rows find the block's codes in L1 */
                 for (int l = 0; l < block_group_bytes; l += 64)
                     _mm_prefetch((const char *)(codes + VNNI_PREFETCH_GROUPS * block_group_bytes + l), _MM_HINT_T0);
+            if (m0 == 0 && (g & 1) == 0) { /* two groups' scales a line: +0.5-0.8% (3 interleaved runs) */
+                _mm_prefetch((const char *)(bd + (g + VNNI_PREFETCH_GROUPS) * LANES), _MM_HINT_T0);
+                _mm_prefetch((const char *)(bm + (g + VNNI_PREFETCH_GROUPS) * LANES), _MM_HINT_T0);
+            }
             __m512i cw[8];
             if (bits == 4) {
                 for (int c = 0; c < 4; c++) {
