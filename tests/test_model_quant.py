@@ -4,6 +4,7 @@ own dequantization, and the quantized model path end to end."""
 from __future__ import annotations
 
 import math
+import os
 import platform
 
 import numpy as np
@@ -331,14 +332,23 @@ def test_quantized_prompt_rows_equal_decode_rows(quant_model):
         assert torch.equal(cache.k[:, :, :n], whole.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], whole.v[:, :, :n])
 
 
-@pytest.mark.parametrize("start, sessions", [(0, 3), (11, 3), (0, 12)])
-def test_one_call_decode_layers_equal_the_loop(start, sessions, quant_model, make_quant_stage):
+@pytest.mark.parametrize("start, sessions, crowded", [(0, 3, False), (11, 3, False), (0, 12, False), (0, 3, True)])
+def test_one_call_decode_layers_equal_the_loop(start, sessions, crowded, quant_model, make_quant_stage):
     """A decode step's layers in one C call (qkernel.DecodeLayers) against forward's
     per-layer loop: bit for bit, the rows out and the KV rows written, for one session
     and for several batched at different positions (past 8 rows the team shares the
     quantizing of each matmul's input), on the first stage and on one fed hidden rows; and
     the logits the call goes on to compute on a stage with the head, against compute_logits'
-    own two calls."""
+    own two calls. Crowded: a team of more threads than cores, so that its threads lose
+    their cores mid-matmul and the others take over the blocks they had not claimed."""
+    if crowded:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2 * (os.cpu_count() or 1) + 1)
+        try:
+            test_one_call_decode_layers_equal_the_loop(start, sessions, False, quant_model, make_quant_stage)
+        finally:
+            torch.set_num_threads(threads)
+        return
     model = quant_model if start == 0 else make_quant_stage(start)
     assert model.decode_layers is not None  # the bundled SmolLM2 is a model it runs
     assert model.layers.is_last and model.decode_layers.head is not None

@@ -36,8 +36,13 @@
 #endif
 
 #define LAYER_FIELDS 23
-#define SPINS_BEFORE_YIELD 4096 /* a teammate this late has lost its core: let it have ours */
+/* a teammate this late has lost its core: let it have ours. A pause takes ~140 cycles on an
+   Intel Xeon (512: ~25 us); 4096 there left a core spinning ~200 us while its teammate waited
+   for it, and a 2-stage chain served one stream 1.06x faster with 512 and matmul_share's
+   claiming (bench/serve_ab.py, 6 rounds; 8 streams and one process alike) */
+#define SPINS_BEFORE_YIELD 512
 #define SHARED_QUANTIZE_ROWS 8  /* past this many rows the team shares the quantizing, as skippy_qmatmul does */
+#define STEAL_BLOCKS 4 /* blocks of 16 rows a thread claims at a time (matmul_share) */
 
 int skippy_qmatmul_check(int M, int K, int bits, int levels, int N);
 size_t skippy_qmatmul_scratch_bytes(int M, int K);
@@ -59,6 +64,11 @@ typedef struct {
     atomic_int phase;
 } Barrier;
 
+/* a thread's next unclaimed block of the current matmul (matmul_share), alone on its line */
+typedef struct {
+    _Alignas(64) atomic_int next;
+} Cursor;
+
 static void barrier_wait(Barrier *b, int team) {
     if (team == 1) return;
     const int phase = atomic_load_explicit(&b->phase, memory_order_relaxed);
@@ -74,14 +84,31 @@ static void barrier_wait(Barrier *b, int team) {
 }
 
 /* y [M, N] (=, or += with accumulate) x [M, K] times the matmul whose five fields start
-   at w, x already quantized into scratch: thread `tid` of `team` runs one contiguous share
-   of the 16-row blocks (a stream the prefetchers follow; dealing them out a few at a time
-   from a shared counter made the step 13% slower) */
+   at w, x already quantized into scratch. Each thread owns one contiguous share of the
+   16-row blocks (a stream the prefetchers follow; dealing them out a few at a time from a
+   shared counter made the step 13% slower) and claims it STEAL_BLOCKS at a time from its
+   own counter; a thread done with its share claims what is left of the others'. A teammate
+   that loses its core to another process (the API loop, the other stage) then delays the
+   step by the blocks it holds, not by its whole share. cursor: one counter a thread, each
+   on its own cache line, set by its thread to its share's start ahead of the barrier
+   that the matmul's input is quantized behind (cursor_reset). */
 static void matmul_share(const void *scratch, int M, int K, const int64_t *w, int N, float *y, int accumulate,
-                         int tid, int team) {
-    const int blocks = N / 16, b0 = (int)((int64_t)blocks * tid / team), b1 = (int)((int64_t)blocks * (tid + 1) / team);
-    skippy_qmatmul_blocks(scratch, M, K, (const uint8_t *)(intptr_t)w[0], (const uint16_t *)(intptr_t)w[1],
-                          (const uint16_t *)(intptr_t)w[2], (int)w[3], (int)w[4], N, y, accumulate, b0, b1);
+                         int tid, int team, Cursor *cursor) {
+    const int blocks = N / 16;
+    for (int i = 0; i < team; i++) {
+        const int owner = (tid + i) % team, end = (int)((int64_t)blocks * (owner + 1) / team);
+        for (int b0; (b0 = atomic_fetch_add_explicit(&cursor[owner].next, STEAL_BLOCKS, memory_order_relaxed)) < end;)
+            skippy_qmatmul_blocks(scratch, M, K, (const uint8_t *)(intptr_t)w[0], (const uint16_t *)(intptr_t)w[1],
+                                  (const uint16_t *)(intptr_t)w[2], (int)w[3], (int)w[4], N, y, accumulate, b0,
+                                  b0 + STEAL_BLOCKS < end ? b0 + STEAL_BLOCKS : end);
+    }
+}
+
+/* Thread tid's counter to its share's start for the next matmul (N rows): called after
+   the barrier that ends the matmul before and ahead of the one before the next, so that
+   no thread claims from it in between */
+static void cursor_reset(Cursor *cursor, int N, int tid, int team) {
+    atomic_store_explicit(&cursor[tid].next, (int)((int64_t)(N / 16) * tid / team), memory_order_relaxed);
 }
 
 /* x [M, K], written by thread 0, quantized into scratch for the matmul whose fields start
@@ -210,12 +237,13 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
                                        + scores * team_max));
     void *scratch = malloc(skippy_qmatmul_scratch_bytes(S, widest));
     atomic_int *next = calloc((size_t)num_layers, sizeof(atomic_int)); /* each layer's next attention task */
+    Cursor *cursor = aligned_alloc(64, sizeof(Cursor) * (size_t)team_max);
     /* the greedy picks: each thread's (index, value) per row, and room to patch in a row's biases */
     const size_t pick_parts = pick_from ? (size_t)team_max * S : 0;
     int *part_at = malloc(sizeof(int) * (pick_parts + 1));
     float *part_value = malloc(sizeof(float) * (pick_parts + (size_t)team_max * most_biases + 1));
-    if (!h || !scratch || !next || !part_at || !part_value) {
-        free(h), free(scratch), free(next), free(part_at), free(part_value);
+    if (!h || !scratch || !next || !cursor || !part_at || !part_value) {
+        free(h), free(scratch), free(next), free(cursor), free(part_at), free(part_value);
         return -2;
     }
     int team_used = 1;
@@ -234,8 +262,9 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
         for (int l = 0; l < num_layers; l++) {
             const int64_t *d = desc + (size_t)l * LAYER_FIELDS;
             if (tid == 0) skippy_rms_norm(x, S, D, (const float *)(intptr_t)d[0], eps, h);
+            cursor_reset(cursor, row, tid, team);
             quantize_for(h, S, D, d + 2, scratch, tid, team, &barrier);
-            matmul_share(scratch, S, D, d + 2, row, qkv, 0, tid, team);
+            matmul_share(scratch, S, D, d + 2, row, qkv, 0, tid, team, cursor);
             barrier_wait(&barrier, team);
             if (tid == 0) skippy_rope(qkv, S, H + 2 * KVH, H + KVH, hd, cos, sin);
             barrier_wait(&barrier, team);
@@ -243,23 +272,28 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
                 skippy_decode_attention_task(task, qkv, H, KVH, hd, k, v, capacity, pos, l, (int)d[22], f16, scale,
                                              my_scores, attn);
             barrier_wait(&barrier, team);
+            cursor_reset(cursor, D, tid, team);
             quantize_for(attn, S, H * hd, d + 7, scratch, tid, team, &barrier);
-            matmul_share(scratch, S, H * hd, d + 7, D, x, 1, tid, team);
+            matmul_share(scratch, S, H * hd, d + 7, D, x, 1, tid, team, cursor);
             barrier_wait(&barrier, team);
             if (tid == 0) skippy_rms_norm(x, S, D, (const float *)(intptr_t)d[1], eps, h);
+            cursor_reset(cursor, 2 * F, tid, team);
             quantize_for(h, S, D, d + 12, scratch, tid, team, &barrier);
-            matmul_share(scratch, S, D, d + 12, 2 * F, gate_up, 0, tid, team);
+            matmul_share(scratch, S, D, d + 12, 2 * F, gate_up, 0, tid, team, cursor);
             barrier_wait(&barrier, team);
             if (tid == 0) skippy_swiglu(gate_up, S, F, act);
+            cursor_reset(cursor, D, tid, team);
             quantize_for(act, S, F, d + 17, scratch, tid, team, &barrier);
-            matmul_share(scratch, S, F, d + 17, D, x, 1, tid, team);
+            matmul_share(scratch, S, F, d + 17, D, x, 1, tid, team, cursor);
             barrier_wait(&barrier, team);
         }
         if (head) {
             if (tid == 0) skippy_rms_norm(x, S, D, out_norm, eps, h);
+            cursor_reset(cursor, vocab, tid, team);
             quantize_for(h, S, D, head, scratch, tid, team, &barrier);
-            matmul_share(scratch, S, D, head, vocab, logits, 0, tid, team);
+            matmul_share(scratch, S, D, head, vocab, logits, 0, tid, team, cursor);
             if (pick_from) {
+                barrier_wait(&barrier, team); /* a teammate may still write blocks it took from this thread's share */
                 /* each thread picks within the logits it just wrote, while its caches hold them:
                    read once more after the call, a row's 192 KiB came from the other core's caches
                    and from memory, ~130 us of a one-row step's sampling */
@@ -294,6 +328,6 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
         }
         picks[s] = at;
     }
-    free(h), free(scratch), free(next), free(part_at), free(part_value);
+    free(h), free(scratch), free(next), free(cursor), free(part_at), free(part_value);
     return 0;
 }
