@@ -65,16 +65,25 @@ def test_requests_survive_killed_stages(tmp_path, tokenizer):
         url = server.url
         long_prompt = tokenizer.encode(system_text(60))[:1500]  # its prefill takes a while
         prompts = [f"Story {i}: once upon a time, in a village by the sea," for i in range(8)]
-        expected = {p if isinstance(p, str) else "long": complete(url, p) for p in [*prompts, long_prompt]}
+        expected, took = {}, {}
+        for prompt in [*prompts, long_prompt]:
+            key, started = prompt if isinstance(prompt, str) else "long", time.perf_counter()
+            expected[key] = complete(url, prompt)
+            took[key] = time.perf_counter() - started
+        # each kill comes at a share of the request's own uninterrupted time, so that it lands
+        # inside the request on a machine of any speed (a fixed 0.6 s outlasted a whole
+        # 120-token request on a fast one)
 
         # killed during the prefill of a long prompt (the middle stage; a cache namespace of its own,
         # so nothing restores it), then mid-decode (the final one)
-        assert run_while_killing(url, server, [long_prompt], 1, 0.3, cache_key="cold") == [expected["long"]]
+        assert run_while_killing(url, server, [long_prompt], 1, took["long"] / 4, cache_key="cold") == [
+            expected["long"]]
         wait_until(lambda: stage(url, "stage-1")["state"] == "ready", 30)
-        assert run_while_killing(url, server, [prompts[0]], 2, 0.6) == [expected[prompts[0]]]
+        assert run_while_killing(url, server, [prompts[0]], 2, took[prompts[0]] / 2) == [expected[prompts[0]]]
         wait_until(lambda: stage(url, "stage-2")["state"] == "ready", 30)
-        # eight concurrent streams while the middle stage dies
-        assert run_while_killing(url, server, prompts, 1, 0.8, stream=True) == [expected[p] for p in prompts]
+        # eight concurrent streams while the middle stage dies (together they take longer than one alone)
+        assert run_while_killing(url, server, prompts, 1, took[prompts[0]] / 2, stream=True) == [
+            expected[p] for p in prompts]
 
         assert stage(url, "stage-1")["restarts"] == 2 and stage(url, "stage-2")["restarts"] == 1
         assert wait_until(lambda: all(s["active_sessions"] == 0
