@@ -24,7 +24,8 @@ from .step import SampleMode, Step, StepResult
 # A lone row keeps the sampler's pick after the call: on 2 stages sharing 2 cores, those
 # ~200 us of the final stage are when stage 0's API loop does its work for the last token
 # in the other process; without them that work met stage 0's next step at the interpreter
-# lock, and a served stream ran 9-12% slower (three interleaved A/Bs).
+# lock, and a served stream ran 9-12% slower (three interleaved A/Bs). On an Intel Xeon: 0.82x,
+# and 0.99x once a team's threads claimed each other's matmul blocks (docs/architecture.md).
 PICK_MIN_STEPS = 2
 
 
