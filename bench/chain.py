@@ -15,6 +15,14 @@ the direct return (S0 -> S1 -> ... -> S0), so the end-to-end overhead per hop is
 (ms/token with N stages - ms/token with one) / N, in wall time and in CPU time
 of all the chain's processes (the CPU figure holds up on a busy machine). The
 wire figure is one DecodeEmbd frame and its reply over loopback, no compute.
+
+The floor is what the machine itself charges for a process boundary: the 2-stage split's
+two halves called back to back in one process, against the same halves in two processes
+whose hop is nothing of ours (a blocking read of the rows, the forward, a write of the
+rows or the token, over a socketpair), with the co-located spin as LocalChain sets it.
+What 2 stages lose beyond that ratio is our hop's own code; what they lose down to it is
+waking a thread, a second OpenMP region and cold caches, which on a 2-core VM cost
+~450 us a token with no Python of ours at all.
 """
 
 from __future__ import annotations
@@ -23,10 +31,13 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import statistics
+import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -117,7 +128,98 @@ async def measure_child(n: int, args: argparse.Namespace) -> tuple[float, float,
         await (client.close() if chain is None else chain.close())
 
 
-def measure_one(n: int, args: argparse.Namespace) -> tuple[float, float, float]:
+def floor_halves(processes: int) -> tuple[Path, list[tuple[int, int]]]:
+    """The bundled model and the layer ranges of its 2-stage split, as LocalChain plans it;
+    with 2 processes, the co-located spin set first (before torch loads, as LocalChain's
+    stages do)."""
+    from skippy.model.locate import bundled_model_path
+    from skippy.model.threads import spin_for_co_located_stages
+
+    path = bundled_model_path()
+    if processes == 2:
+        spin_for_co_located_stages(path)
+    from skippy.model.loader import model_args
+    from skippy.protocol.configs import plan_layer_split
+
+    model = model_args(path)
+    return path, plan_layer_split(model.num_layers, 2, None, model.head_cost_in_layers)
+
+
+def read_exactly(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError("the floor's other process closed the socket")
+        data += chunk
+    return bytes(data)
+
+
+def floor_child(processes: int, args: argparse.Namespace) -> float:
+    """Decode tok/s of the 2-stage split's halves in one process, or in two (this one runs
+    the first half and drives; a peer process, --floor-peer, runs the second)."""
+    path, halves = floor_halves(processes)
+    peer = None
+    if processes == 2:
+        mine, theirs = socket.socketpair()
+        peer = subprocess.Popen([sys.executable, __file__, "--floor-peer", str(theirs.fileno()),
+                                 "--threads", str(args.threads)], pass_fds=[theirs.fileno()])
+        theirs.close()
+    import torch
+
+    from skippy.model.llama import Segment
+    from skippy.model.loader import load_stage
+
+    torch.set_num_threads(args.threads)
+    models = [load_stage(path, half, device="cpu", progress=False) for half in (halves if peer is None else halves[:1])]
+    prompt = np.random.default_rng(0).integers(100, 40000, size=args.prompt_tokens).tolist()
+
+    def generate(ids: list[int], steps: int) -> float:
+        caches = [model.new_cache() for model in models]
+        rows, started = torch.tensor(ids), 0.0
+        for step in range(steps + 1):
+            if step == 1:
+                started = time.perf_counter()  # decode only: the prompt's forward is step 0
+            for model, cache in zip(models, caches):
+                rows = model.forward(rows, [Segment(cache, cache.length, len(rows))])
+            if peer is None:
+                token = int(models[-1].compute_logits(rows[-1:] if step == 0 else rows).argmax())
+            else:
+                mine.sendall(struct.pack("<i", -len(rows) if step == 0 else len(rows)) + rows.numpy().tobytes())
+                (token,) = struct.unpack("<i", read_exactly(mine, 4))
+            rows = torch.tensor([token])
+        return steps / (time.perf_counter() - started)
+
+    try:
+        generate(prompt[:64], 8)  # warm-up: first-call allocations, page faults
+        return generate(prompt, args.decode_tokens)
+    finally:
+        if peer is not None:
+            mine.sendall(struct.pack("<i", 0))
+            peer.wait()
+
+
+def floor_peer(fd: int, args: argparse.Namespace) -> None:
+    """The floor's second process: the split's second half, read rows -> forward -> write the token."""
+    path, halves = floor_halves(2)
+    import torch
+
+    from skippy.model.llama import Segment
+    from skippy.model.loader import load_stage
+
+    torch.set_num_threads(args.threads)
+    model = load_stage(path, halves[1], device="cpu", progress=False)
+    sock, cache = socket.socket(fileno=fd), None
+    while (count := struct.unpack("<i", read_exactly(sock, 4))[0]) != 0:
+        if count < 0:  # a prompt: a new session
+            cache, count = model.new_cache(), -count
+        rows = torch.frombuffer(bytearray(read_exactly(sock, count * model.args.hidden_size * 4)),
+                                dtype=torch.float32).view(count, model.args.hidden_size)
+        hidden = model.forward(rows, [Segment(cache, cache.length, count)])
+        sock.sendall(struct.pack("<i", int(model.compute_logits(hidden[-1:] if count > 1 else hidden).argmax())))
+
+
+def measure_one(n: int | str, args: argparse.Namespace) -> tuple[float, ...]:
     env = dict(os.environ)
     if not args.user_spin:  # each child sets its own, as serve does (none for one stage)
         env.pop("GOMP_SPINCOUNT", None)
@@ -129,11 +231,16 @@ def measure_one(n: int, args: argparse.Namespace) -> tuple[float, float, float]:
 
 async def main(args: argparse.Namespace) -> None:
     results: dict[int, list[tuple[float, float, float]]] = {n: [] for n in (1, 2, 3)}
+    floors: dict[str, list[float]] = {"floor1": [], "floor2": []}
     for round_index in range(args.rounds):
         for n in results:
             results[n].append(measure_one(n, args))
+        for name in floors:
+            floors[name].append(measure_one(name, args)[0])
         print(f"round {round_index + 1}/{args.rounds}: " + "  ".join(
-            f"{n} stage{'s' * (n > 1)} {results[n][-1][1]:.1f} tok/s" for n in results), flush=True)
+            f"{n} stage{'s' * (n > 1)} {results[n][-1][1]:.1f} tok/s" for n in results)
+            + f"  floor: 1 process {floors['floor1'][-1]:.1f}, 2 processes {floors['floor2'][-1]:.1f} tok/s",
+            flush=True)
     hop_us = await wire_hop_us()
 
     decode = {n: statistics.median(r[1] for r in results[n]) for n in results}
@@ -153,10 +260,13 @@ async def main(args: argparse.Namespace) -> None:
               f"{wall_hop:>11} {cpu[n]:>13.2f} {cpu_hop:>10} {prefill[n]:>14.1f} "
               f"{prefill[n] / prefill[1]:>6.2f}")
     print(f"wire hop (DecodeEmbd frame + reply over loopback, no compute): {hop_us:.0f} us")
+    floor = {name: statistics.median(values) for name, values in floors.items()}
+    print(f"floor (the 2-stage split's halves, nothing of ours on a hop): one process {floor['floor1']:.1f} "
+          f"tok/s, two processes {floor['floor2']:.1f} tok/s: {floor['floor2'] / floor['floor1']:.0%}")
     ratio = decode[2] / decode[1]
     verdict = "met" if ratio >= GOAL_RATIO else "NOT met"
     print(f"goal: 2 stages keep >= {GOAL_RATIO:.0%} of one process's decode tok/s: "
-          f"{ratio:.0%} ({verdict})")
+          f"{ratio:.0%} ({verdict}); this machine's floor: {floor['floor2'] / floor['floor1']:.0%}")
 
 
 if __name__ == "__main__":
@@ -165,10 +275,15 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads in every stage")
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-peer", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.user_spin = "GOMP_SPINCOUNT" in os.environ
-    if args.child:
-        print(json.dumps(asyncio.run(measure_child(args.child, args))))
+    if args.floor_peer >= 0:
+        floor_peer(args.floor_peer, args)
+    elif args.child.startswith("floor"):
+        print(json.dumps([floor_child(int(args.child[len("floor"):]), args)]))
+    elif args.child:
+        print(json.dumps(asyncio.run(measure_child(int(args.child), args))))
     else:
         asyncio.run(main(args))
