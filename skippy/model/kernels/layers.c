@@ -204,10 +204,10 @@ static int matmul_ok(int M, int K, const int64_t *w, int N) {
    One parallel region for the whole step: one thread runs the row-sized pieces (norms,
    RoPE, SwiGLU, quantizing a matmul's input), the team shares each matmul's blocks and
    the attention's (session, kv head) tasks (or their query rows), every piece computing
-   exactly as its standalone kernel does. With pick_from (offsets [S + 1] into pick_ids and pick_vals, each
-   row's logit_bias), the rows with picks[s] != 0 get their greedy token in picks[s] (the
-   sampler's: first_max of the logits plus the bias), the others -1. Returns 0, -1 for
-   arguments a kernel refuses (checked before x changes), -2 when out of memory. */
+   exactly as its standalone kernel does. With pick_from (offsets [S + 1] into pick_ids and
+   pick_vals, each row's logit_bias), the rows with picks[s] != 0 get their greedy token in
+   picks[s] (the sampler's: first_max of the logits plus the bias), the others -1. Returns
+   0, -1 for arguments a kernel refuses (checked before x changes), -2 when out of memory. */
 int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, int num_layers,
                          const int64_t *desc, void *const *k, void *const *v, const int *capacity, const int *pos,
                          int f16, const float *cos_table, const float *sin_table, int table_rows, float eps,
