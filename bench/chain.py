@@ -128,21 +128,25 @@ async def measure_child(n: int, args: argparse.Namespace) -> tuple[float, float,
         await (client.close() if chain is None else chain.close())
 
 
-def floor_halves(processes: int) -> tuple[Path, list[tuple[int, int]]]:
-    """The bundled model and the layer ranges of its 2-stage split, as LocalChain plans it;
-    with 2 processes, the co-located spin set first (before torch loads, as LocalChain's
-    stages do)."""
+def floor_model(processes: int) -> Path:
+    """The bundled model, with the co-located spin set first where 2 processes share the
+    cores (before torch loads, as LocalChain's stages do)."""
     from skippy.model.locate import bundled_model_path
     from skippy.model.threads import spin_for_co_located_stages
 
     path = bundled_model_path()
     if processes == 2:
         spin_for_co_located_stages(path)
+    return path
+
+
+def floor_halves(path: Path) -> list[tuple[int, int]]:
+    """The layer ranges of the model's 2-stage split, as LocalChain plans it."""
     from skippy.model.loader import model_args
     from skippy.protocol.configs import plan_layer_split
 
     model = model_args(path)
-    return path, plan_layer_split(model.num_layers, 2, None, model.head_cost_in_layers)
+    return plan_layer_split(model.num_layers, 2, None, model.head_cost_in_layers)
 
 
 def read_exactly(sock: socket.socket, n: int) -> bytes:
@@ -158,8 +162,8 @@ def read_exactly(sock: socket.socket, n: int) -> bytes:
 def floor_child(processes: int, args: argparse.Namespace) -> float:
     """Decode tok/s of the 2-stage split's halves in one process, or in two (this one runs
     the first half and drives; a peer process, --floor-peer, runs the second)."""
-    path, halves = floor_halves(processes)
-    peer = None
+    path = floor_model(processes)
+    halves, peer = floor_halves(path), None
     if processes == 2:
         mine, theirs = socket.socketpair()
         peer = subprocess.Popen([sys.executable, __file__, "--floor-peer", str(theirs.fileno()),
@@ -201,7 +205,8 @@ def floor_child(processes: int, args: argparse.Namespace) -> float:
 
 def floor_peer(fd: int, args: argparse.Namespace) -> None:
     """The floor's second process: the split's second half, read rows -> forward -> write the token."""
-    path, halves = floor_halves(2)
+    path = floor_model(2)
+    halves = floor_halves(path)
     import torch
 
     from skippy.model.llama import Segment

@@ -301,9 +301,15 @@ int skippy_decode_attention_span(int S, int H, int KVH, int hd, const int *capac
     return max_t;
 }
 
-/* Session s's row of qkv stored at its position in kv head j's cache (skippy_decode_attention) */
-static void store_kv(int s, int j, const float *qkv, int H, int KVH, int hd, void *const *k, void *const *v,
-                     const int *capacity, const int *pos, int layer, int f16) {
+/* Task `task` (session task / KVH, kv head task % KVH) of skippy_decode_attention in two
+   parts, for a team to share one kv head's query rows: the store of the session's k and v
+   rows at its position (ahead of every row), then query rows g0 .. g0 + rows of the head's
+   group with `scores` [rows, its span], into out [S, H * hd]. A row's sums are the ones it
+   has among its whole group's (attend_group sums every row alike), so the bits are the
+   whole task's whichever thread runs which rows. */
+void skippy_decode_attention_store(int task, const float *qkv, int H, int KVH, int hd, void *const *k,
+                                   void *const *v, const int *capacity, const int *pos, int layer, int f16) {
+    const int s = task / KVH, j = task % KVH;
     const float *q = qkv + (size_t)s * (H + 2 * KVH) * hd;
     const size_t at = (((size_t)layer * KVH + j) * capacity[s] + pos[s]) * hd;
     const float *kr = q + (size_t)(H + j) * hd, *vr = q + (size_t)(H + KVH + j) * hd;
@@ -318,12 +324,10 @@ static void store_kv(int s, int j, const float *qkv, int H, int KVH, int hd, voi
     }
 }
 
-/* Query rows g0 .. g0 + rows of session s's group on kv head j, over that head's cache
-   (its row stored), into out [S, H * hd] */
-static void attend_kv_rows(int s, int j, int g0, int rows, const float *qkv, int H, int KVH, int hd,
-                           void *const *k, void *const *v, const int *capacity, const int *pos, int layer,
-                           int window, int f16, float scale, float *scores, float *out) {
-    const int group = H / KVH;
+void skippy_decode_attention_rows(int task, int g0, int rows, const float *qkv, int H, int KVH, int hd,
+                                  void *const *k, void *const *v, const int *capacity, const int *pos, int layer,
+                                  int window, int f16, float scale, float *scores, float *out) {
+    const int s = task / KVH, j = task % KVH, group = H / KVH;
     const float *q = qkv + (size_t)s * (H + 2 * KVH) * hd + (size_t)(j * group + g0) * hd;
     const int first = window > 0 && pos[s] + 1 > window ? pos[s] + 1 - window : 0;
     const size_t from = (((size_t)layer * KVH + j) * capacity[s] + first) * hd;
@@ -331,30 +335,13 @@ static void attend_kv_rows(int s, int j, int g0, int rows, const float *qkv, int
                  scores, out + (size_t)s * H * hd + (size_t)(j * group + g0) * hd);
 }
 
-/* Task `task` (session task / KVH, kv head task % KVH) of skippy_decode_attention, with
-   `scores` [H / KVH, its span] of scratch; the same arithmetic whichever thread runs it */
+/* The whole task: its store, then all of its group's rows, with `scores` [H / KVH, its span] */
 void skippy_decode_attention_task(int task, const float *qkv, int H, int KVH, int hd, void *const *k, void *const *v,
                                   const int *capacity, const int *pos, int layer, int window, int f16, float scale,
                                   float *scores, float *out) {
-    const int s = task / KVH, j = task % KVH;
-    store_kv(s, j, qkv, H, KVH, hd, k, v, capacity, pos, layer, f16);
-    attend_kv_rows(s, j, 0, H / KVH, qkv, H, KVH, hd, k, v, capacity, pos, layer, window, f16, scale, scores, out);
-}
-
-/* A task in parts, for a team to share one kv head's query rows: its store (ahead of all
-   of them), then query rows g0 .. g0 + rows with `scores` [rows, its span]. A row's sums
-   are the ones it has among its group's (attend_group sums every row alike), so the bits
-   are the task's. */
-void skippy_decode_attention_store(int task, const float *qkv, int H, int KVH, int hd, void *const *k,
-                                   void *const *v, const int *capacity, const int *pos, int layer, int f16) {
-    store_kv(task / KVH, task % KVH, qkv, H, KVH, hd, k, v, capacity, pos, layer, f16);
-}
-
-void skippy_decode_attention_rows(int task, int g0, int rows, const float *qkv, int H, int KVH, int hd,
-                                  void *const *k, void *const *v, const int *capacity, const int *pos, int layer,
-                                  int window, int f16, float scale, float *scores, float *out) {
-    attend_kv_rows(task / KVH, task % KVH, g0, rows, qkv, H, KVH, hd, k, v, capacity, pos, layer, window, f16, scale,
-                   scores, out);
+    skippy_decode_attention_store(task, qkv, H, KVH, hd, k, v, capacity, pos, layer, f16);
+    skippy_decode_attention_rows(task, 0, H / KVH, qkv, H, KVH, hd, k, v, capacity, pos, layer, window, f16, scale,
+                                 scores, out);
 }
 
 /* A batch of decode rows, one per session, in one call: for session s, store row s's
