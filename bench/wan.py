@@ -39,8 +39,7 @@ import numpy as np  # noqa: E402
 
 from skippy.launch.local_chain import LocalChain, connect_topology, plan_chain, write_plan  # noqa: E402
 from skippy.protocol import LinkConditioning, StageConfig, Topology  # noqa: E402
-from skippy.runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS  # noqa: E402
-from skippy.stage import link, tls  # noqa: E402
+from skippy.runtime.batch_policy import ONE_WAVE_PEER_WAIT_FORWARDS  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from netns_support import cap_bandwidth, namespace_hosts, run_in, start_in  # noqa: E402
@@ -74,10 +73,10 @@ async def as_client(args) -> None:
     """--client: stage 0 of the plan in args.client, in this (namespace's) process; one JSON line."""
     plan = Path(args.client)
     topology, stage0 = Topology.load(plan / "topology.json"), StageConfig.load(plan / "stage-0.json")
-    tls.use(stage0.tls.resolved(plan))
-    link.use(LinkConditioning(delay_ms=args.delay) if args.delay else None)
     client = await connect_topology(topology, bundled_model_path(), auth_token=stage0.auth_token, ctx_size=2048,
                                     activation_dtype=stage0.activation_dtype, concurrency=8,
+                                    tls=stage0.tls.resolved(plan),
+                                    link_conditioning=LinkConditioning(delay_ms=args.delay) if args.delay else None,
                                     peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
     try:
         print(json.dumps(await workload(client, args)))

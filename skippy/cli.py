@@ -249,10 +249,13 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_stage(args: argparse.Namespace) -> int:
     import asyncio
 
+    from .model.threads import set_spin_count
     from .protocol import Topology
-    from .stage.process import serve_stage
 
     config = stage_config(args)
+    set_spin_count(config.omp_spin_count)  # before torch loads
+    from .stage.process import serve_stage
+
     topology = Topology.load(args.topology) if args.topology else None
     asyncio.run(serve_stage(config, topology))
     return 0

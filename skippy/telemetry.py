@@ -51,13 +51,14 @@ def _check(key: str, value: Any) -> AttrValue:
 class Span:
     """A span being recorded: `set(key, value)` adds numbers or labels to it."""
 
-    __slots__ = ("_span", "attrs", "traceparent")
+    __slots__ = ("_span", "attrs", "traceparent", "_ended")
 
     def __init__(self, span: trace.Span | None) -> None:
         self._span = span
         self.attrs: dict[str, AttrValue] = {}
         # this span's context for the frames it sends (its children's parent); None: not traced
         self.traceparent: bytes | None = None if span is None else _traceparent(span)
+        self._ended = False
 
     @property
     def trace_id(self) -> str:
@@ -70,6 +71,13 @@ class Span:
     def add(self, key: str, value: float) -> None:
         """Accumulate a number (for example milliseconds spent in several waits)."""
         self.attrs[key] = self.attrs.get(key, 0) + value
+
+    def end(self) -> None:
+        """Attach the attributes and end the span (once; `Telemetry.span` does it on exit)."""
+        if self._span is not None and not self._ended:
+            self._ended = True
+            self._span.set_attributes(self.attrs)
+            self._span.end()
 
 
 class Telemetry:
@@ -98,10 +106,9 @@ class Telemetry:
         """Spans go somewhere: stage 0 then sends a trace context with every frame."""
         return self._provider is not None
 
-    @contextlib.contextmanager
-    def span(self, name: str, *, parent: bytes | None = None, **attrs: Any) -> Iterator[Span]:
-        """Record one span, the child of `parent` (a 25-byte trace context from a frame; None:
-        a new trace). Attributes set on the yielded `Span` are attached when it ends."""
+    def start_span(self, name: str, *, parent: bytes | None = None, **attrs: Any) -> Span:
+        """A span begun now, the child of `parent` (a 25-byte trace context from a frame; None:
+        a new trace); its `end()` ends it with the attributes set on it."""
         span = None
         if self._tracer is not None:
             context = None if parent is None else _parent_context(parent)
@@ -109,12 +116,16 @@ class Telemetry:
         holder = Span(span)
         for key, value in attrs.items():
             holder.set(key, value)
+        return holder
+
+    @contextlib.contextmanager
+    def span(self, name: str, *, parent: bytes | None = None, **attrs: Any) -> Iterator[Span]:
+        """`start_span` for the length of a `with` block."""
+        holder = self.start_span(name, parent=parent, **attrs)
         try:
             yield holder
         finally:
-            if span is not None:
-                span.set_attributes(holder.attrs)
-                span.end()
+            holder.end()
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:

@@ -11,7 +11,7 @@ import torch
 from skippy.driver.client import ChainClient
 from skippy.model.llama import Segment
 from skippy.protocol import PeerEndpoint, StageConfig, plan_layer_split
-from skippy.runtime.engine import StageRuntime
+from skippy.runtime.stage_runtime import StageRuntime
 from skippy.stage.server import StageServer
 
 PROMPTS = [
@@ -56,7 +56,6 @@ async def start_chain(make_stage, num_stages: int, *, model_path: str = "bundled
                               lane_count=lane_count, **(stage_options or {}))
         runtime = StageRuntime(make_stage(*splits[index]), lane_count=lane_count,
                                record_logits=record_logits and index == num_stages - 1,
-                               name=f"stage{index}",
                                telemetry=server_telemetry(index) if server_telemetry else None)
         server = StageServer(config, runtime)
         await server.start()

@@ -9,7 +9,7 @@ import threading
 from chain_support import Chain, stage_config
 from skippy.driver.client import ChainClient
 from skippy.protocol import KvCacheConfig, PeerEndpoint, plan_layer_split
-from skippy.runtime.engine import StageRuntime
+from skippy.runtime.stage_runtime import StageRuntime
 from skippy.runtime.stage_cache import StagePrefixCache
 from skippy.stage.server import StageServer
 
@@ -64,9 +64,9 @@ async def start_cached_chain(make_stage, model_path, num_stages: int, kv, *, lan
         config = stage_config(index, splits[index], str(model_path), downstream=downstream,
                               lane_count=lane_count, ctx_size=ctx_size)
         model = make_stage(*splits[index])
-        runtime = StageRuntime(model, lane_count=lane_count, ctx_size=ctx_size, name=f"stage{index}")
-        runtime.prefix_cache = stage_prefix_cache(kvs[index], model_path, splits[index], model,
-                                                  runtime.runner.ctx_size)
+        runtime = StageRuntime(model, lane_count=lane_count, ctx_size=ctx_size,
+                               prefix_cache=stage_prefix_cache(kvs[index], model_path, splits[index], model,
+                                                               min(ctx_size, model.args.context_length)))
         server = StageServer(config, runtime)
         await server.start()
         servers.insert(0, server)
@@ -96,6 +96,7 @@ def session_counts(chain: Chain) -> list[int]:
 
 
 async def clear_stage(chain: Chain, index: int) -> int:
-    """Evict every entry of one stage's memory cache, on that stage's worker."""
+    """Evict every entry of one stage's memory cache, on that stage's engine."""
     runtime = runtimes(chain)[index]
-    return (await runtime.scheduler.submit_op(runtime.prefix_cache.cache.clear)).value
+    engine = chain.client.engine if index == 0 else chain.servers[index - 1].engine
+    return await engine.call(runtime.prefix_cache.cache.clear)

@@ -13,7 +13,8 @@ from skippy.protocol import (
     MessageKind, ReplyKind, SamplingConfig, StageMessage, client_handshake, read_reply,
     write_message,
 )
-from skippy.runtime.engine import BATCHED_STEPS_COUNTER
+from skippy.runtime.batch_policy import BatchSettings
+from skippy.runtime.stage_runtime import BATCHED_STEPS_COUNTER
 
 PROMPT = PROMPTS[1]  # 40 tokens
 P = len(PROMPT)
@@ -121,7 +122,7 @@ def test_final_stage_skips_discarded_windows_middle_stages_run_them(make_stage, 
                 middle = chain.servers[0].runtime
                 assert set(middle.session(middle.sessions.keys()[0]).verify_windows) == {5, 6}
                 assert set(final_session(chain).verify_windows) == {6}
-                assert s.waiter.empty()
+                assert s.slot.draws == 1 + 3  # the prompt's token and window 6's rows: 5 never answered
         finally:
             await chain.close()
 
@@ -198,7 +199,7 @@ def test_two_concurrent_sessions_are_independent_and_batched(make_stage):
     expected = [reference_greedy(make_stage(), p, 12)[0] for p in prompts]
 
     async def main():
-        chain = await start_chain(make_stage, 3, concurrency=2, batch_wait_s=1.0)
+        chain = await start_chain(make_stage, 3, concurrency=2, batch=BatchSettings(batch_wait_s=1.0))
         try:
             # In lock step, so both sessions' steps reach every stage together whatever the
             # machine's load (free-running, they settle into two waves that need not meet).
@@ -209,7 +210,7 @@ def test_two_concurrent_sessions_are_independent_and_batched(make_stage):
                     tokens.append(list(await asyncio.gather(a.decode(tokens[-1][0]), b.decode(tokens[-1][1]))))
             assert [[t[0] for t in tokens], [t[1] for t in tokens]] == expected
             assert chain.client.telemetry.counters[BATCHED_STEPS_COUNTER] >= 1
-            assert any(server.runtime.scheduler.stats.batched_iterations for server in chain.servers)
+            assert any(server.runtime.num_batched_forwards for server in chain.servers)
             # and each alone afterwards still gives the same tokens
             solo = await chain.client.generate(prompts[1], max_tokens=12)
             assert solo.tokens == expected[1]
@@ -230,8 +231,8 @@ def test_relay_fallback_and_persistent_lanes(make_stage, greedy):
                 result = await chain.client.generate(PROMPT, max_tokens=4)
                 assert result.tokens == greedy[:4]
             assert chain.client.listener.num_streams == 0       # nothing came back directly
-            assert len(chain.servers[0].connections) == 1       # one lane, reused
-            assert len(chain.servers[1].connections) == 1
+            assert len(chain.servers[0].lanes) == 1       # one lane, reused
+            assert len(chain.servers[1].lanes) == 1
             assert all(len(server.runtime.sessions) == 0 for server in chain.servers)
         finally:
             await chain.close()
@@ -242,7 +243,10 @@ def test_relay_fallback_and_persistent_lanes(make_stage, greedy):
 def test_every_stage_reports_its_own_layers_and_open_sessions(make_stage, greedy):
     """GetStageStatus, asked of each stage on a connection of its own: the count is the
     stage's session table, so a session a stage failed to drop would show."""
-    from skippy.stage.downstream import query_stage_status
+    from skippy.stage.transport import Transport
+
+    def query_stage_status(endpoint, token):
+        return Transport(auth_token=token).query_status(endpoint)
 
     async def sessions_per_stage(chain) -> list[int]:
         reports = [await query_stage_status(server.endpoint, "t" * 16) for server in chain.servers]
@@ -260,7 +264,8 @@ def test_every_stage_reports_its_own_layers_and_open_sessions(make_stage, greedy
                 assert await s.prefill(PROMPT) == greedy[0]
                 assert await sessions_per_stage(chain) == [1, 1]
             assert await sessions_per_stage(chain) == [0, 0]
-            chain.servers[1].runtime.open_session((999, 1), 1)  # a session leaked on stage 2 alone
+            runtime = chain.servers[1].runtime  # a session leaked on stage 2 alone
+            await chain.servers[1].engine.call(lambda: runtime.open_session((999, 1), 1))
             assert await sessions_per_stage(chain) == [0, 1]
             assert await query_stage_status(chain.servers[0].endpoint, "wrong-token-0000") is None
             assert await query_stage_status("127.0.0.1:1", None) is None  # nothing listens

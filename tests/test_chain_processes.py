@@ -14,8 +14,8 @@ from chain_support import PROMPTS, reference_greedy, run, stage_config
 from skippy.driver.session import ChainError
 from skippy.driver.client import ChainClient
 from skippy.launch.local_chain import free_ports
-from skippy.protocol import PeerEndpoint
-from skippy.runtime.engine import StageRuntime
+from skippy.protocol import PeerEndpoint, Timeouts
+from skippy.runtime.stage_runtime import StageRuntime
 from skippy.runtime.local_generation import GenerationLimits, generate_tokens
 from skippy.stage.process import READY_PREFIX
 from skippy.stage.server import StageServer
@@ -50,7 +50,7 @@ async def _final_stage_and_middle_config(make_stage, gguf_path, tmp_path):
     """(the final stage [20, 30) in this process, started; the middle stage's endpoint and the
     path of its config [10, 20), for `_spawn_stage`): stage 0 [0, 10) dials the endpoint."""
     final = StageServer(stage_config(2, (20, 30), str(gguf_path)),
-                        StageRuntime(make_stage(20, 30), name="stage2"))
+                        StageRuntime(make_stage(20, 30)))
     await final.start()
     middle_endpoint = f"127.0.0.1:{free_ports(1)[0]}"
     config_path = tmp_path / "stage-1.json"
@@ -68,7 +68,7 @@ def test_killing_a_middle_stage_fails_fast_and_a_restart_recovers(make_stage, gg
         final, middle_endpoint, config_path = await _final_stage_and_middle_config(make_stage, gguf_path, tmp_path)
         middle = await _spawn_stage(config_path)
         # recovery off: this is the path of a chain that does not come back in time
-        client = ChainClient(make_stage(0, 10), downstream=middle_endpoint, recovery_timeout_s=0)
+        client = ChainClient(make_stage(0, 10), downstream=middle_endpoint, timeouts=Timeouts(recovery_s=0))
         try:
             await client.start()
             final.returns.driver_endpoint = client.return_endpoint
@@ -126,7 +126,7 @@ def test_a_generation_survives_its_middle_stage_dying_and_coming_back(make_stage
     async def main():
         final, middle_endpoint, config_path = await _final_stage_and_middle_config(make_stage, gguf_path, tmp_path)
         middle = [await _spawn_stage(config_path)]
-        client = ChainClient(make_stage(0, 10), downstream=middle_endpoint, recovery_timeout_s=60,
+        client = ChainClient(make_stage(0, 10), downstream=middle_endpoint, timeouts=Timeouts(recovery_s=60),
                              speculative=settings)
         restarts: list[asyncio.Task] = []
 

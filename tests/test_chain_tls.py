@@ -7,9 +7,11 @@ import asyncio
 import json
 import logging
 import socket
+import signal
 import ssl
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -18,7 +20,7 @@ from frontend_support import ServeProcess
 from skippy.launch.local_chain import free_ports
 from skippy.protocol import StageConfig, TlsConfig
 from skippy.stage import tls
-from skippy.stage.downstream import LinkBroken, open_connection, query_stage_status
+from skippy.stage.transport import LinkBroken, Transport
 from test_standby_stages import start_stage
 
 pytestmark = pytest.mark.slow
@@ -62,18 +64,18 @@ def test_a_chain_off_loopback_runs_over_mutual_tls(tmp_path):
         async def probes() -> None:
             stage_endpoint = endpoints[1]
             right = stage1.tls.resolved(tmp_path)
-            tls.use(right)
-            assert await query_stage_status(stage_endpoint, stage1.auth_token) is not None
-            tls.use(None)  # plain TCP to a TLS listener: refused
-            assert await query_stage_status(stage_endpoint, stage1.auth_token) is None
+            assert await Transport(tls_identity=right, auth_token=stage1.auth_token).query_status(stage_endpoint)
+            # plain TCP to a TLS listener: refused
+            assert await Transport(auth_token=stage1.auth_token).query_status(stage_endpoint) is None
             other = tls.issue_certificates(tmp_path / "other" / "tls", {"stranger": host})["stranger"]
-            tls.use(other.resolved(tmp_path / "other"))  # a certificate from another CA: refused
-            with pytest.raises(LinkBroken, match="certificate"):
-                await open_connection(stage_endpoint, auth_token=stage1.auth_token)
-            tls.use(right)  # the right CA, the wrong token: refused by the token check inside TLS
-            assert await query_stage_status(stage_endpoint, "not-the-chain-token") is None
-            assert await query_stage_status(stage_endpoint, stage1.auth_token) is not None  # still serving
-            tls.use(None)
+            stranger = Transport(tls_identity=other.resolved(tmp_path / "other"), auth_token=stage1.auth_token)
+            with pytest.raises(LinkBroken, match="certificate"):  # a certificate from another CA: refused
+                await stranger.dial(stage_endpoint)
+            # the right CA, the wrong token: refused by the token check inside TLS
+            assert await Transport(tls_identity=right, auth_token="not-the-chain-token").query_status(
+                stage_endpoint) is None
+            assert await Transport(tls_identity=right, auth_token=stage1.auth_token).query_status(
+                stage_endpoint) is not None  # still serving
 
         asyncio.run(probes())
         # the stage said whom it refused and why, once each, without a traceback
@@ -81,7 +83,7 @@ def test_a_chain_off_loopback_runs_over_mutual_tls(tmp_path):
         refused = [line for line in log.splitlines() if "TLS handshake from" in line]
         assert len(refused) == 2, log
         assert "level=WARNING" in refused[0] and f"stage 1: TLS handshake from {host}:" in refused[0]
-        assert "does not speak TLS" in refused[0] and "another CA" in refused[1], refused
+        assert "does not speak TLS" in refused[0] and "another chain's CA" in refused[1], refused
         assert "Traceback" not in log
     finally:
         if server is not None:
@@ -117,49 +119,49 @@ def test_a_listener_logs_each_refused_tls_handshake_once_and_keeps_serving(tmp_p
     host = local_address()
     right = tls.issue_certificates(tmp_path / "a" / "tls", {"stage": host, "peer": host})
     stranger = tls.issue_certificates(tmp_path / "b" / "tls", {"stranger": host})["stranger"].resolved(tmp_path / "b")
-    monkeypatch.setattr(tls, "_refusals", {})
 
-    async def echo(reader, writer):
-        writer.write(await reader.readexactly(4))
-        await writer.drain()
-        writer.close()
-
-    async def dial(port: int, context: ssl.SSLContext | None, data: bytes = b"ping") -> bytes | None:
+    async def dial(port: int, context: ssl.SSLContext | None, data: bytes = b"") -> bool:
+        """Whether the listener answered READY over this TLS context (None: plain TCP)."""
         try:
             reader, writer = await asyncio.open_connection(host, port, ssl=context)
             writer.write(data)
             await writer.drain()
-            answer = await asyncio.wait_for(reader.read(4), 10)
+            answer = await asyncio.wait_for(reader.read(8), 10)
             writer.close()
-            return answer
+            return len(answer) == 8
         except (ssl.SSLError, ConnectionError):
-            return None
+            return False
 
     async def main() -> None:
-        tls.use(right["stage"].resolved(tmp_path / "a"))
-        server = await tls.start_server(echo, host, 0, where="stage 1")
-        port = server.sockets[0].getsockname()[1]
-        tls.use(right["peer"].resolved(tmp_path / "a"))
-        good = tls.client_context(host)
-        tls.use(stranger)
-        other_ca = tls.client_context(host)  # trusts another CA only: hangs up on the stage's certificate
+        accepted = []
+
+        async def keep(sock, peer) -> None:
+            accepted.append(sock)
+
+        listener = await Transport(tls_identity=right["stage"].resolved(tmp_path / "a")).listen(
+            host, 0, keep, where="stage 1")
+        port = listener.port
+        good = tls.context(right["peer"].resolved(tmp_path / "a"), host, server=False)
+        other_ca = tls.context(stranger, host, server=False)  # trusts another CA only: hangs up on the stage
         other_cert = ssl.create_default_context(cafile=str(tmp_path / "a" / "tls" / "ca.pem"))
         other_cert.load_cert_chain(stranger.cert_file, stranger.key_file)  # trusts the stage, is not trusted
         no_cert = ssl.create_default_context(cafile=str(tmp_path / "a" / "tls" / "ca.pem"))
         try:
-            assert await dial(port, good) == b"ping"
-            assert await dial(port, other_ca) is None
+            assert await dial(port, good)
+            assert not await dial(port, other_ca)
             for _ in range(3):
                 assert not await dial(port, other_cert)
             assert not await dial(port, no_cert)
             assert not await dial(port, None, b"plain TCP, no TLS at all" * 4)
-            assert await dial(port, good) == b"ping"  # still serving
+            assert await dial(port, good)  # still serving
             monkeypatch.setattr(tls, "REFUSAL_LOG_EVERY_S", 0.0)
             assert not await dial(port, other_cert)
             await asyncio.sleep(0.2)  # the listener's side of the last refusal
+            assert len(accepted) == 2
         finally:
-            server.close()
-            tls.use(None)
+            await listener.close()
+            for sock in accepted:
+                sock.close()
 
     with caplog.at_level(logging.WARNING, logger="skippy.stage"):
         asyncio.run(main())
@@ -173,3 +175,42 @@ def test_a_listener_logs_each_refused_tls_handshake_once_and_keeps_serving(tmp_p
     assert "sent no client certificate" in messages[2]
     assert "does not speak TLS (plain TCP?) (WRONG_VERSION_NUMBER)" in messages[3]
     assert "not from this chain's CA" in messages[4] and "(2 more like it from" in messages[4]
+
+
+def test_a_request_survives_a_killed_stage_over_tls(tmp_path):
+    """The recovery of a chain off loopback, every link mutual TLS: the final stage SIGKILLed
+    mid-stream and started again on its port; the stream pauses, replays itself onto the whole
+    chain, and its text is the uninterrupted run's."""
+    from test_serve_recovery import complete
+    from test_standby_stages import stream_while
+
+    host = local_address()
+    endpoints = [f"{host}:{port}" for port in free_ports(3, host)]
+    plan = subprocess.run([sys.executable, "-m", "skippy.cli", "plan", "--stages", "3", "--hosts", ",".join(endpoints),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    topology = tmp_path / "topology.json"
+    stages = {i: start_stage(tmp_path / f"stage-{i}.json", topology, tmp_path / f"stage-{i}.log") for i in (1, 2)}
+    server = None
+    try:
+        server = ServeProcess(["--topology", str(topology), "--threads", "1"], tmp_path / "serve.log")
+        prompt = "Story: once upon a time, in a village by the sea,"
+        started = time.perf_counter()
+        expected = complete(server.url, prompt, max_tokens=160)
+        took = time.perf_counter() - started
+
+        def kill_and_restart() -> None:
+            stages[2].send_signal(signal.SIGKILL)
+            stages[2].wait(30)
+            stages[2] = start_stage(tmp_path / "stage-2.json", topology, tmp_path / "stage-2b.log")
+
+        assert stream_while(server.url, prompt, kill_and_restart, took / 3) == expected
+        log = (tmp_path / "serve.log").read_text()
+        assert "resumed on a fresh lane" in log and "TLS handshake" not in log  # recovered, over TLS
+        assert "direct prediction return unavailable" not in (tmp_path / "stage-2b.log").read_text()
+    finally:
+        if server is not None:
+            server.stop()
+        for process in stages.values():
+            process.terminate()
+            process.wait(timeout=30)

@@ -68,3 +68,28 @@ def test_the_cycle_finder_finds_a_cycle():
     graph.add_import(importer="pkg.b", imported="pkg.a")
     graph.add_import(importer="pkg.c", imported="pkg.a")
     assert import_cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+def test_the_stage_package_has_no_import_cycle_even_for_type_checking():
+    """A stage module typed against another's insides is coupled to it as much as one that
+    imports it to run: inside skippy.stage, not even `if TYPE_CHECKING:` imports form a cycle."""
+    graph = grimp.build_graph("skippy", cache_dir=None, exclude_type_checking_imports=False)
+    assert [group for group in import_cycles(graph) if any(m.startswith("skippy.stage") for m in group)] == []
+
+
+# asyncio's objects keep their state in underscored attributes (a StreamReader's unread
+# bytes, a transport's protocol, a future's loop): none of skippy's code may reach for them
+ASYNCIO_PRIVATE = {"_buffer", "_transport", "_protocol", "_loop", "_waiter", "_paused", "_eof", "_stream_reader",
+                   "_ssl_protocol", "_sock", "_ready", "_scheduled", "_selector", "_stdout", "_exception"}
+
+
+def test_no_module_reads_asyncio_private_attributes():
+    import ast
+
+    offences = []
+    for path in sorted((ROOT / "skippy").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr in ASYNCIO_PRIVATE
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                offences.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert offences == []

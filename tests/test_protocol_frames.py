@@ -859,10 +859,14 @@ def test_decode_frames_equal_encode_message_byte_for_byte(dtype, np_dtype, trace
     frames = DecodeFrames(_decode_message(512, 1, 42, first, dtype, trace))
     for pos, step, token in [(512, 1, 42), (513, 2, 0), (2047, 1535, I32_MAX), (0, -1, I32_MIN), (9, 7, 151_000)]:
         rows = random_rows()
-        assert frames.matches(trace, rows)
-        assert frames.encode(pos, step, token, rows) == encode_message(_decode_message(pos, step, token, rows, dtype, trace))
-    assert not frames.matches(None if trace else TRACE, first)  # another trace context: a new template
-    assert not frames.matches(trace, np.zeros((2, 24), np_dtype))
+        message = _decode_message(pos, step, token, rows, dtype, trace)
+        assert frames.fits(message, rows)
+        assert frames.encode(pos, step, token, rows) == encode_message(message)
+    # another trace context, request, session or row shape: a new template
+    assert not frames.fits(_decode_message(512, 1, 42, first, dtype, None if trace else TRACE), first)
+    assert not frames.fits(replace(_decode_message(512, 1, 42, first, dtype, trace), request_id=10), first)
+    assert not frames.fits(replace(_decode_message(512, 1, 42, first, dtype, trace), session_id=5), first)
+    assert not frames.fits(_decode_message(512, 1, 42, first, dtype, trace), np.zeros((2, 24), np_dtype))
 
 
 def test_decode_frames_refuse_what_encode_message_refuses():
@@ -942,3 +946,26 @@ def test_token_of_reply_reads_back_token_reply_only():
     torn = bytearray(token_reply(7))
     torn[-4:] = token_reply(8)[-4:]  # the header's token and the array's disagree
     assert token_of_reply(torn) is None
+
+
+def test_a_buffer_reader_takes_whole_frames_and_reads_decode_frames_against_the_first():
+    """MessageReader: what a socket's bytes hold, whole frames only, each as decode_message
+    reads it (a session's one-row decode frames against its first, the rest in full)."""
+    from skippy.protocol.decode_frames import MessageReader, read_reply_from
+
+    rows = np.arange(24, dtype=np.float32).reshape(1, 24)
+    messages = [_decode_message(512 + i, i, 40 + i, rows + i, ActivationDtype.f32, None) for i in range(3)]
+    messages.insert(1, StageMessage(K.Stop, request_id=9, session_id=4))
+    wire = bytearray(b"".join(encode_message(m) for m in messages))
+    read, reader = [], MessageReader()
+    for cut in (1, 103, 104, 105, len(wire)):  # bytes arrive cut anywhere
+        buffer = bytearray(wire[:cut])
+        while (got := reader(buffer)) is not None:
+            read.append(got[0])
+            del buffer[:got[1]]
+        if cut == len(wire):
+            assert not buffer
+    assert read[-4:] == messages and read[-4:] == [decode_message(encode_message(m)) for m in messages]
+    token, ack = encode_reply(StageReply.token(7)), encode_reply(StageReply.ack())
+    assert read_reply_from(bytearray(token + ack))[0] == StageReply.token(7)
+    assert read_reply_from(bytearray(ack[:-1])) is None and read_reply_from(bytearray(ack))[1] == len(ack)

@@ -23,7 +23,7 @@ from skippy.protocol.constants import (
     MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, REPLY_HEADER, STATS_BLOCK, ReplyKind, header_offset,
 )
 from skippy.protocol.frames import decode_reply_body, parse_reply_header
-from skippy.runtime.engine import StageRuntime
+from skippy.runtime.stage_runtime import StageRuntime
 from skippy.stage.server import StageServer
 
 pytestmark = pytest.mark.slow

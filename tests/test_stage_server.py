@@ -24,7 +24,7 @@ from skippy.protocol import (
     read_reply, write_message,
 )
 from skippy.protocol.constants import MESSAGE_HEADER_FIELDS, PROTOCOL_VERSION, header_offset
-from skippy.runtime.engine import StageRuntime
+from skippy.runtime.stage_runtime import StageRuntime
 from skippy.stage.server import StageServer
 
 WIDTH = 576

@@ -96,9 +96,6 @@ def test_one_request_is_one_trace_over_every_stage_with_timings_and_no_token_ids
         assert all(s.attributes["bytes_in"] == 576 * 4 for s in decode)
         if index == 1:  # the middle stage writes downstream
             assert all("forward_write_ms" in s.attributes for s in decode)
-        # a decode step's frame (the middle's row, the final stage's token) leaves from the
-        # worker as its forward ends, on these plain TCP links (stage/shared_writer.py)
-        assert all(s.attributes["sent_by_worker"] is True for s in decode), [s.attributes for s in decode]
     assert "stage.request_summary" in caplog.text
     # stage 0's one line per request leads to the trace
     (line,) = [r.getMessage() for r in caplog.records if "stage0.generation_summary" in r.getMessage()]

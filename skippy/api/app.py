@@ -58,6 +58,7 @@ class ApiSettings:
     queue_size: int | None = None  # default: clamp(8 x lanes, 16, 256)
     admission_timeout_s: float = 60.0  # 0 = wait until the client gives up
     backend_timeout_s: float = 600.0  # longest silence from the backend; 0 = none
+    abandon_timeout_s: float = 5.0  # a stream the client left: the wait for its generation's next event
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     auth_token: str | None = None  # when set, /v1/* needs `Authorization: Bearer <token>`
 
@@ -89,7 +90,7 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
     stage_metrics = StageMetricsCollector()  # every stage's own series, from its status answer
     metrics.registry.register(stage_metrics)
     ctx = ServeContext(backend, tokenizer, (settings.model_id, *settings.aliases), admission, metrics,
-                       settings.backend_timeout_s)
+                       settings.backend_timeout_s, settings.abandon_timeout_s)
     created = int(time.time())
 
     app = FastAPI(title="skippy", openapi_url=None, docs_url=None, redoc_url=None)

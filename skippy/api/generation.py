@@ -13,7 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-import anyio
+from ..tasks import to_the_end
 
 from ..driver.backend import (
     BackendError, BackendTimeout, Finished, GenerationBackend, GenerationRequest, PrefillDone, Token,
@@ -28,7 +28,6 @@ from .streaming import StopTextStream
 if TYPE_CHECKING:
     from .chat_output import ChatShape
 
-ABANDON_WAIT_S = 5.0  # how long a consumer that left waits for the backend's next event before cancelling
 
 
 @dataclass(slots=True)
@@ -41,6 +40,7 @@ class ServeContext:
     admission: Admission
     metrics: Metrics
     backend_timeout_s: float  # longest wait for the next backend event; 0 = none
+    abandon_timeout_s: float  # a consumer that left waits this long for the backend's next event, then cancels
     activity: Activity = field(default_factory=Activity)  # the chain page's live figures
 
 
@@ -113,7 +113,7 @@ class Generation:
         if pump is not None and not pump.done():
             if self._is_failed:  # silent or broken: do not wait for an event that may never come
                 pump.cancel()
-            done, _ = await asyncio.wait([pump], timeout=ABANDON_WAIT_S)
+            done, _ = await asyncio.wait([pump], timeout=self._ctx.abandon_timeout_s)
             if not done:
                 pump.cancel()
                 await asyncio.wait([pump])
@@ -243,7 +243,6 @@ async def finish(generation: Generation, lease: Lease) -> None:
     """Free the backend session, then the lane, even while the caller is being cancelled
     (a client disconnect cancels the response task; cleanup must still run to the end)."""
     try:
-        with anyio.CancelScope(shield=True):
-            await generation.close()
+        await to_the_end(generation.close())
     finally:
         lease.release()

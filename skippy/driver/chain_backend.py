@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 
 from ..protocol import StageStatusReport, Topology, cache_namespace_digest
-from ..stage.downstream import LinkBroken, query_stage_status
+from ..stage.transport import LinkBroken
 from .backend import (
     BackendError, Finished, GenerationEvent, GenerationRequest, PrefillDone, Readiness, StageStatus,
     StageUnavailable, StandbyStatus,
@@ -105,11 +105,10 @@ class ChainBackend:
         """Stage 0, then every stage below as its own status answers say (a supervisor's view
         of a restarting or failed one first), with its standbys'."""
         endpoints = [endpoint for stage in self._remote for endpoint in stage.endpoints]
-        reports = iter(await asyncio.gather(*(query_stage_status(e, self._auth_token) for e in endpoints)))
-        runtime = self.client.runtime
-        metrics = runtime.metric_values(connections=self.client.num_lanes)
+        reports = iter(await asyncio.gather(*(self.client.transport.query_status(e) for e in endpoints)))
+        sessions, metrics = await self.client.local_status()
         proposed, accepted = self._drafts
-        statuses = [dataclasses.replace(self._first, active_sessions=len(runtime.sessions), metrics=metrics,
+        statuses = [dataclasses.replace(self._first, active_sessions=sessions, metrics=metrics,
                                         figures=self._figures.figures(self._first.stage_id, metrics,
                                             speculative_acceptance=accepted / proposed if proposed else 0.0))]
         for index, stage in enumerate(self._remote, start=1):

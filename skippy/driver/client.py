@@ -1,11 +1,11 @@
 """Stage 0: `ChainClient` drives generation down a chain of stages (spec §1.2).
 
-It owns the first stage's layers in-process (a `StageRuntime`), a pool of
-persistent lanes to stage 1 (one leased per request; Stop resets the session,
-not the socket; a broken lane is replaced on its next lease), and the listener
-that the final stage dials to return predictions directly. `run` is the one
-orchestration of a request (the API's backend and `generate` consume it), and
-lives through a chain that breaks and heals under it.
+It owns the first stage's layers (a `StageRuntime` on its own engine thread, stage/engine.py,
+which also owns every data socket of stage 0), a pool of persistent lanes to stage 1 (one
+leased per request; Stop resets the session, not the socket; a broken lane is replaced on its
+next lease), and the listener that the final stage dials to return predictions directly.
+`run` is the one orchestration of a request (the API's backend and `generate` consume it),
+and lives through a chain that breaks and heals under it.
 
     client = ChainClient(first_stage_model, downstream="127.0.0.1:7001")
     await client.start()
@@ -25,28 +25,31 @@ from dataclasses import dataclass, field
 
 from ..model.grammar import GrammarCompiler
 from ..model.llama import StageModel
-from ..protocol import ActivationDtype, SamplingConfig, StageReplyStats
+from ..protocol import ActivationDtype, LinkConditioning, SamplingConfig, StageReplyStats, Timeouts, TlsConfig
 from ..protocol.sampling_config import GrammarSpec
-from ..runtime.engine import StageRuntime
+from ..protocol.stage_metrics import StageMetricValues
+from ..runtime.batch_policy import BatchSettings
 from ..runtime.proposers import create_proposer
-from ..runtime.scheduler import PEER_WAIT_FORWARDS
 from ..runtime.speculation import SpeculativeSettings
 from ..runtime.stage_cache import StagePrefixCache
-from ..stage.downstream import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, DownstreamLink, LinkBroken
-from ..stage.prediction_return import PredictionHub, ReturnListener
+from ..runtime.stage_runtime import StageRuntime
+from ..stage.downlink import DownLink
+from ..stage.engine import Engine, EngineClosed
+from ..stage.returns import ReturnInbox, ReturnListener
+from ..stage.transport import LinkBroken, Transport
+from ..tasks import to_the_end
 from ..telemetry import Span, Telemetry
 from .backend import Finished, GenerationEvent, PrefillDone, Token
 from .decoder import ChainDecoder
-from .session import ChainError, ChainSession, NoStagesBelow, SessionEnv, SessionTimings
+from .session import ChainSession, SessionEnv, SessionTimings
+from .slot import ChainError, NoStagesBelow, Slot, SlotEnv
 
 # verify-window outcomes on the request's span and summary line (ChainDecoder.report's names)
 SPAN_SPECULATION = ("speculative_num_windows", "speculative_num_proposed_tokens", "speculative_num_accepted_tokens",
                     "speculative_num_full_accept_windows", "speculative_num_rejected_windows",
                     "speculative_stale_windows", "speculative_acceptance_rate")
 log = logging.getLogger("skippy.driver")
-STOP_TIMEOUT_S = 5.0  # an early Stop that takes longer is abandoned: the lane is closed instead
-RECOVERY_TIMEOUT_S = 30.0  # how long a request waits for a broken chain to be whole again
-RECOVERY_RETRY_S = 0.5     # between its tries to lease a lane through the whole chain
+RECOVERY_RETRY_S = 0.5     # between a broken request's tries to lease a lane through the whole chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +64,23 @@ class GenerationResult:
 
 @dataclass(slots=True)
 class Lane:
+    """A lane of stage 0's pool: its link to stage 1 (the engine's) and the slot leasing it."""
     lane_id: int
-    link: DownstreamLink | NoStagesBelow | None = None  # None until dialed
-    session: ChainSession | None = None   # the request holding the lease
+    link: DownLink | NoStagesBelow | None = None  # None until dialed
+    slot: Slot | None = None   # the request holding the lease (set on the engine)
+
+    # the link's callbacks, on the engine: for the request that holds the lane
+    def relayed(self, reply) -> None:
+        if self.slot is not None:
+            self.slot.on_reply(reply)
+
+    def deferred(self) -> None:
+        if self.slot is not None:
+            self.slot.deferred_acked()
+
+    def broken(self, reason: str) -> None:
+        if self.slot is not None:
+            self.slot.link_broken(reason)
 
 
 class ChainClient:
@@ -72,15 +89,13 @@ class ChainClient:
                  concurrency: int = 1, ctx_size: int | None = None,
                  activation_dtype: str = "f32", prefill_chunk: int = 256,
                  max_inflight: int = 4, reply_credit_limit: int = 3,
-                 reply_timeout_s: float = REPLY_TIMEOUT_S,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 timeouts: Timeouts = Timeouts(), tls: TlsConfig | None = None,
+                 link_conditioning: LinkConditioning | None = None,
                  telemetry: Telemetry | None = None, record_logits: bool = False,
-                 batch_wait_s: float = 0.002, peer_wait_forwards: float = PEER_WAIT_FORWARDS,
-                 decode_waves: int = 1,
+                 batch: BatchSettings = BatchSettings(),
                  prefix_cache: StagePrefixCache | None = None,
                  speculative: SpeculativeSettings = SpeculativeSettings(),
                  draft_model: StageModel | None = None,
-                 recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
                  grammars: GrammarCompiler | None = None):
         """`prefix_cache`: stage 0's prefix KV cache; with it a prompt first tries a chain
         restore (session.ChainSession.prefill). `speculative`: the default speculative
@@ -88,61 +103,72 @@ class ChainClient:
         "draft" proposer runs in this process (shared by every request, each with its own KV).
         `grammars`: the grammar engine for response_format: stage 0 compiles each grammar
         before its request runs (`check_grammar`), and samples with it when it holds the
-        head; the final stage compiles its own. None: requests with a grammar are refused."""
+        head; the final stage compiles its own. None: requests with a grammar are refused.
+        `tls`, `link_conditioning`: this process's TLS identity and WAN knob (stage/transport.py)."""
         if not model.layers.is_first:
             raise ValueError(f"Expected the first stage's layers [0, k), got {model.layers}")
         if (downstream is None) != model.layers.is_last:
             raise ValueError("Expected a downstream stage exactly when the driver does not hold "
                              f"the last layer; got layers {model.layers}, downstream {downstream!r}")
-        self.downstream = downstream  # stage 1's endpoint, or it and its standbys in the order to try
-        self.auth_token = auth_token
-        self.activation_dtype = activation_dtype
         if prefill_chunk < 1:
             raise ValueError(f"Expected a prefill chunk of >= 1 tokens, got {prefill_chunk}")
+        self.downstream = downstream  # stage 1's endpoint, or it and its standbys in the order to try
         self.max_inflight, self.reply_credit_limit = max_inflight, reply_credit_limit
-        self.reply_timeout_s, self.connect_timeout_s = reply_timeout_s, connect_timeout_s
-        self.recovery_timeout_s = recovery_timeout_s  # 0: a broken chain fails the request at once
+        self.timeouts = timeouts
         # False once the chain cannot heal (a supervisor gave up on a stage): fail at once
         self.can_recover: Callable[[], bool] = lambda: True
         self.telemetry = telemetry or Telemetry("skippy-stage0")
-        self.runtime = StageRuntime(model, lane_count=concurrency, ctx_size=ctx_size,
-                                    telemetry=self.telemetry, batch_wait_s=batch_wait_s,
-                                    peer_wait_forwards=peer_wait_forwards, decode_waves=decode_waves,
-                                    record_logits=record_logits, name="skippy-stage0",
-                                    prefix_cache=prefix_cache, grammars=grammars)
+        self.transport = Transport(tls_identity=tls, auth_token=auth_token, conditioning=link_conditioning,
+                                   timeouts=timeouts)
+        self.runtime = StageRuntime(model, lane_count=concurrency, ctx_size=ctx_size, telemetry=self.telemetry,
+                                    batch=batch, record_logits=record_logits, prefix_cache=prefix_cache,
+                                    grammars=grammars)
         self.grammars = grammars
-        self.ctx_size = self.runtime.runner.ctx_size
-        self.env = SessionEnv(self.runtime, self.telemetry, prefill_chunk, reply_timeout_s,
-                              ActivationDtype[activation_dtype])
+        self.ctx_size = self.runtime.ctx_size
+        self.out_dtype = ActivationDtype[activation_dtype]
+        self.prefill_chunk = prefill_chunk
         self.speculative, self.draft_model = speculative, draft_model
         self.check_speculative(speculative)
-        self.hub = PredictionHub()
-        self.listener = ReturnListener(self.hub, return_bind, auth_token=auth_token)
+        self.return_bind = return_bind
         self.return_endpoint: str | None = None
+        self.engine: Engine | None = None
+        self.inbox: ReturnInbox | None = None
+        self.listener: ReturnListener | None = None
+        self.env: SessionEnv | None = None
         self._lanes: asyncio.Queue[Lane] = asyncio.Queue()
+        self._all_lanes: list[Lane] = []
         self.num_lanes = concurrency  # the one bound on requests at once: the API's admission is checked against it
         self._ids = itertools.count(secrets.randbits(40) << 16)  # unique across drivers
 
     async def start(self) -> None:
-        """Open the return listener and preconnect the lane pool (spec §3.2)."""
+        """Start stage 0's engine, open the return listener and preconnect the lane pool (spec §3.2)."""
+        self.engine = Engine(self.runtime, asyncio.get_running_loop(), name="skippy-stage0",
+                             join_timeout_s=self.timeouts.shutdown_s)
+        self.engine.on_close(self._close_sockets)
+        self.engine.start()
+        self.inbox = ReturnInbox(self.engine)
+        self.env = SessionEnv(SlotEnv(self.engine, self.runtime, self.prefill_chunk, self.timeouts.reply_s,
+                                      self.out_dtype), self.telemetry, self.inbox)
         if self.downstream is not None:
+            self.listener = ReturnListener(self.inbox, self.transport, self.return_bind)
             self.return_endpoint = await self.listener.start()
         for lane_id in range(1, self.num_lanes + 1):
             lane = Lane(lane_id, NoStagesBelow() if self.downstream is None else None)
+            self._all_lanes.append(lane)
             if self.downstream is not None:
                 await self._connect(lane)
             self._lanes.put_nowait(lane)
 
     async def _connect(self, lane: Lane) -> None:
-        def deliver(item) -> None:  # fallback relay, or the lane broke
-            if lane.session is not None:
-                lane.session.waiter.put_nowait(item)
+        sock, endpoint = await self.transport.dial(self.downstream)
+        engine, transport = self.engine, self.transport
 
-        link = lane.link = await DownstreamLink.connect(
-            self.downstream, auth_token=self.auth_token, connect_timeout_s=self.connect_timeout_s,
-            stage_index=0, max_inflight=self.max_inflight, max_deferred=self.reply_credit_limit,
-            reply_timeout_s=self.reply_timeout_s, on_prediction=deliver,
-            on_broken=lambda reason: deliver(LinkBroken(f"stage at {link.endpoint}: {reason}")))
+        def attach() -> None:
+            lane.link = DownLink(engine, sock, endpoint=endpoint, stage_index=0, max_deferred=self.reply_credit_limit,
+                                 reply_s=self.timeouts.reply_s, on_prediction=lane.relayed, on_broken=lane.broken,
+                                 on_deferred=lane.deferred, conditioner=transport.conditioner())
+
+        await engine.call(attach)
 
     @contextlib.asynccontextmanager
     async def session(self, sampling: SamplingConfig = SamplingConfig(),
@@ -157,21 +183,20 @@ class ChainClient:
             if self.downstream is not None and (lane.link is None or lane.link.broken):
                 await self._replace(lane)
             request_id = next(self._ids)
-            lane_id = 0 if self.downstream is None else lane.lane_id
-            session = lane.session = ChainSession(self.env, lane.link, lane_id, request_id, request_id,
-                                                  sampling, prompt_token_count, cache_namespace, skip_draws)
-            session.trace_context = trace_context
-            self.hub.register(session.return_key, session.waiter, session.return_loan)
+            session = ChainSession(self.env, lane, request_id, request_id, sampling, prompt_token_count,
+                                   cache_namespace, skip_draws, trace_context)
+            await session.open()
             await session.configure()
             yield session
             if not session.stopped:
                 await session.stop()
         finally:
-            await self._release(lane, session)
+            await to_the_end(self._release(lane, session))
 
     async def _replace(self, lane: Lane) -> None:
         if lane.link is not None:
-            await lane.link.close()
+            link = lane.link
+            await self.engine.call(link.close)
         try:
             await self._connect(lane)
         except LinkBroken as error:
@@ -180,16 +205,25 @@ class ChainClient:
         log.info("lane %d replaced", lane.lane_id)
 
     async def _release(self, lane: Lane, session: ChainSession | None) -> None:
-        if session is not None:
-            self.hub.unregister(session.return_key)
-            await session.end_run_ahead()
-            if session.key in self.runtime.sessions:
-                await self.runtime.drop(session.key)
-            if not session.stopped and lane.link is not None:
+        slot = None if session is None else session.slot
+        close_link = session is not None and not session.stopped and isinstance(lane.link, DownLink)
+
+        def release() -> None:
+            if slot is not None:
+                slot.cancel()
+                self.inbox.handlers.pop((slot.request_id, slot.session_id), None)
+                if slot.key in self.runtime.sessions:
+                    self.runtime.drop(slot.key)
+            lane.slot = None
+            if close_link:
                 # Mid-request failure: the lane's state is unknown. Closing it makes every
                 # stage reclaim the session; the next lease dials a fresh lane.
-                await lane.link.close()
-        lane.session = None
+                lane.link.close()
+
+        try:
+            await self.engine.call(release)
+        except EngineClosed:
+            pass
         self._lanes.put_nowait(lane)
 
     def check_speculative(self, settings: SpeculativeSettings) -> None:
@@ -205,7 +239,7 @@ class ChainClient:
             raise ValueError("this server has no grammar engine: constrained decoding is off")
         self.grammars.check(grammar)
 
-    def decoder(self, session: ChainSession, *, max_tokens: int, stop_ids: Sequence[int],
+    def decoder(self, *, max_tokens: int, stop_ids: Sequence[int],
                 speculative: SpeculativeSettings | None = None) -> ChainDecoder:
         """The decode loop for one request, with a fresh proposer when it speculates
         (`speculative` None: the client's default)."""
@@ -215,8 +249,14 @@ class ChainClient:
             options = (dict(model=self.draft_model, ctx_size=self.ctx_size) if settings.mode == "draft"
                        else settings.proposer_options())
             proposer = create_proposer(settings.mode, **options)
-        return ChainDecoder(session, max_tokens=max_tokens, stop_ids=frozenset(stop_ids),
-                            ctx_size=self.ctx_size, proposer=proposer, settings=settings)
+        return ChainDecoder(max_tokens=max_tokens, stop_ids=frozenset(stop_ids), ctx_size=self.ctx_size,
+                            proposer=proposer, settings=settings)
+
+    async def local_status(self) -> tuple[int, StageMetricValues]:
+        """Stage 0's open sessions and metrics, as its engine sees them."""
+        runtime = self.runtime
+        return await self.engine.call(lambda: (len(runtime.sessions),
+                                               runtime.metric_values(connections=self.num_lanes)))
 
     async def run(self, prompt_ids: Sequence[int], *, request_id: str = "",
                   **options) -> AsyncIterator[GenerationEvent]:
@@ -239,7 +279,7 @@ class ChainClient:
         (or, when Stop fails, the lane closed, so every stage reclaims it).
 
         When the chain breaks under the request (a stage gone, a reply timeout), it waits for
-        the chain to be whole again, for up to `recovery_timeout_s`: a fresh lane, the same
+        the chain to be whole again, for up to `timeouts.recovery_s`: a fresh lane, the same
         generation config, the prompt and every committed token replayed as a prefill
         (through the prefix cache where it still holds them), and decoding goes on. The
         consumer sees a pause, and the output is the same as without the break: greedy, and
@@ -250,6 +290,7 @@ class ChainClient:
             raise ValueError(f"Expected a prompt of at most {self.ctx_size} tokens (the context "
                              f"size), got {len(prompt_ids)}. Fix: shorten it or raise ctx_size.")
         self.check_speculative(self.speculative if speculative is None else speculative)
+        recovery_s = self.timeouts.recovery_s
         decoder, timings, first_token_at, started = None, None, 0.0, time.perf_counter()
         num_tokens, recoveries, recover_by, waiting, draws = 0, 0, None, False, 0
         while True:
@@ -257,17 +298,18 @@ class ChainClient:
                 async with self.session(sampling, len(prompt_ids), cache_namespace, draws,
                                         root.traceparent) as session:
                     if decoder is None or not decoder.is_started:
-                        decoder = self.decoder(session, max_tokens=max_tokens, stop_ids=stop_ids,
-                                               speculative=speculative)
-                        first = await session.prefill(prompt_ids)
+                        decoder = self.decoder(max_tokens=max_tokens, stop_ids=stop_ids, speculative=speculative)
+                        await session.prefill(prompt_ids)
                         first_token_at = time.perf_counter()
                         timings = session.timings  # the one clock: usage, `timings`, metrics, logs
+                        tokens = session.decode_loop(decoder, prompt_ids)  # decoding starts at once ...
+                        await session.settled()  # ... while the restore's ACK is still on its way
                         yield PrefillDone(len(prompt_ids), timings.restored_tokens, timings.first_token_s * 1e3,
                                           timings.restore_decision, session.stats.kv_hit_stage_mask,
                                           session.prompt_logprobs)
-                        tokens = decoder.tokens(prompt_ids, first)
                     else:
-                        tokens = decoder.resume(session, await session.prefill(decoder.replay_tokens()))
+                        await session.prefill(decoder.replay_tokens())
+                        tokens = session.decode_loop(decoder)
                         log.warning("request %d: resumed on a fresh lane after %d token(s)",
                                     session.request_id, num_tokens)
                     if waiting:  # through a whole chain again, and prefilled: one break survived
@@ -310,15 +352,15 @@ class ChainClient:
                         draws = session.skip_draws + session.draws  # what a replay's sampler skips
                         if not session.stopped:  # left early, or broken: its figures still go out
                             decoder.report(self.telemetry)
-                            await _stop_quietly(session)
+                            await _stop_quietly(session, self.timeouts.stop_s)
             except ChainError as error:
                 now = time.monotonic()
-                recover_by = recover_by or now + self.recovery_timeout_s
+                recover_by = recover_by or now + recovery_s
                 if not self.can_recover():
                     raise ChainError(f"{error} (a stage is down for good)") from error
                 if now >= recover_by:
-                    if self.recovery_timeout_s > 0:
-                        raise ChainError(f"{error} (not whole again within {self.recovery_timeout_s:g} s)") from error
+                    if recovery_s > 0:
+                        raise ChainError(f"{error} (not whole again within {recovery_s:g} s)") from error
                     raise
                 if not waiting:
                     waiting = True
@@ -340,23 +382,29 @@ class ChainClient:
         return GenerationResult(tokens, finished.ended_by, len(prompt_ids), finished.stats,
                                 finished.timings, finished.speculation)
 
-    async def close(self) -> None:
-        await self.listener.close()
-        while not self._lanes.empty():
-            lane = self._lanes.get_nowait()
+    def _close_sockets(self) -> None:
+        """On the engine, as it stops: every lane and return stream closes."""
+        for lane in self._all_lanes:
             if lane.link is not None:
-                await lane.link.close()
+                lane.link.close()
+        if self.inbox is not None:
+            self.inbox.close_all()
+
+    async def close(self) -> None:
+        if self.listener is not None:
+            await self.listener.close()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)
         self.runtime.close()
         self.telemetry.shutdown()
 
 
-async def _stop_quietly(session: ChainSession) -> None:
-    """Send Stop for a session the consumer left early. It runs as its own task, so a
-    consumer being cancelled cannot cut it short. If it fails, `session.stopped` stays
+async def _stop_quietly(session: ChainSession, stop_s: float) -> None:
+    """Send Stop for a session the consumer left early, to its end whatever cancels the
+    consumer meanwhile. If it fails or takes longer than `stop_s`, `session.stopped` stays
     False: the lane is then closed and every stage reclaims the session."""
-    stopping = asyncio.ensure_future(asyncio.wait_for(session.stop(), STOP_TIMEOUT_S))
     try:
-        await asyncio.shield(stopping)
+        await to_the_end(asyncio.wait_for(session.stop(), stop_s))
     except (asyncio.CancelledError, Exception):
         pass  # whatever brought us here still propagates
 

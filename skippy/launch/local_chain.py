@@ -31,16 +31,15 @@ from ..protocol import (
     KvCacheConfig, LinkConditioning, PeerEndpoint, StageConfig, Topology, TopologyStage, parse_endpoint,
     plan_layer_split,
 )
-from ..runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS
+from ..runtime.batch_policy import ONE_WAVE_PEER_WAIT_FORWARDS, BatchSettings
 from ..runtime.stage_cache import StagePrefixCache
-from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX, WEIGHT_DTYPES
-from ..stage import link
+from ..stage.build import WEIGHT_DTYPES
+from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX
 from ..stage.tls import issue_certificates
 from ..telemetry import Telemetry
 from .supervisor import Supervisor
 
 log = logging.getLogger("skippy.launch")
-STARTUP_TIMEOUT_S = 600.0
 START_ATTEMPTS = 3   # a free port can be taken by someone else before its stage binds it
 
 
@@ -146,7 +145,8 @@ async def connect_topology(topology: Topology, model_path: str | Path, *,
 async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = None, *,
                        dtype: str = "auto", device: str = "auto", repack: bool = True,
                        kv_cache: KvCacheConfig | None = None, otlp_endpoint: str | None = None,
-                       otlp_protocol: str = "http", **client_options) -> ChainClient:
+                       otlp_protocol: str = "http", peer_wait_forwards: float | None = None,
+                       decode_waves: int = 1, **client_options) -> ChainClient:
     """Stage 0 holding layers [0, k) (None: the whole model, a chain of one stage), started.
     `kv_cache`: its prefix cache (the disk tier under `disk_dir`/stage-0); None: none.
     `otlp_endpoint`: where its spans go (OTLP over `otlp_protocol`, http or grpc); None: nowhere."""
@@ -159,7 +159,9 @@ async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = 
             ctx_size=min(client_options.get("ctx_size") or model.args.context_length,
                          model.args.context_length))
     client_options.setdefault("grammars", GrammarCompiler.for_model(model_path))
-    client = ChainClient(model, prefix_cache=prefix_cache,
+    batch = BatchSettings(waves=decode_waves) if peer_wait_forwards is None else BatchSettings(
+        peer_wait_forwards=peer_wait_forwards, waves=decode_waves)
+    client = ChainClient(model, prefix_cache=prefix_cache, batch=batch,
                          telemetry=Telemetry("skippy-stage0", otlp_endpoint, otlp_protocol=otlp_protocol),
                          **client_options)
     try:
@@ -197,14 +199,13 @@ class LocalChain:
         self.model_path, self.num_stages, self.threads = Path(model_path), num_stages, threads
         self.log_level, self.kv_cache = log_level, kv_cache
         self.device = device  # every stage's, stage 0's included ("auto": CUDA where present)
-        # the user's GOMP_SPINCOUNT (or what the CLI set before torch loaded) wins
-        self._spin_count = os.environ.get("GOMP_SPINCOUNT") or co_located_spin_count(model_path, dtype)
         self.auth_token = secrets.token_hex(16)  # loopback, but still not open to anyone
         self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
                                    ctx_size=ctx_size, lane_count=lane_count,
                                    weight_dtype=_WEIGHT_NAMES[dtype], repack_weights=repack, device=device,
                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS,
                                    decode_waves=num_stages, threads=threads,
+                                   omp_spin_count=int(co_located_spin_count(model_path, dtype)),
                                    otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
                                    link_conditioning=link_conditioning)
         self.link_conditioning = link_conditioning
@@ -212,7 +213,7 @@ class LocalChain:
                                     ctx_size=ctx_size, activation_dtype=activation_dtype, kv_cache=kv_cache,
                                     otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
                                     peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, decode_waves=num_stages,
-                                    **client_options)
+                                    link_conditioning=link_conditioning, **client_options)
         self._model_args = model_args(model_path)
         self._plan()
         self._dir = tempfile.TemporaryDirectory(prefix="skippy-chain-")
@@ -234,7 +235,6 @@ class LocalChain:
         import torch
 
         torch.set_num_threads(self.threads)
-        link.use(self.link_conditioning)  # stage 0 is this process
         try:
             for attempt in range(1, START_ATTEMPTS + 1):
                 try:
@@ -283,7 +283,7 @@ class LocalChain:
     async def _spawn(self, config_path: Path, topology_path: Path):
         command = [sys.executable, "-m", "skippy.cli", "--log-level", self.log_level, "stage",
                    "--config", str(config_path), "--topology", str(topology_path)]
-        env = {**os.environ, "GOMP_SPINCOUNT": self._spin_count, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the spin: the config's (StageConfig.omp_spin_count)
         return await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE, env=env)
 
     async def _wait_ready(self, config: StageConfig, process) -> None:
@@ -298,10 +298,10 @@ class LocalChain:
                                "was ready (its error is above)")
 
         try:
-            await asyncio.wait_for(ready(), STARTUP_TIMEOUT_S)
+            await asyncio.wait_for(ready(), config.timeouts.startup_s)
         except TimeoutError:
             raise RuntimeError(f"stage {config.stage_index} not ready within "
-                               f"{STARTUP_TIMEOUT_S:g} s") from None
+                               f"{config.timeouts.startup_s:g} s") from None
 
     async def close(self) -> None:
         if self.supervisor is not None:
@@ -311,7 +311,6 @@ class LocalChain:
             self.client = None
         await self._stop_stages()
         self._dir.cleanup()
-        link.use(None)
 
     async def _stop_stages(self) -> None:
         for process in self.processes:

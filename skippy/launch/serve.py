@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..api.app import DEFAULT_MAX_BODY_BYTES, ApiSettings, create_app
 from ..console import progress_bar
 from ..driver.backend import GenerationBackend, StageStatus
+from ..tasks import to_the_end
 
 GRACEFUL_SHUTDOWN_S = 5
 DEFAULT_LANES = 8
@@ -90,6 +91,14 @@ class ServeConfig(BaseModel):
                                    self.speculative_pipeline_depth)  # fmt: skip
 
     @property
+    def timeouts(self):
+        """Every wait of the chain and the API, the three set on the command line among them."""
+        from ..protocol import Timeouts
+
+        return Timeouts(recovery_s=self.recovery_timeout_s, admission_s=self.admission_timeout_s,
+                        backend_s=self.backend_timeout_s)
+
+    @property
     def num_lanes(self) -> int:
         return self.concurrency or DEFAULT_LANES
 
@@ -135,7 +144,7 @@ async def build_backend(config: ServeConfig):
     every_stage = dict(dtype=config.dtype, device=config.device, repack=config.repack,
                    otlp_endpoint=config.otlp_endpoint, otlp_protocol=config.otlp_protocol)
     options = dict(concurrency=config.num_lanes, ctx_size=ctx_size, activation_dtype=config.activation_dtype,
-                   recovery_timeout_s=config.recovery_timeout_s,
+                   timeouts=config.timeouts,
                    speculative=config.speculative_settings(), draft_model=await _load_draft_model(config))
     if config.topology is not None:
         topology, token = Topology.load(config.topology), config.chain_auth_token
@@ -145,8 +154,7 @@ async def build_backend(config: ServeConfig):
         tls_files = stage0.tls.resolved(plan.parent) if stage0 and stage0.tls else None
         tls.check_exposure("stage 0's return listener", parse_endpoint(topology.driver_endpoint)[0],
                            auth_token=token, tls=tls_files, insecure=config.insecure)
-        tls.use(tls_files)
-        client = await connect_topology(topology, config.model, auth_token=token,
+        client = await connect_topology(topology, config.model, auth_token=token, tls=tls_files,
                                         kv_cache=config.kv_cache(1), **every_stage, **options)
         return ChainBackend(client, topology, auth_token=token)
     if config.num_stages == 1:
@@ -226,11 +234,12 @@ async def _main(config: ServeConfig) -> None:
         tokenizer = Tokenizer.from_model(config.model)  # it shares the GGUF reader that loading releases
         backend = await build_backend(config)
         loop.remove_signal_handler(signal.SIGTERM)  # uvicorn takes over SIGINT and SIGTERM
-        api_fields = ("concurrency", "queue_size", "admission_timeout_s", "backend_timeout_s", "max_body_bytes",
-                      "auth_token")
+        timeouts = config.timeouts
         model_id, *aliases = config.served_model_name or [model_id_for(config.model)]
-        settings = ApiSettings(model_id, tuple(aliases), tuple(config.allowed_origins),
-                               **{name: getattr(config, name) for name in api_fields})
+        settings = ApiSettings(model_id, tuple(aliases), tuple(config.allowed_origins), concurrency=config.concurrency,
+                               queue_size=config.queue_size, admission_timeout_s=timeouts.admission_s,
+                               backend_timeout_s=timeouts.backend_s, abandon_timeout_s=timeouts.abandon_s,
+                               max_body_bytes=config.max_body_bytes, auth_token=config.auth_token)
         app = create_app(backend, tokenizer, settings)
         server = _Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level="warning", access_log=False,
@@ -239,7 +248,7 @@ async def _main(config: ServeConfig) -> None:
         await _serve_until_signal(server, backend, settings.model_id, architecture)
     finally:
         if backend is not None:
-            await asyncio.shield(backend.close())
+            await to_the_end(backend.close())
 
 
 async def _serve_until_signal(server: uvicorn.Server, backend: GenerationBackend, model_id: str,

@@ -21,8 +21,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..stage.downstream import query_stage_status
-
 if TYPE_CHECKING:
     from .local_chain import LocalChain
 
@@ -105,7 +103,7 @@ class Supervisor:
                 return f"exited with {_describe_exit(code)}"
             except TimeoutError:
                 pass
-            misses = 0 if await query_stage_status(endpoint, self.chain.auth_token) else misses + 1
+            misses = 0 if await self.chain.client.transport.query_status(endpoint) else misses + 1
             if misses >= self.probe_failures:
                 process.kill()
                 await process.wait()

@@ -67,13 +67,21 @@ def co_located_spin_count(model: str | Path | None = None, dtype: str = "auto") 
     return CO_LOCATED_SPIN_COUNT
 
 
-def spin_for_co_located_stages(model: str | Path | None = None, dtype: str = "auto") -> None:
-    """Shorten libgomp's idle spin for this process and the stage processes it starts,
-    unless the user set GOMP_SPINCOUNT. libgomp reads it once, when torch loads it."""
+def set_spin_count(count: int | str | None) -> None:
+    """The one place that sets this process's libgomp idle spin (GOMP_SPINCOUNT), which libgomp
+    reads once, when torch loads it: a stage's spec says it (StageConfig.omp_spin_count), the
+    process's entry point applies it first thing. None, or a GOMP_SPINCOUNT the user set
+    already: libgomp's or the user's own."""
+    if count is None or "GOMP_SPINCOUNT" in os.environ:
+        return
     if "torch" in sys.modules:
-        log.warning("GOMP_SPINCOUNT set after torch loaded: it applies to child stages only")
-    if "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = co_located_spin_count(model, dtype)
+        log.warning("GOMP_SPINCOUNT set after torch loaded: it does not apply to this process")
+    os.environ["GOMP_SPINCOUNT"] = str(count)
+
+
+def spin_for_co_located_stages(model: str | Path | None = None, dtype: str = "auto") -> None:
+    """This process's spin when it is stage 0 of stages that share its cores."""
+    set_spin_count(co_located_spin_count(model, dtype))
 
 
 def decodes_in_one_call(model: str | Path, dtype: str = "auto") -> bool:

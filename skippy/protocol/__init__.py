@@ -4,8 +4,8 @@ No torch here; asyncio only in `stream`. See docs/protocol.md.
 """
 
 from .configs import (
-    KvCacheConfig, LinkConditioning, PeerEndpoint, StageConfig, TlsConfig, Topology, TopologyStage, is_loopback,
-    parse_endpoint, plan_layer_split,
+    KvCacheConfig, LinkConditioning, PeerEndpoint, StageConfig, Timeouts, TlsConfig, Topology, TopologyStage,
+    is_loopback, parse_endpoint, plan_layer_split,
 )
 from .constants import (
     KIND_INFO, PROTOCOL_VERSION, ActivationDtype, MessageKind, Phase, ReplyKind, StateFlags,
@@ -33,7 +33,7 @@ __all__ = [
     "ActivationDtype", "AuthError", "AuthPreamble", "FrameError", "KIND_INFO", "KvCacheConfig", "LinkConditioning",
     "MessageKind", "NO_STATS", "PROTOCOL_VERSION", "PeerEndpoint", "Phase", "ProtocolError", "Ready",
     "ReplyKind", "SamplingConfig", "StageConfig", "StageMessage", "StageReply", "StageReplyStats",
-    "StageStatusReport", "StateFlags", "activation_fields", "TlsConfig", "Topology", "TopologyStage", "VersionMismatch",
+    "StageStatusReport", "StateFlags", "activation_fields", "Timeouts", "TlsConfig", "Topology", "TopologyStage", "VersionMismatch",
     "cache_namespace_digest", "client_handshake",
     "decode_message", "decode_reply", "encode_message", "encode_message_parts", "encode_reply",
     "expects_reply", "is_control", "is_loopback", "is_generation_control", "is_prefix_cache_control",

@@ -138,6 +138,24 @@ class LinkConditioning(_Frozen):
     seed: int = 0
 
 
+class Timeouts(_Frozen):
+    """Every wait of a chain that may end without an answer, named in one place (seconds).
+    A stage's come from its config; stage 0's from `skippy serve`'s (ServeConfig.timeouts)."""
+
+    connect_s: float = Field(2.0, gt=0)         # a dial to a stage or to stage 0's return listener (§2.7)
+    handshake_s: float = Field(20.0, gt=0)      # auth preamble and READY; a return stream's first frame
+    tls_handshake_s: float = Field(30.0, gt=0)  # a TLS handshake a listener waits for
+    probe_s: float = Field(1.0, gt=0)           # a status query: its dial, handshake and answer, each
+    reply_s: float = Field(30.0, gt=0)          # any reply of the chain: an ACK, a prediction
+    stop_s: float = Field(5.0, gt=0)            # an early Stop; past it the lane is closed instead
+    recovery_s: float = Field(30.0, ge=0)       # a request waits this long for a broken chain (0: fails at once)
+    admission_s: float = Field(60.0, ge=0)      # a request waits this long for a lane (0: no limit)
+    backend_s: float = Field(600.0, ge=0)       # the API waits this long for the next token (0: no limit)
+    abandon_s: float = Field(5.0, gt=0)         # a generation the client left, until its next event
+    startup_s: float = Field(600.0, gt=0)       # a local stage process, until it is ready
+    shutdown_s: float = Field(10.0, gt=0)       # a stage's engine thread, until it ends at shutdown
+
+
 class StageConfig(_Frozen):
     """One stage process: its identity, layer range, peers and runtime settings (spec §9.1)."""
 
@@ -166,11 +184,15 @@ class StageConfig(_Frozen):
     # stage, each wave's forward on its share of them); 1: however they arrive
     decode_waves: int = Field(1, ge=1)
     threads: int | None = Field(None, ge=1)    # torch threads; None = torch's default
+    # libgomp's idle spin (GOMP_SPINCOUNT), set as the process starts (model/threads.py
+    # set_spin_count); stages sharing one machine's cores spin less. None: libgomp's default
+    omp_spin_count: int | None = Field(None, ge=0)
     otlp_endpoint: str | None = None           # export spans over OTLP; None = no spans
     otlp_protocol: Literal["http", "grpc"] = "http"  # OTLP over HTTP (port 4318) or gRPC (4317)
     tls: TlsConfig | None = None               # required (with auth_token) to listen off loopback
     insecure: bool = False                     # listen off loopback without them anyway (warned)
     link_conditioning: LinkConditioning | None = None  # a test knob on the links this stage dials
+    timeouts: Timeouts = Timeouts()
 
     @field_validator("bind_addr")
     @classmethod

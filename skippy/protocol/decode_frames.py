@@ -24,9 +24,15 @@ import struct
 
 import numpy as np
 
-from .constants import MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, REPLY_HEADER_FIELDS, MessageKind, header_offset
+from .constants import (
+    MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, REPLY_FIXED_BYTES, REPLY_HEADER, REPLY_HEADER_FIELDS, MessageKind,
+    header_offset,
+)
 from .errors import FrameError
-from .frames import StageMessage, StageReply, encode_message, encode_reply
+from .frames import (
+    StageMessage, StageReply, decode_message_body, decode_reply_body, encode_message, encode_reply,
+    parse_message_header, parse_reply_header,
+)
 
 _POS_START = header_offset(MESSAGE_HEADER_FIELDS, "pos_start")
 _STEP_AND_TOKEN = header_offset(MESSAGE_HEADER_FIELDS, "decode_step")
@@ -53,11 +59,13 @@ class DecodeFrames:
         start = _TOKEN + 4
         self._activation = slice(start, start + prototype.activation.nbytes)
 
-    def matches(self, trace_context: bytes | None, rows: np.ndarray) -> bool:
-        """Whether a step with this trace context and these rows fits the template."""
+    def fits(self, message: StageMessage, rows: np.ndarray) -> bool:
+        """Whether the frame of `message`'s step carrying `rows` is this template's but for the
+        four values `encode` writes: the same request, session, trace context and row shape."""
         p = self.prototype
-        return (trace_context == p.trace_context and rows.shape == (p.activation_rows, p.activation_width)
-                and rows.nbytes == p.activation.nbytes)
+        return (message.request_id == p.request_id and message.session_id == p.session_id
+                and message.trace_context == p.trace_context and message.prompt_token_count == p.prompt_token_count
+                and rows.shape == (p.activation_rows, p.activation_width) and rows.nbytes == p.activation.nbytes)
 
     def encode(self, pos_start: int, decode_step: int, token: int, rows: np.ndarray) -> bytes:
         """The frame of the step at `pos_start` feeding `token`, carrying `rows` (wire dtype,
@@ -142,3 +150,43 @@ def token_of_reply(frame) -> int | None:
             or view[_AFTER_PREDICTED:-4] != _TOKEN_REPLY[_AFTER_PREDICTED:-4]):
         return None
     return token
+
+
+class MessageReader:
+    """Stage messages taken whole from the front of a byte buffer (a socket's bytes, as they
+    come): each frame's header checked before its body is waited for; a session's one-row
+    decode frames read against the first of them (`DecodeFrameReader`), every other frame
+    decoded and checked in full. Call it with the buffer: (message, size) or None (not whole yet)."""
+
+    def __init__(self) -> None:
+        self._decode: DecodeFrameReader | None = None
+
+    def __call__(self, buffer: bytearray) -> tuple[StageMessage, int] | None:
+        if len(buffer) < MESSAGE_HEADER.size:
+            return None
+        reader = self._decode
+        if reader is not None and (message := reader.read(buffer)) is not None:
+            return message, reader.size
+        header = parse_message_header(buffer)  # counts and limits checked before the body is awaited
+        size = MESSAGE_HEADER.size + header.body_bytes
+        if len(buffer) < size:
+            return None
+        frame = bytes(buffer[:size])
+        message = decode_message_body(header, memoryview(frame)[MESSAGE_HEADER.size:])
+        if is_decode_frame(message):  # the session's next decode frames are read against this one
+            self._decode = DecodeFrameReader(frame, message)
+        return message, size
+
+
+def read_reply_from(buffer: bytearray) -> tuple[StageReply, int] | None:
+    """The reply whole at the front of `buffer` and its size, or None (not whole yet); a plain
+    token reply (the rule on the decode path) is read from its one value."""
+    if (token := token_of_reply(buffer)) is not None:
+        return StageReply.token(token), TOKEN_REPLY_BYTES
+    if len(buffer) < REPLY_HEADER.size:
+        return None
+    header = parse_reply_header(buffer)
+    size = REPLY_FIXED_BYTES + header.body_bytes
+    if len(buffer) < size:
+        return None
+    return decode_reply_body(header, bytes(buffer[REPLY_HEADER.size:size])), size

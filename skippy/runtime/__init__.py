@@ -1,22 +1,22 @@
-"""Runtime: sessions, the iteration scheduler (one worker owns the model), the runner.
+"""Runtime: sessions, the batch policy, the runner, and the stage runtime that holds them.
 
-Only `runner` imports torch; `session`, `step` and `scheduler` are bookkeeping, and
+Only `runner` imports torch; `session`, `step` and `batch_policy` are bookkeeping, and
 importing this package does not load torch until `StageRuntime` is asked for.
 """
 
-from .scheduler import IterationScheduler, SchedulerBusyError, Timed
+from .batch_policy import BatchPolicy, BatchSettings
 from .session import LaneLimitError, Session, SessionError, SessionKey, SessionTable
 from .step import SampleMode, Step, StepResult
 
 __all__ = [
-    "IterationScheduler", "LaneLimitError", "SampleMode", "SchedulerBusyError", "Session",
-    "SessionError", "SessionKey", "SessionTable", "StageRuntime", "Step", "StepResult", "Timed",
+    "BatchPolicy", "BatchSettings", "LaneLimitError", "SampleMode", "Session", "SessionError", "SessionKey",
+    "SessionTable", "StageRuntime", "Step", "StepResult", "Timed",
 ]
 
 
 def __getattr__(name: str):
-    if name == "StageRuntime":  # lazy: it pulls in torch through the runner
-        from .engine import StageRuntime
+    if name in ("StageRuntime", "Timed"):  # lazy: it pulls in torch through the runner
+        from . import stage_runtime
 
-        return StageRuntime
+        return getattr(stage_runtime, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,11 +1,8 @@
-"""A stage process: TCP server, message handlers, downstream link, prediction return."""
+"""A stage process: its engine (model + data sockets), lanes, control handlers, server, transport."""
 
-from .downstream import DownstreamLink, LinkBroken
-from .handlers import HANDLERS, StageError
-from .prediction_return import PredictionHub, ReturnListener, ReturnStreams
+from .engine import Engine, EngineClosed
+from .lane import StageError
 from .server import StageServer
+from .transport import LinkBroken, Transport
 
-__all__ = [
-    "DownstreamLink", "HANDLERS", "LinkBroken", "PredictionHub", "ReturnListener",
-    "ReturnStreams", "StageError", "StageServer",
-]
+__all__ = ["Engine", "EngineClosed", "LinkBroken", "StageError", "StageServer", "Transport"]

@@ -9,21 +9,13 @@ import signal
 import socket
 import sys
 
-import torch
-
 from ..model.fingerprint import check_model
-from ..model.grammar import GrammarCompiler
-from ..model.loader import load_stage
 from ..protocol import StageConfig, Topology
-from ..runtime.engine import StageRuntime
-from ..runtime.stage_cache import StagePrefixCache
-from ..telemetry import Telemetry
-from . import link, tls
-from .server import StageServer
+from . import tls
+from .build import StageSpec, build_stage
 
 log = logging.getLogger("skippy.stage")
 
-WEIGHT_DTYPES = {"auto": "auto", "f32": "float32", "f16": "float16", "bf16": "bfloat16", "int4": "int4", "int8": "int8"}
 READY_PREFIX = "skippy: stage ready:"   # launchers wait for this line on stdout
 EXIT_ADDRESS_IN_USE = 98                 # exit status when the bind address is taken
 
@@ -46,38 +38,15 @@ def bind_listener(config: StageConfig) -> socket.socket:
     return sock
 
 
-def load_stage_runtime(config: StageConfig, telemetry: Telemetry) -> StageRuntime:
-    model = load_stage(config.model_path, (config.layer_start, config.layer_end),
-                       dtype=WEIGHT_DTYPES[config.weight_dtype], device=config.device,
-                       progress=False, repack=config.repack_weights)
-    # the final stage samples, so it compiles each request's grammar (lazily: the first one)
-    grammars = GrammarCompiler.for_model(config.model_path) if model.layers.is_last else None
-    runtime = StageRuntime(model, lane_count=config.lane_count, ctx_size=config.ctx_size,
-                           telemetry=telemetry, peer_wait_forwards=config.peer_wait_forwards,
-                           decode_waves=config.decode_waves,
-                           name=f"skippy-stage{config.stage_index}", grammars=grammars)
-    runtime.prefix_cache = StagePrefixCache.build(
-        config.kv_cache, model_path=config.model_path, layer_start=config.layer_start,
-        layer_end=config.layer_end, kv_dtype=model.kv_dtype, ctx_size=runtime.runner.ctx_size,
-        weights=model.weight_format)
-    return runtime
-
-
 async def serve_stage(config: StageConfig, topology: Topology | None = None) -> None:
     """Load this stage's layers, listen, print the ready line, serve until SIGINT/SIGTERM."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
     tls.check_exposure(f"stage {config.stage_index}", config.bind_host, auth_token=config.auth_token,
                        tls=config.tls, insecure=config.insecure)
-    tls.use(config.tls)
-    link.use(config.link_conditioning)
     check_model(config.model_path, config.model_fingerprint, f"stage {config.stage_index}")
     sock = bind_listener(config)
-    telemetry = Telemetry(f"skippy-stage{config.stage_index}", config.otlp_endpoint,
-                          otlp_protocol=config.otlp_protocol)
-    runtime = load_stage_runtime(config, telemetry)
-    runtime.log_settings(config.stage_index)
-    server = StageServer(config, runtime, topology=topology, telemetry=telemetry)
+    driver = topology.driver_endpoint if topology is not None and len(topology.stages) > 1 else None
+    server = build_stage(StageSpec(config, driver))
+    server.runtime.log_settings(config.stage_index)
     endpoint = await server.start(sock)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -89,4 +58,4 @@ async def serve_stage(config: StageConfig, topology: Topology | None = None) -> 
         await stop.wait()
     finally:
         await server.close()
-        telemetry.shutdown()
+        server.telemetry.shutdown()

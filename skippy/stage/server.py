@@ -1,8 +1,10 @@
-"""The stage's asyncio TCP server: handshake, one task per upstream connection.
+"""A stage's server: the listener and handshakes on the event loop, every lane on the engine.
 
-Binds loopback unless the config says otherwise. A connection that fails the
-auth check or speaks another protocol version is refused with a logged reason;
-a malformed frame later on closes that connection only (spec §2.1, §2.11).
+Binds loopback unless the config says otherwise. A connection that fails the TLS handshake
+or the auth check, or speaks another protocol version, is refused with a logged reason
+(stage/transport.py). One that passes is a lane, handed to the engine for the rest of its
+life (stage/lane.py); its control messages come back here (stage/handlers.py). A malformed
+frame closes that connection only (spec §2.1, §2.11).
 """
 
 from __future__ import annotations
@@ -12,95 +14,135 @@ import itertools
 import logging
 import socket
 
-from ..protocol import ProtocolError, StageConfig, Topology, server_handshake
-from ..runtime.engine import StageRuntime
+from ..protocol import StageConfig, Topology
+from ..runtime.stage_runtime import StageRuntime
 from ..telemetry import Telemetry
-from . import tls
-from .connection import StageConnection
-from .downstream import REPLY_TIMEOUT_S
-from .prediction_return import ReturnStreams
+from .engine import Engine, EngineClosed
+from .handlers import run_control
+from .lane import Lane, LaneControl, LaneEnv, dial_link
+from .returns import ReturnStreams
+from .transport import LinkBroken, Listener, Transport
 
 log = logging.getLogger("skippy.stage")
-_connection_ids = itertools.count(1)   # spec §3.1: a fresh id per connection, process-wide
+_lane_ids = itertools.count(1)   # spec §3.1: a fresh id per connection
 
 
 class StageServer:
-    def __init__(self, config: StageConfig, runtime: StageRuntime, *,
-                 topology: Topology | None = None, driver_endpoint: str | None = None,
-                 telemetry: Telemetry | None = None, reply_timeout_s: float = REPLY_TIMEOUT_S):
+    def __init__(self, config: StageConfig, runtime: StageRuntime, *, topology: Topology | None = None,
+                 driver_endpoint: str | None = None, telemetry: Telemetry | None = None,
+                 transport: Transport | None = None):
         """`driver_endpoint` (default: stage 0's endpoint in `topology`) is where the final
-        stage dials the direct prediction return."""
+        stage dials the direct prediction return. `transport` (default: the config's TLS,
+        token, link conditioning and timeouts) dials and listens."""
         if driver_endpoint is None and topology is not None and len(topology.stages) > 1:
             driver_endpoint = topology.driver_endpoint
         self.config = config
         self.runtime = runtime
         self.telemetry = telemetry or runtime.telemetry
-        self.reply_timeout_s = reply_timeout_s
-        self.returns = ReturnStreams(driver_endpoint, auth_token=config.auth_token)
-        self.connections: dict[int, StageConnection] = {}
-        self.refusals: list[str] = []      # handshake refusals, newest last (also logged)
-        self._server: asyncio.Server | None = None
+        self.driver_endpoint = driver_endpoint
+        self.transport = transport or Transport(tls_identity=config.tls, auth_token=config.auth_token,
+                                                conditioning=config.link_conditioning, timeouts=config.timeouts)
+        self.engine: Engine | None = None
+        self.returns: ReturnStreams | None = None
+        self.env: LaneEnv | None = None
+        self._listener: Listener | None = None
         self._tasks: set[asyncio.Task] = set()
 
     @property
     def endpoint(self) -> str:
         """host:port actually bound (the port is the OS's choice when the config says 0)."""
-        if self._server is None:
+        if self._listener is None:
             raise RuntimeError("the stage server is not started")
-        port = self._server.sockets[0].getsockname()[1]
         host = self.config.bind_host
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return f"[{host}]:{self._listener.port}" if ":" in host else f"{host}:{self._listener.port}"
+
+    @property
+    def refusals(self) -> list[str]:
+        """Handshake refusals, newest last (also logged)."""
+        return [] if self._listener is None else self._listener.refusals
+
+    @property
+    def lanes(self) -> dict[int, Lane]:
+        return {} if self.env is None else self.env.lanes
 
     async def start(self, sock: socket.socket | None = None) -> str:
-        """Listen on the config's bind address, or on `sock` (already bound)."""
-        self._server = await tls.start_server(self._accept, self.config.bind_host, self.config.bind_port, sock=sock,
-                                              where=f"stage {self.config.stage_index}")  # TLS off loopback
-        log.info("stage %d (%s) listening on %s, layers [%d, %d)", self.config.stage_index,
-                 self.config.stage_id, self.endpoint, self.config.layer_start,
-                 self.config.layer_end)
+        """Start the engine and listen on the config's bind address, or on `sock` (bound, listening)."""
+        config = self.config
+        self.engine = Engine(self.runtime, asyncio.get_running_loop(), name=f"skippy-stage{config.stage_index}",
+                             join_timeout_s=config.timeouts.shutdown_s)
+        self.returns = ReturnStreams(self.engine, self.transport, self.driver_endpoint)
+        self.env = LaneEnv(config, self.engine, self.runtime, self.telemetry, self.returns, self.transport,
+                           control=self._control, needs_link=self._needs_link, ended=self._ended)
+        self.engine.on_close(self._close_lanes)
+        self.engine.start()
+        self._listener = await self.transport.listen(config.bind_host, config.bind_port, self._adopt,
+                                                     where=f"stage {config.stage_index}", sock=sock)
+        log.info("stage %d (%s) listening on %s, layers [%d, %d)", config.stage_index, config.stage_id,
+                 self.endpoint, config.layer_start, config.layer_end)
         return self.endpoint
 
     async def serve_forever(self) -> None:
-        if self._server is None:
+        if self._listener is None:
             await self.start()
-        await self._server.serve_forever()
+        await asyncio.Event().wait()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
+    # -- the event loop's part of a lane ---------------------------------------------------------
+    async def _adopt(self, sock: socket.socket, peer) -> None:
+        """A connection past its handshake: a lane, the engine's from now on."""
+        env, lane_id = self.env, next(_lane_ids)
+
+        def open_lane() -> None:
+            env.lanes[lane_id] = Lane(env, lane_id, sock, peer)
+
+        try:
+            await self.engine.call(open_lane)
+        except EngineClosed:
+            sock.close()
+
+    def _control(self, ctl: LaneControl) -> None:
+        self._spawn(run_control(ctl))
+
+    def _needs_link(self, lane: Lane) -> None:
+        async def dial() -> None:
+            try:
+                await dial_link(lane)
+            except (LinkBroken, EngineClosed) as error:
+                self._post(lambda: lane.fail(error))
+                return
+            self._post(lane.resume)
+
+        self._spawn(dial())
+
+    def _ended(self, lane: Lane) -> None:
+        self.env.lanes.pop(lane.lane_id, None)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        conn_id = next(_connection_ids)
-        peer = writer.get_extra_info("peername")
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        task.add_done_callback(self._tasks.discard)
+
+    def _post(self, command) -> None:
         try:
-            await server_handshake(reader, writer, self.config.auth_token)
-        except (ProtocolError, ConnectionError, OSError) as error:
-            reason = f"{type(error).__name__}: {error}"
-            self.refusals.append(reason)
-            log.warning("stage %d: refused connection %d from %s: %s", self.config.stage_index,
-                        conn_id, peer, reason)
-            writer.close()
-            self._tasks.discard(task)
-            return
-        connection = self.connections[conn_id] = StageConnection(self, conn_id, reader, writer)
-        try:
-            await connection.run()
-        except asyncio.CancelledError:
-            pass  # the server is closing; asyncio 3.11's stream callback mishandles a re-raise
-        finally:
-            self.connections.pop(conn_id, None)
-            self._tasks.discard(task)
+            self.engine.post(command)
+        except EngineClosed:
+            pass
+
+    # -- the end -------------------------------------------------------------------------------
+    def _close_lanes(self) -> None:
+        """On the engine, as it stops: every lane and return stream closes."""
+        for lane in list(self.env.lanes.values()):
+            lane.close()
+        self.returns.close_all()
 
     async def close(self, *, abort: bool = False) -> None:
-        """Stop listening and end every connection (abort: drop them like a crash would)."""
-        if self._server is not None:
-            self._server.close()
-        for connection in list(self.connections.values()):
-            if abort:
-                connection.writer.transport.abort()
+        """Stop listening and end every connection (`abort`: drop them like a crash would)."""
+        if self._listener is not None:
+            await self._listener.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.returns.close_all()
+        if self.engine is not None:
+            if abort:
+                self._post(lambda: [lane.channel.abort() for lane in list(self.env.lanes.values())])
+            await asyncio.to_thread(self.engine.close)
         self.runtime.close()

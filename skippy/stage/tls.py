@@ -1,110 +1,60 @@
 """Mutual TLS on the links of a chain that leaves loopback (docs/operations.md).
 
-One process is one place in a chain, so its TLS identity is set once at start (`use`):
-every link it dials (lanes, status queries, the direct return) and every listener it opens
-then runs over TLS whenever the far host is not loopback, both sides checking the other's
-certificate against the chain's CA (`skippy plan` writes them). Loopback links stay plain.
-The auth token check runs inside TLS as before. A listener (`start_server`) accepts plain TCP
-and runs the handshake itself, since asyncio's own TLS server drops a failed handshake without
-a word: a refused peer (another CA's certificate, none, plain TCP) gets one WARNING line naming
-its address and why, at most one a minute per host and reason.
+A stage's TLS identity (its certificate and key, and the chain's CA) comes from its config
+and lives in its `Transport` (stage/transport.py): every link it dials (lanes, status
+queries, the direct return) and every listener it opens then runs over TLS whenever the far
+host is not loopback, both sides checking the other's certificate against the chain's CA
+(`skippy plan` writes them). Loopback links stay plain. The auth token check runs inside TLS
+as before. A refused peer (another CA's certificate, none, plain TCP) gets one WARNING line
+naming its address and why, at most one a minute per host and reason (`RefusalLog`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable
 from functools import cache
 from pathlib import Path
 
 from ..protocol import TlsConfig, is_loopback
 
 log = logging.getLogger("skippy.stage")
-HANDSHAKE_TIMEOUT_S = 30.0
 REFUSAL_LOG_EVERY_S = 60.0  # a host refused again for the same reason within this: counted, not logged
-_identity: TlsConfig | None = None
-_handshakes: set[asyncio.Task] = set()   # in flight; the loop holds tasks only weakly
-_refusals: dict[tuple[str, str], tuple[float, int]] = {}  # (peer host, reason) -> (logged at, repeats since)
 
 
-def use(tls: TlsConfig | None) -> None:
-    """This process's certificate, key and chain CA (None: plain TCP only)."""
-    global _identity
-    _identity = tls
-    _contexts.cache_clear()
+def context(tls: TlsConfig | None, host: str, *, server: bool) -> ssl.SSLContext | None:
+    """The TLS context to dial (`server` False) or listen on `host` with; None for loopback
+    or without an identity."""
+    if tls is None or is_loopback(host):
+        return None
+    return _contexts(tls, ssl.Purpose.CLIENT_AUTH if server else ssl.Purpose.SERVER_AUTH)
 
 
-def client_context(host: str) -> ssl.SSLContext | None:
-    """The TLS context to dial `host` with; None for loopback or without an identity."""
-    return None if is_loopback(host) or _identity is None else _contexts(_identity, ssl.Purpose.SERVER_AUTH)
+class RefusalLog:
+    """One WARNING line per refused TLS handshake, at most one a minute per host and reason."""
 
+    def __init__(self, where: str):
+        self.where = where
+        self._seen: dict[tuple[str, str], tuple[float, int]] = {}  # (peer host, reason) -> (logged at, repeats since)
 
-def server_context(host: str) -> ssl.SSLContext | None:
-    """The TLS context to listen on `host` with; None for loopback or without an identity."""
-    return None if is_loopback(host) or _identity is None else _contexts(_identity, ssl.Purpose.CLIENT_AUTH)
-
-
-async def start_server(client_connected: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
-                       host: str, port: int = 0, *, sock=None, where: str) -> asyncio.Server:
-    """asyncio.start_server on `host` (or on `sock`, bound there), over TLS off loopback; `where`
-    names the listener in a refusal's log line."""
-    context = server_context(host)
-    if context is None:
-        return await asyncio.start_server(client_connected, host=None if sock else host, port=None if sock else port,
-                                          sock=sock)
-    loop = asyncio.get_running_loop()
-    accept = lambda: _Handshake(client_connected, context, where)  # noqa: E731
-    if sock is not None:
-        return await loop.create_server(accept, sock=sock)
-    return await loop.create_server(accept, host, port)
-
-
-class _Handshake(asyncio.Protocol):
-    """An accepted TCP connection until its TLS handshake ends: then a stream, as start_server makes."""
-
-    def __init__(self, client_connected, context: ssl.SSLContext, where: str):
-        self._client_connected, self._context, self._where = client_connected, context, where
-
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        # before the loop first reads the socket, so the ClientHello is still there for start_tls
-        transport.pause_reading()
-        task = asyncio.get_running_loop().create_task(self._upgrade(transport))
-        _handshakes.add(task)
-        task.add_done_callback(_handshakes.discard)
-
-    async def _upgrade(self, transport: asyncio.Transport) -> None:
-        reader = asyncio.StreamReader()
-        protocol = asyncio.StreamReaderProtocol(reader, self._client_connected)  # calls it on connection_made
-        peer = transport.get_extra_info("peername")
-        try:
-            secure = await asyncio.get_running_loop().start_tls(transport, protocol, self._context, server_side=True,
-                                                                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
-        except OSError as error:  # ssl.SSLError, a reset, or the timeout's ConnectionAbortedError
-            _log_refusal(self._where, peer, error)
+    def refused(self, peer, error: OSError, timeout_s: float) -> None:
+        host, port = (peer[0], peer[1]) if peer else ("unknown", 0)
+        reason, now = refusal_reason(error, timeout_s), time.monotonic()
+        logged_at, since = self._seen.get((host, reason), (float("-inf"), 0))
+        if now - logged_at < REFUSAL_LOG_EVERY_S:  # a repeat: counted, said on its next line
+            self._seen[host, reason] = (logged_at, since + 1)
             return
-        protocol.connection_made(secure)  # start_tls leaves that to its caller
+        if len(self._seen) > 4096:  # many peers: forget the quiet ones
+            for key in [key for key, (at, _) in self._seen.items() if now - at >= REFUSAL_LOG_EVERY_S]:
+                del self._seen[key]
+        self._seen[host, reason] = (now, 0)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        repeats = f" ({since} more like it from {host} since the last line)" if since else ""
+        log.warning("%s: TLS handshake from %s refused: %s%s", self.where, address, reason, repeats)
 
 
-def _log_refusal(where: str, peer, error: OSError) -> None:
-    host, port = (peer[0], peer[1]) if peer else ("unknown", 0)
-    reason, now = refusal_reason(error), time.monotonic()
-    logged_at, since = _refusals.get((host, reason), (float("-inf"), 0))
-    if now - logged_at < REFUSAL_LOG_EVERY_S:  # a repeat: counted, said on its next line
-        _refusals[host, reason] = (logged_at, since + 1)
-        return
-    if len(_refusals) > 4096:  # many peers: forget the quiet ones
-        for key in [key for key, (at, _) in _refusals.items() if now - at >= REFUSAL_LOG_EVERY_S]:
-            del _refusals[key]
-    _refusals[host, reason] = (now, 0)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    repeats = f" ({since} more like it from {host} since the last line)" if since else ""
-    log.warning("%s: TLS handshake from %s refused: %s%s", where, address, reason, repeats)
-
-
-def refusal_reason(error: OSError) -> str:
+def refusal_reason(error: OSError, timeout_s: float) -> str:
     """Why a peer's TLS handshake failed, in words, with OpenSSL's code where there is one."""
     code = getattr(error, "reason", None)
     if isinstance(error, ssl.SSLCertVerificationError):
@@ -112,7 +62,9 @@ def refusal_reason(error: OSError) -> str:
         other_ca = error.verify_code in (2, 7, 18, 19, 20)
         what = "is not from this chain's CA" if other_ca else "failed verification"
         return f"its certificate {what} ({code}: {error.verify_message})"
-    words = {"TLSV1_ALERT_UNKNOWN_CA": "it does not trust this listener's certificate, from another chain's CA?",
+    another_ca = "it does not trust this listener's certificate, from another chain's CA?"
+    words = {"TLSV1_ALERT_UNKNOWN_CA": another_ca,
+             "TLSV1_ALERT_DECRYPT_ERROR": another_ca,  # a CA of the same name, another key: its signature fails
              "SSLV3_ALERT_BAD_CERTIFICATE": "it refused this listener's certificate",
              "PEER_DID_NOT_RETURN_A_CERTIFICATE": "it sent no client certificate",
              "TLSV13_ALERT_CERTIFICATE_REQUIRED": "it sent no client certificate",
@@ -122,10 +74,10 @@ def refusal_reason(error: OSError) -> str:
              "NO_SHARED_CIPHER": "no cipher in common"}
     if code in words:
         return f"{words[code]} ({code})"
-    if isinstance(error, ssl.SSLError):
+    if isinstance(error, ssl.SSLError) and not isinstance(error, ssl.SSLEOFError):
         return f"{code or error}"
-    if isinstance(error, ConnectionAbortedError):
-        return f"no handshake within {HANDSHAKE_TIMEOUT_S:g} s"
+    if isinstance(error, TimeoutError):
+        return f"no handshake within {timeout_s:g} s"
     # a dialer that rejects this listener's certificate hangs up without a word (Python's does)
     return (f"it hung up during the handshake: does it trust another CA than this chain's? "
             f"({type(error).__name__})")

@@ -1,0 +1,172 @@
+"""Direct prediction return (spec §2.7): the final stage sends tokens straight to stage 0.
+
+* Stage 0 listens (`ReturnListener`). At ConfigureGeneration the final stage dials it
+  (`ReturnStreams.open`): connect, TLS off loopback, auth, READY, then one
+  `PredictionReturnOpen` frame naming (request_id, session_id). After that only replies
+  flow on the stream, final -> stage 0, and both ends belong to their stage's engine: the
+  final stage writes each prediction as its forward ends, stage 0 reads it and hands it to
+  the request's handler (`ReturnInbox`), with no thread in between.
+* If the stream cannot be opened, the final stage replies upstream instead, and every middle
+  stage relays the reply (the hop-by-hop fallback); a stream that breaks falls back the same way.
+* The stream is closed on Stop, or when the session's connection ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from ..protocol import MessageKind, ProtocolError, StageMessage, StageReply, encode_message
+from ..protocol.constants import MESSAGE_HEADER
+from ..protocol.decode_frames import read_reply_from
+from ..protocol.frames import decode_message_body, parse_message_header
+from .channel import Channel
+from .engine import Engine
+from .transport import LinkBroken, Transport, recv_exactly, send_all
+
+log = logging.getLogger("skippy.stage")
+
+ReturnKey = tuple[int, int]  # (request_id, session_id)
+
+
+class ReturnStreams:
+    """The final stage's open streams back to stage 0: opened on the event loop, written by the engine."""
+
+    def __init__(self, engine: Engine, transport: Transport, driver_endpoint: str | None):
+        self.engine, self.transport = engine, transport
+        self.driver_endpoint = driver_endpoint
+        self._channels: dict[ReturnKey, Channel] = {}  # the engine's
+
+    async def dial(self, key: ReturnKey):
+        """On the event loop: a stream to stage 0 for `key`, its opening frame sent, for `attach`;
+        None (and the fallback path) when that is not possible."""
+        if self.driver_endpoint is None:
+            return None
+        try:
+            sock, _ = await self.transport.dial(self.driver_endpoint)
+        except LinkBroken as error:
+            log.warning("direct prediction return unavailable, relaying upstream: %s", error)
+            return None
+        try:
+            await send_all(sock, encode_message(StageMessage(MessageKind.PredictionReturnOpen, request_id=key[0],
+                                                             session_id=key[1])))
+        except OSError as error:
+            sock.close()
+            log.warning("direct prediction return unavailable, relaying upstream: %s", error)
+            return None
+        return sock
+
+    def attach(self, key: ReturnKey, sock) -> None:
+        """On the engine: the key's stream, written by the engine from now on."""
+        old = self._channels.pop(key, None)
+        if old is not None:
+            old.close("replaced")
+        self._channels[key] = Channel(self.engine, sock, name=f"return stream {key}", parse=None,
+                                      on_frame=lambda _: None, on_close=lambda reason, fault: self._lost(key, reason),
+                                      conditioner=self.transport.conditioner())
+
+    def _lost(self, key: ReturnKey, reason: str) -> None:
+        if self._channels.pop(key, None) is not None and reason not in ("closed", "replaced"):
+            log.warning("direct prediction return lost, relaying upstream: %s", reason)
+
+    # -- on the engine ------------------------------------------------------------------------
+    def send(self, key: ReturnKey, frame: bytes) -> bool:
+        """Write a prediction on the key's stream; False if there is none (or it broke)."""
+        channel = self._channels.get(key)
+        if channel is None:
+            return False
+        channel.send(frame)
+        return not channel.closed
+
+    def has(self, key: ReturnKey) -> bool:
+        return key in self._channels
+
+    def close(self, key: ReturnKey) -> None:
+        channel = self._channels.pop(key, None)
+        if channel is not None:
+            channel.close("closed")
+
+    def close_all(self) -> None:
+        for key in list(self._channels):
+            self.close(key)
+
+
+class ReturnInbox:
+    """Stage 0's return streams, on its engine: each reply goes to its request's handler."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.handlers: dict[ReturnKey, Callable[[StageReply], None]] = {}
+        self._channels: set[Channel] = set()
+        self.num_streams = 0
+
+    def adopt(self, key: ReturnKey, sock) -> None:
+        """On the engine: a return stream for `key` (its opening frame read)."""
+        self.num_streams += 1
+
+        def deliver(reply: StageReply) -> None:
+            handler = self.handlers.get(key)
+            if handler is None:
+                log.debug("prediction for a finished request dropped")
+            else:
+                handler(reply)
+
+        def closed(reason: str, fault: bool) -> None:
+            self._channels.discard(channel)
+            if fault:
+                log.warning("prediction-return stream refused or broken: %s", reason)
+
+        channel = Channel(self.engine, sock, name=f"return stream {key}", parse=read_reply_from,
+                          on_frame=deliver, on_close=closed)
+        self._channels.add(channel)
+
+    def close_all(self) -> None:
+        for channel in list(self._channels):
+            channel.close("closed")
+
+
+class ReturnListener:
+    """Stage 0's endpoint for prediction-return streams: handshakes on the event loop, then the
+    stream is its engine's (`ReturnInbox`)."""
+
+    def __init__(self, inbox: ReturnInbox, transport: Transport, bind_addr: str = "127.0.0.1:0"):
+        self.inbox, self.transport, self.bind_addr = inbox, transport, bind_addr
+        self._listener = None
+
+    @property
+    def num_streams(self) -> int:
+        return self.inbox.num_streams
+
+    async def start(self) -> str:
+        from ..protocol import parse_endpoint
+
+        host, port = parse_endpoint(self.bind_addr, allow_port_zero=True)
+        self._listener = await self.transport.listen(host, port, self._opened, where="stage 0's return listener")
+        bound = self._listener.port
+        return f"{host}:{bound}" if ":" not in host else f"[{host}]:{bound}"
+
+    async def _opened(self, sock, peer) -> None:
+        try:
+            async with asyncio.timeout(self.transport.timeouts.handshake_s):
+                header = parse_message_header(await recv_exactly(sock, MESSAGE_HEADER.size, "message header"))
+                body = await recv_exactly(sock, header.body_bytes, "message body")
+            opening = decode_message_body(header, body)
+            if opening.kind != MessageKind.PredictionReturnOpen:
+                raise ProtocolError(f"first frame: expected PredictionReturnOpen, got {opening.kind.name}")
+        except (ProtocolError, TimeoutError) as error:
+            log.warning("prediction-return stream refused or broken: %s", error or "no opening frame in time")
+            sock.close()
+            return
+        except OSError:
+            sock.close()
+            return
+        key = (opening.request_id, opening.session_id)
+        try:
+            await self.inbox.engine.call(lambda: self.inbox.adopt(key, sock))
+        except Exception:  # noqa: BLE001 - the engine stopped: nobody to hand it to
+            sock.close()
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            await self._listener.close()

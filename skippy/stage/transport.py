@@ -1,0 +1,269 @@
+"""How a stage process reaches other stages and lets them reach it: dials, listeners, handshakes.
+
+One `Transport` per stage (built from its config, no process-wide state): its TLS identity,
+the chain's auth token, its link conditioning and its timeouts. Every handshake runs on the
+event loop over the raw socket (TLS, then the auth preamble, then READY: spec §2.1), so a
+connection is handed to the engine (stage/engine.py) as a plain or TLS socket that no
+asyncio transport ever wrapped, and the engine owns it for the rest of its life.
+
+    sock, endpoint = await transport.dial([stage, *standbys])     # handshaken
+    listener = await transport.listen(host, port, on_connection, where="stage 1")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from ..protocol import (
+    AuthError, FrameError, LinkConditioning, MessageKind, ProtocolError, ReplyKind, StageMessage, StageStatusReport,
+    Timeouts, TlsConfig, encode_message, parse_endpoint,
+)
+from ..protocol.constants import AUTH_PREFIX, READY, REPLY_FIXED_BYTES, REPLY_HEADER
+from ..protocol.frames import decode_reply_body, parse_reply_header
+from ..protocol.handshake import AuthPreamble, Ready, auth_token_length, check_auth, token_bytes
+from . import tls
+from .link import Conditioner
+
+log = logging.getLogger("skippy.stage")
+MIN_READY_WAIT_S = 5.0  # a stage busy loading answers READY late
+
+
+class LinkBroken(ConnectionError):
+    """A stage could not be reached, closed the connection, sent a bad frame, or stopped answering."""
+
+
+class Transport:
+    def __init__(self, *, tls_identity: TlsConfig | None = None, auth_token: str | None = None,
+                 conditioning: LinkConditioning | None = None, timeouts: Timeouts = Timeouts()):
+        self.tls_identity, self.auth_token = tls_identity, auth_token
+        self.conditioning, self.timeouts = conditioning, timeouts
+        self._failed_at: dict[str, float] = {}  # endpoint -> when a dial to it last failed
+
+    def conditioner(self) -> Conditioner | None:
+        """The conditioning of one link this process dials (None: a plain link)."""
+        return None if self.conditioning is None else Conditioner(self.conditioning)
+
+    # -- dialing ----------------------------------------------------------------------------
+    async def dial(self, endpoints: str | Sequence[str], *, connect_s: float | None = None,
+                   handshake_s: float | None = None) -> tuple[socket.socket, str]:
+        """A handshaken socket to the first of `endpoints` that answers (a stage, then its
+        standbys: the same layers elsewhere), and its endpoint. One that failed lately is
+        tried after those that did not, so once a stage is lost every new lane goes to its
+        standby without waiting on it first. LinkBroken when none answers."""
+        candidates = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        errors = []
+        for endpoint in sorted(candidates, key=lambda e: self._failed_at.get(e, 0.0)):  # stable: config order
+            try:
+                sock = await self._dial_one(endpoint, connect_s or self.timeouts.connect_s, handshake_s)
+            except LinkBroken as error:
+                self._failed_at[endpoint] = time.monotonic()
+                errors.append(str(error))
+                continue
+            if endpoint != candidates[0]:
+                log.info("stage at %s does not answer; dialed its standby at %s", candidates[0], endpoint)
+            return sock, endpoint
+        raise LinkBroken("; ".join(errors))
+
+    async def _dial_one(self, endpoint: str, connect_s: float, handshake_s: float | None) -> socket.socket:
+        host, port = parse_endpoint(endpoint)
+        loop = asyncio.get_running_loop()
+        sock = None
+        try:
+            async with asyncio.timeout(connect_s):
+                family, kind, proto, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+                sock = socket.socket(family, kind, proto)
+                sock.setblocking(False)
+                await loop.sock_connect(sock, address)
+        except (OSError, TimeoutError) as error:
+            if sock is not None:
+                sock.close()
+            raise LinkBroken(f"cannot connect to stage at {endpoint}: {error or type(error).__name__}") from error
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            async with asyncio.timeout(max(connect_s, MIN_READY_WAIT_S) if handshake_s is None else handshake_s):
+                context = tls.context(self.tls_identity, host, server=False)
+                if context is not None:
+                    sock = context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+                    await _io(sock, sock.do_handshake)
+                if self.auth_token is not None:
+                    await send_all(sock, AuthPreamble(token_bytes(self.auth_token)).encode())
+                try:
+                    Ready.decode(await recv_exactly(sock, READY.size, "READY"))
+                except ProtocolError as error:
+                    raise ProtocolError(f"{error} (did the server refuse our auth token?)") from None
+        except (ProtocolError, OSError, TimeoutError) as error:
+            sock.close()
+            what = "no READY in time" if isinstance(error, TimeoutError) else error
+            raise LinkBroken(f"handshake with stage at {endpoint} failed: {what}") from error
+        return sock
+
+    async def query_status(self, endpoint: str) -> StageStatusReport | None:
+        """The stage's own status, or None when it does not answer within `probe_s` (its dial,
+        handshake and answer, each). The connection then closes cleanly, which a stage ends
+        quietly (no sessions to reclaim)."""
+        probe_s = self.timeouts.probe_s
+        try:
+            sock, _ = await self.dial(endpoint, connect_s=probe_s, handshake_s=probe_s)
+        except LinkBroken:
+            return None
+        try:
+            async with asyncio.timeout(probe_s):
+                await send_all(sock, encode_message(StageMessage(MessageKind.GetStageStatus)))
+                head = await recv_exactly(sock, REPLY_HEADER.size, "reply header")
+                header = parse_reply_header(head)
+                body = await recv_exactly(sock, REPLY_FIXED_BYTES - REPLY_HEADER.size + header.body_bytes,
+                                           "reply body")
+                reply = decode_reply_body(header, body)
+            return reply.status if reply.kind == ReplyKind.StageStatus else None
+        except (ProtocolError, OSError, TimeoutError):
+            return None
+        finally:
+            sock.close()
+
+    # -- listening --------------------------------------------------------------------------
+    async def listen(self, host: str, port: int, on_connection: Callable[[socket.socket, tuple], Awaitable[None]],
+                     *, where: str, sock: socket.socket | None = None) -> Listener:
+        """Accept on `host`:`port` (or on `sock`, already bound and listening); each connection
+        that passes its handshake goes to `on_connection(sock, peer)`. `where` names the
+        listener in its log lines."""
+        if sock is None:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(128)
+        listener = Listener(self, sock, tls.context(self.tls_identity, host, server=True), on_connection, where)
+        listener.start()
+        return listener
+
+    async def accept_handshake(self, sock: socket.socket, context: ssl.SSLContext | None,
+                               refusals: tls.RefusalLog, peer) -> socket.socket:
+        """TLS (off loopback), then the auth check, then READY; the socket ready for frames."""
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if context is not None:
+            sock = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            try:
+                async with asyncio.timeout(self.timeouts.tls_handshake_s):
+                    await _io(sock, sock.do_handshake)
+            except (OSError, TimeoutError) as error:  # ssl.SSLError, a reset, or the timeout
+                refusals.refused(peer, error, self.timeouts.tls_handshake_s)
+                raise
+        async with asyncio.timeout(self.timeouts.handshake_s):
+            if self.auth_token is not None:
+                try:
+                    prefix = await recv_exactly(sock, AUTH_PREFIX.size, "auth preamble")
+                    token = await recv_exactly(sock, auth_token_length(prefix), "auth token")
+                except TimeoutError:
+                    raise AuthError(f"auth preamble: none within {self.timeouts.handshake_s:g} s") from None
+                except ProtocolError as error:
+                    raise AuthError(str(error)) from None
+                check_auth(AuthPreamble(token), self.auth_token)
+            await send_all(sock, Ready().encode())
+        return sock
+
+
+class Listener:
+    """An accepting socket; each accepted connection's handshake is a task of its own."""
+
+    def __init__(self, transport: Transport, sock: socket.socket, context: ssl.SSLContext | None,
+                 on_connection: Callable[[socket.socket, tuple], Awaitable[None]], where: str):
+        self.transport, self.sock, self.context = transport, sock, context
+        self.on_connection, self.where = on_connection, where
+        self.refusals: list[str] = []        # handshake refusals, newest last (also logged)
+        self._refusal_log = tls.RefusalLog(where)
+        self._tasks: set[asyncio.Task] = set()
+        self._accepting: asyncio.Task | None = None
+        sock.setblocking(False)
+
+    @property
+    def port(self) -> int:
+        return self.sock.getsockname()[1]
+
+    def start(self) -> None:
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, peer = await loop.sock_accept(self.sock)
+            except OSError as error:  # out of descriptors, say: the next try may work
+                log.warning("%s: accept failed: %s", self.where, error)
+                await asyncio.sleep(0.1)
+                continue
+            task = loop.create_task(self._serve(sock, peer))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, sock: socket.socket, peer) -> None:
+        try:
+            sock = await self.transport.accept_handshake(sock, self.context, self._refusal_log, peer)
+        except (ProtocolError, OSError, TimeoutError) as error:
+            sock.close()
+            if isinstance(error, ProtocolError):  # TLS refusals were logged by accept_handshake
+                reason = f"{type(error).__name__}: {error}"
+                self.refusals.append(reason)
+                log.warning("%s: refused connection from %s: %s", self.where, peer, reason)
+            return
+        except asyncio.CancelledError:
+            sock.close()
+            raise
+        await self.on_connection(sock, peer)
+
+    async def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*([self._accepting] if self._accepting else []), *self._tasks, return_exceptions=True)
+        self.sock.close()
+
+
+# -- non-blocking I/O on the event loop, plain or TLS ----------------------------------------
+async def _io(sock: socket.socket, operation: Callable[[], object]):
+    """operation() on a non-blocking socket, waiting for it to be readable or writable as it asks."""
+    while True:
+        try:
+            return operation()
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+            await _ready(sock, write=False)
+        except ssl.SSLWantWriteError:
+            await _ready(sock, write=True)
+
+
+async def _ready(sock: socket.socket, *, write: bool) -> None:
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    fd = sock.fileno()
+
+    def wake() -> None:
+        if not future.done():
+            future.set_result(None)
+
+    (loop.add_writer if write else loop.add_reader)(fd, wake)
+    try:
+        await future
+    finally:
+        (loop.remove_writer if write else loop.remove_reader)(fd)
+
+
+async def send_all(sock: socket.socket, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        sent = await _io(sock, lambda: sock.send(view))
+        view = view[sent:]
+
+
+async def recv_exactly(sock: socket.socket, nbytes: int, what: str) -> bytes:
+    data = bytearray()
+    while len(data) < nbytes:
+        chunk = await _io(sock, lambda: sock.recv(nbytes - len(data)))
+        if not chunk:
+            raise FrameError(f"{what}: expected {nbytes} bytes, got {len(data)} before EOF (truncated)")
+        data += chunk
+    return bytes(data)
