@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from numerics import sampling_slack
 from skippy.model.sampling import (
+    Draws,
     RequestSampler,
     apply_penalties,
     draw_token,
@@ -200,8 +201,9 @@ def test_top_p_on_full_vocab_matches_oracle(scale, top_p):
     ],
 )
 def test_draw_token_never_picks_zero_probability(probs, expected):
-    gen = torch.Generator().manual_seed(0)
-    assert {draw_token(torch.tensor(probs), gen) for _ in range(300)} == expected
+    draws = Draws(0)
+    uniforms = [draws.next() for _ in range(300)] + [0.0, 1.0 - 2.0**-53]  # and both ends of [0, 1)
+    assert {draw_token(torch.tensor(probs), u) for u in uniforms} == expected
 
 
 @pytest.mark.parametrize(
@@ -385,3 +387,19 @@ def test_skipping_draws_resumes_the_seeded_stream():
     resumed.skip_draws(12)
     assert draw_many(resumed, logits, 18) == uninterrupted[12:]
     assert draw_many(RequestSampler(config), logits, 18) != uninterrupted[12:]  # not by chance
+
+
+def test_skipping_any_count_of_draws_is_a_jump():
+    """decode_step is an i32 a peer sends: 2^31 - 1 skipped draws cost what a few do (Draws)."""
+    config = SamplingConfig(temperature=1.0, seed=9)
+    far = RequestSampler(config)
+    far.skip_draws(2**31 - 1)
+    stepped = Draws(9)
+    stepped.skip(2**31 - 3)
+    stepped.skip(2)
+    assert far._draws.next() == stepped.next()
+    reference = Draws(9)
+    first = [reference.next() for _ in range(5)]
+    resumed = Draws(9)
+    resumed.skip(3)
+    assert [resumed.next(), resumed.next()] == first[3:]

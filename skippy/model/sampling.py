@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -140,22 +141,40 @@ def _nucleus_head(
     return logits.sort(descending=True)
 
 
-def draw_token(probs: Tensor, generator: torch.Generator) -> int:
-    """One token from [V] probabilities (need not sum to 1), by inverse CDF.
-
-    One uniform per draw, like llama.cpp's dist sampler; torch.multinomial costs
-    ~5x more on CPU. float64 keeps the running sum exact enough over 49k tokens.
-    """
+def draw_token(probs: Tensor, u: float) -> int:
+    """One token from [V] probabilities (need not sum to 1), by inverse CDF at the uniform
+    `u` in [0, 1) (one per draw, like llama.cpp's dist sampler; torch.multinomial costs ~5x
+    more on CPU). float64 keeps the running sum exact enough over 49k tokens."""
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[-1:]
     if not float(total) > 0.0:  # also catches NaN
         raise ValueError(f"Expected some token with probability > 0, got total {float(total)}; "
                          "did logit_bias ban every token?")
-    u = torch.rand(1, dtype=torch.float64, device=probs.device, generator=generator)
-    token = torch.searchsorted(cdf, u * total, right=True)
+    token = torch.searchsorted(cdf, total * u, right=True)
     # u * total can round up to total; never step past the last token with p > 0.
     last_possible = torch.searchsorted(cdf, total)
     return int(torch.minimum(token, last_possible))
+
+
+class Draws:
+    """A request's uniforms, one per sampled row, derivable from (seed, index) without
+    making the ones before: draw i is the i-th 64-bit output of PCG64(seed), its top 53 bits
+    as a double in [0, 1) (numpy's `random()`). A replayed request skips the draws its
+    earlier session made (ConfigureGeneration's decode_step, up to 2^31 - 1) with PCG64's
+    jump-ahead, O(log n) time and no memory: materialising them took 0.79 s and 1 GB for
+    2^27 (torch's Mersenne Twister has no jump)."""
+
+    __slots__ = ("_bits",)
+
+    def __init__(self, seed: int) -> None:
+        self._bits = np.random.PCG64(seed & (2**64 - 1))  # an i64 seed, as its u64 pattern
+
+    def skip(self, num_draws: int) -> None:
+        if num_draws > 0:
+            self._bits.advance(num_draws)
+
+    def next(self) -> float:
+        return (self._bits.random_raw() >> 11) * 2.0**-53
 
 
 def _min_p(logits: Tensor, min_p: float) -> Tensor:
@@ -166,9 +185,9 @@ def _min_p(logits: Tensor, min_p: float) -> Tensor:
 
 
 class RequestSampler:
-    """One request's sampler, with its own generator on the logits' device.
+    """One request's sampler, with its own stream of draws (Draws).
 
-    The private generator means concurrent requests never consume each other's
+    The private stream means concurrent requests never consume each other's
     random numbers: a seeded request gives the same tokens however it is batched
     or interleaved with others.
     """
@@ -188,8 +207,7 @@ class RequestSampler:
             raise ValueError(f"Expected logit_bias token ids >= 0, got {bad[0]}")
         # A random seed is still recorded, so a run can be replayed from the logs.
         self.seed = config.seed if config.seed is not None else secrets.randbits(63)
-        self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(self.seed)
+        self._draws = Draws(self.seed)
         self._bias_ids = torch.tensor(list(config.logit_bias), dtype=torch.long, device=self.device)
         self._bias_values = torch.tensor(
             list(config.logit_bias.values()), dtype=torch.float32, device=self.device
@@ -212,10 +230,10 @@ class RequestSampler:
         return list(cfg.logit_bias), list(cfg.logit_bias.values())
 
     def skip_draws(self, num_draws: int) -> None:
-        """Advance the generator past `num_draws` draws (one uniform each, see draw_token): a
-        request replayed onto a fresh chain continues its seeded stream where it was cut."""
-        if num_draws > 0:
-            torch.rand(num_draws, dtype=torch.float64, device=self.device, generator=self._generator)
+        """Skip `num_draws` draws (one uniform each, see draw_token) in constant time and
+        memory (Draws): a request replayed onto a fresh chain continues its seeded stream
+        where it was cut."""
+        self._draws.skip(num_draws)
 
     def sample(
         self,
@@ -232,7 +250,7 @@ class RequestSampler:
         For [N, V] (a VerifyWindow with input tokens [c, d1, ..., d(N-1)]),
         `row_tokens` must be the drafts d1..d(N-1): the input tokens of rows 1..N-1.
         Row i is sampled as if history were `history + row_tokens[:i]`, so penalties
-        (and a grammar) see the drafts the model saw, and rows draw from the generator
+        (and a grammar) see the drafts the model saw, and rows draw from the stream
         in order, which gives the same tokens as N one-row calls.
         """
         if not _same_device(logits.device, self.device):
@@ -276,7 +294,7 @@ class RequestSampler:
             return greedy(logits)
         logits = filter_logits(logits, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
         probs = torch.softmax(logits / cfg.temperature, dim=-1)
-        return draw_token(probs, self._generator)
+        return draw_token(probs, self._draws.next())
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
