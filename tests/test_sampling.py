@@ -19,6 +19,7 @@ from skippy.model.sampling import (
     greedy,
     penalty_window,
 )
+from skippy.model.errors import RequestError
 from skippy.protocol.sampling_config import SamplingConfig
 
 NUM_VOCAB = 49152
@@ -387,6 +388,27 @@ def test_skipping_draws_resumes_the_seeded_stream():
     resumed.skip_draws(12)
     assert draw_many(resumed, logits, 18) == uninterrupted[12:]
     assert draw_many(RequestSampler(config), logits, 18) != uninterrupted[12:]  # not by chance
+
+
+# --- what a peer may send that the API never does (issue 43) ---------------------
+
+
+def test_a_plus_inf_bias_forces_its_token_at_any_temperature():
+    logits = random_logits(2, NUM_VOCAB, scale=1.0)
+    forced = {11: math.inf, 4000: math.inf}
+    for config in (SamplingConfig(temperature=1.3, top_p=0.9, min_p=0.1, seed=1, logit_bias=forced),
+                   SamplingConfig(temperature=0.7, top_k=40, seed=2, logit_bias=forced)):
+        assert set(draw_many(RequestSampler(config), logits, 60)) == {11, 4000}  # each as likely
+    assert RequestSampler(SamplingConfig(logit_bias=forced)).sample(logits, []) == 11  # greedy: the first
+
+
+def test_a_row_with_nothing_to_draw_fails_with_its_reason():
+    nan = random_logits(3, NUM_VOCAB)
+    nan[100] = math.nan
+    with pytest.raises(RequestError, match="Expected finite logits, got NaN"):
+        RequestSampler(SamplingConfig(temperature=0.8, seed=1)).sample(nan, [])
+    with pytest.raises(RequestError, match="Expected logit_bias token ids < 49152"):
+        RequestSampler(SamplingConfig(logit_bias={NUM_VOCAB: 1.0}), vocab_size=NUM_VOCAB)
 
 
 def test_skipping_any_count_of_draws_is_a_jump():

@@ -21,6 +21,8 @@ from torch import Tensor
 from skippy.protocol.logprobs import TokenLogprob
 from skippy.protocol.sampling_config import SamplingConfig
 
+from .errors import RequestError
+
 if TYPE_CHECKING:
     from .grammar import GrammarState
 
@@ -148,8 +150,8 @@ def draw_token(probs: Tensor, u: float) -> int:
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[-1:]
     if not float(total) > 0.0:  # also catches NaN
-        raise ValueError(f"Expected some token with probability > 0, got total {float(total)}; "
-                         "did logit_bias ban every token?")
+        raise RequestError(f"Expected some token with probability > 0, got total {float(total)}; "
+                           "did logit_bias (and the grammar) ban every token?")
     token = torch.searchsorted(cdf, total * u, right=True)
     # u * total can round up to total; never step past the last token with p > 0.
     last_possible = torch.searchsorted(cdf, total)
@@ -193,9 +195,11 @@ class RequestSampler:
     """
 
     def __init__(self, config: SamplingConfig, device: torch.device | str = "cpu",
-                 grammar: GrammarState | None = None) -> None:
+                 grammar: GrammarState | None = None, vocab_size: int | None = None) -> None:
         """`grammar`: the request's grammar state (GrammarCompiler.state), exactly when
-        `config.grammar` is set: every row is then masked to the tokens it allows."""
+        `config.grammar` is set: every row is then masked to the tokens it allows.
+        `vocab_size`: the head's width, when known here: a logit_bias id past it is refused
+        now, when the request is configured, not in the middle of a batched step."""
         if (config.grammar is None) != (grammar is None):
             raise ValueError(f"Expected a grammar state exactly when the config has a grammar, got "
                              f"{config.grammar!r} and {grammar!r}")
@@ -204,7 +208,11 @@ class RequestSampler:
         self.device = _resolve(torch.device(device))
         bad = [t for t in config.logit_bias if t < 0]
         if bad:
-            raise ValueError(f"Expected logit_bias token ids >= 0, got {bad[0]}")
+            raise RequestError(f"Expected logit_bias token ids >= 0, got {bad[0]}")
+        self._max_bias_id = max(config.logit_bias, default=-1)
+        if vocab_size is not None and self._max_bias_id >= vocab_size:
+            raise RequestError(f"Expected logit_bias token ids < {vocab_size} (the vocabulary), "
+                               f"got {self._max_bias_id}")
         # A random seed is still recorded, so a run can be replayed from the logs.
         self.seed = config.seed if config.seed is not None else secrets.randbits(63)
         self._draws = Draws(self.seed)
@@ -212,7 +220,6 @@ class RequestSampler:
         self._bias_values = torch.tensor(
             list(config.logit_bias.values()), dtype=torch.float32, device=self.device
         )
-        self._max_bias_id = max(config.logit_bias, default=-1)
 
     @property
     def uses_history(self) -> bool:
@@ -262,7 +269,7 @@ class RequestSampler:
         if len(row_tokens) != num_rows - 1:
             raise ValueError(f"Expected {num_rows - 1} row_tokens for {num_rows} rows, got {len(row_tokens)}")
         if self._max_bias_id >= logits.shape[-1]:
-            raise ValueError(f"Expected logit_bias token ids < {logits.shape[-1]}, got {self._max_bias_id}")
+            raise RequestError(f"Expected logit_bias token ids < {logits.shape[-1]}, got {self._max_bias_id}")
 
         cfg = self.config
         if self.grammar is not None:  # before the filters: top_k, top_p and min_p keep allowed tokens only
@@ -291,10 +298,33 @@ class RequestSampler:
                 frequency_penalty=cfg.frequency_penalty,
             )
         if cfg.is_greedy:
-            return greedy(logits)
-        logits = filter_logits(logits, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
-        probs = torch.softmax(logits / cfg.temperature, dim=-1)
-        return draw_token(probs, self._draws.next())
+            token = greedy(logits)
+            if logits[token] == -math.inf:
+                raise RequestError("Expected some token the sampling settings allow, got none: logit_bias "
+                                   "and the grammar ban every token")
+            return token
+        u = self._draws.next()  # one per sampled row, whatever happens next (the stream's count)
+        probs = torch.softmax(filter_logits(logits, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+                              / cfg.temperature, dim=-1)
+        try:
+            return draw_token(probs, u)
+        except RequestError:
+            forced = _forced(logits)
+            if forced is None:
+                raise
+        return draw_token(forced, u)
+
+
+def _forced(logits: Tensor) -> Tensor | None:
+    """[V] probabilities uniform over the +inf logits (a +inf logit_bias forces its token,
+    docs/protocol.md §3.4: among several, each is as likely), or None when there are none
+    or a logit is NaN (the row's activations overflowed: RequestError, that request fails).
+    Only after the softmax found no finite total, so an ordinary row never pays for it."""
+    if bool(logits.isnan().any()):
+        raise RequestError("Expected finite logits, got NaN (the row's activations overflowed, or a "
+                           "+inf logit_bias fell on a token its grammar excludes)")
+    forced = logits == math.inf
+    return forced.double() if bool(forced.any()) else None
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

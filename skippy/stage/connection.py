@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..model.errors import ContextOverflowError
+from ..model.errors import ContextOverflowError, RequestError
 from ..protocol import (
     ActivationDtype, FrameError, MessageKind, ProtocolError, StageMessage, StageReply,
     NO_STATS, StageReplyStats, merge, read_message_body, read_message_header, write_reply,
@@ -30,8 +30,9 @@ from .lane_loan import LaneLoan
 from .stream_loan import StreamLoan, has_unread_bytes
 
 # Errors a message causes by itself (malformed, out of order, for no such session, past the
-# context or the lanes): the connection closes with a warning, the stage is fine.
-UPSTREAM_FAULTS = (ProtocolError, StageError, SessionError, LaneLimitError, ContextOverflowError)
+# context or the lanes, inputs the model cannot take): the connection closes with a warning,
+# the stage is fine.
+UPSTREAM_FAULTS = (ProtocolError, StageError, SessionError, LaneLimitError, ContextOverflowError, RequestError)
 
 if TYPE_CHECKING:
     from .server import StageServer
