@@ -12,6 +12,8 @@ import asyncio
 import json
 import logging
 import math
+import socket
+import struct
 import sys
 import threading
 import time
@@ -23,7 +25,7 @@ import pytest
 from chain_support import stage_config
 from skippy.model.grammar import GrammarCompiler
 from skippy.model.locate import bundled_model_path
-from skippy.protocol import SamplingConfig, StageMessage
+from skippy.protocol import SamplingConfig, StageMessage, encode_message
 from skippy.protocol.constants import GrammarKind
 from skippy.protocol.constants import ReplyKind
 from skippy.protocol.sampling_config import GrammarSpec
@@ -191,6 +193,8 @@ MISBEHAVIOURS = [
                  prompt_with([1, 2, 3]), at="prompt", reason="Expected some token with probability > 0"),
     Misbehaviour("no_token_left_greedy", SamplingConfig(grammar=ONLY_18, logit_bias={18: -math.inf}),
                  prompt_with([1, 2, 3]), at="prompt", reason="Expected some token the sampling settings allow"),
+    Misbehaviour("bad_grammar", SamplingConfig(grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, "{not json")),
+                 reason="Expected a valid JSON Schema"),
 ]
 
 
@@ -217,3 +221,42 @@ def test_a_misbehaving_session_leaves_its_wave_neighbour_as_if_alone(stage, alon
         time.sleep(0.02)
     assert len(server.runtime.sessions) == 0
 
+
+
+def closes_logged(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "closing connection" in r.getMessage()]
+
+
+def test_a_peer_that_resets_is_one_warning_line(stage, caplog):
+    """A peer gone mid-frame (a reset) is its own fault: one WARNING with the reason, no traceback."""
+    caplog.set_level(logging.INFO, logger="skippy")
+    server, _ = stage
+    peer = Peer(server.endpoint)
+    frame = encode_message(Request(4, WIDTH, HOT).prompt())
+    peer.sock.sendall(frame[:len(frame) // 2])
+    time.sleep(0.1)
+    peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    peer.close()  # an RST, not a FIN
+    deadline = time.monotonic() + 5
+    while not closes_logged(caplog) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [close] = closes_logged(caplog)
+    assert "ConnectionResetError" in close.getMessage()
+    assert close.levelno == logging.WARNING and not close.exc_info
+
+
+def test_an_internal_error_keeps_its_traceback(stage, caplog, monkeypatch):
+    """What is not the peer's fault is ours: an ERROR with the traceback."""
+    caplog.set_level(logging.INFO, logger="skippy")
+    server, _ = stage
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(server.runtime.runner, "configure", broken)
+    with Peer(server.endpoint) as peer:
+        peer.send(Request(5, WIDTH, HOT).configure())
+        assert peer.reply() is CLOSED
+    [close] = closes_logged(caplog)
+    assert "RuntimeError: a bug of ours" in close.getMessage()
+    assert close.levelno == logging.ERROR and close.exc_info

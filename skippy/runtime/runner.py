@@ -143,7 +143,7 @@ class Runner:
             session.cache = self.model.new_cache(self.ctx_size)
         cache = session.cache
         if step.num_rows < 1:
-            raise ValueError(f"Expected at least one row, got {step.num_rows}")
+            raise RequestError(f"Expected at least one row, got {step.num_rows}")
         if step.start > cache.length:
             raise SessionError(f"position {step.start} is past the session's {cache.length} "
                                "positions (a chunk or step was lost)")

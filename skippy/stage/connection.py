@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..model.errors import ContextOverflowError, RequestError
+from ..model.grammar import GrammarError
 from ..protocol import (
     ActivationDtype, FrameError, MessageKind, ProtocolError, StageMessage, StageReply,
     NO_STATS, StageReplyStats, merge, read_message_body, read_message_header, write_reply,
@@ -29,10 +30,13 @@ from .handlers import HANDLERS, StageError, deliver_step
 from .lane_loan import LaneLoan
 from .stream_loan import StreamLoan, has_unread_bytes
 
-# Errors a message causes by itself (malformed, out of order, for no such session, past the
-# context or the lanes, inputs the model cannot take): the connection closes with a warning,
-# the stage is fine.
-UPSTREAM_FAULTS = (ProtocolError, StageError, SessionError, LaneLimitError, ContextOverflowError, RequestError)
+# A peer's faults: what a message causes by itself (malformed, out of order, for no such
+# session, past the context or the lanes, inputs the model cannot take, a grammar that does not
+# compile) and a peer gone (a reset, a broken or timed-out link). The connection closes with
+# one WARNING line naming the reason; the stage is fine, so no traceback. Anything else is ours:
+# an ERROR with its traceback.
+UPSTREAM_FAULTS = (ProtocolError, StageError, SessionError, LaneLimitError, ContextOverflowError, RequestError,
+                   GrammarError, ConnectionError, asyncio.IncompleteReadError, TimeoutError)
 
 if TYPE_CHECKING:
     from .server import StageServer
