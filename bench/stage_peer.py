@@ -127,10 +127,12 @@ class Request:
     sampling: SamplingConfig
     prompt_len: int = 3
     seed: int = 0
+    request_id: int | None = None  # None: the session id
 
     @property
     def ids(self) -> dict:
-        return dict(request_id=self.session_id, session_id=self.session_id)
+        request_id = self.session_id if self.request_id is None else self.request_id
+        return dict(request_id=request_id, session_id=self.session_id)
 
     def configure(self) -> StageMessage:
         return StageMessage(K.ConfigureGeneration, sampling=self.sampling, prompt_token_count=self.prompt_len,
@@ -157,3 +159,19 @@ def expect(reply: StageReply | Closed, kind: ReplyKind) -> StageReply:
     assert not isinstance(reply, Closed), f"expected {kind.name}, the stage closed the connection"
     assert reply.kind == kind, f"expected {kind.name}, got {reply.kind.name}"
     return reply
+
+
+def established(port: int) -> int:
+    """TCP connections in ESTABLISHED state whose local port is `port` (this machine's
+    /proc/net/tcp and tcp6): a listener's accepted sockets."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as lines:
+                next(lines)
+                for line in lines:
+                    local, state = line.split()[1], line.split()[3]
+                    count += state == "01" and int(local.rsplit(":", 1)[1], 16) == port
+        except FileNotFoundError:
+            pass
+    return count

@@ -33,7 +33,7 @@ from skippy.runtime.engine import StageRuntime
 from skippy.stage.server import StageServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from stage_peer import CLOSED, K, Peer, Request, expect  # noqa: E402
+from stage_peer import CLOSED, K, Peer, Request, established, expect  # noqa: E402
 
 WIDTH = 576
 DECODE_STEPS = 6
@@ -260,3 +260,66 @@ def test_an_internal_error_keeps_its_traceback(stage, caplog, monkeypatch):
     [close] = closes_logged(caplog)
     assert "RuntimeError: a bug of ours" in close.getMessage()
     assert close.levelno == logging.ERROR and close.exc_info
+
+
+def wait_for(predicate, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
+
+
+def test_a_replaced_session_releases_its_return_stream_and_kv(stage, monkeypatch):
+    """Configure(A), then Configure(B) on the same session id: B replaces A, and A's return
+    stream and KV go with it (issue 43, defect 2: the streams to stage 0 went 1 -> 2)."""
+    from skippy.stage.prediction_return import PredictionHub, ReturnListener
+
+    server, loop = stage
+    hub = PredictionHub()
+    listener = ReturnListener(hub)
+    endpoint = asyncio.run_coroutine_threadsafe(listener.start(), loop).result(10)
+    port = int(endpoint.rsplit(":", 1)[1])
+    monkeypatch.setattr(server.returns, "driver_endpoint", endpoint)  # stage 0's return listener
+
+    def prediction(request: Request) -> int:
+        async def take():
+            queue = hub.register((request.ids["request_id"], request.session_id))
+            return await asyncio.wait_for(queue.get(), 10)
+        return asyncio.run_coroutine_threadsafe(take(), loop)
+
+    def kv_bytes() -> int:
+        with Peer(server.endpoint) as peer:
+            return peer.status().metrics.gauges["kv_session_bytes"]
+
+    first, second, third = (Request(7, WIDTH, HOT, request_id=r) for r in (70, 71, 72))
+    try:
+        with Peer(server.endpoint) as peer:
+            peer.send(first.configure())
+            expect(peer.reply(), ReplyKind.Ack)
+            assert wait_for(lambda: established(port) == 1)
+            token = prediction(first)
+            peer.send(first.prompt())
+            assert expect(token.result(10), ReplyKind.PredictedToken)
+            one_session = kv_bytes()
+            assert one_session > 0
+
+            peer.send(second.configure())  # the same session id, a new request
+            expect(peer.reply(), ReplyKind.Ack)
+            assert wait_for(lambda: established(port) == 1), established(port)
+            assert len(server.returns) == 1
+            assert kv_bytes() == 0  # A's KV went with A; B has written none yet
+            token = prediction(second)
+            peer.send(second.prompt())
+            assert expect(token.result(10), ReplyKind.PredictedToken)
+            assert kv_bytes() == one_session
+
+            peer.send(third.prompt())  # a request that never configured replaces it too
+            assert expect(peer.reply(), ReplyKind.PredictedToken)  # no stream: the reply comes upstream
+            assert wait_for(lambda: established(port) == 0) and len(server.returns) == 0
+            assert kv_bytes() == one_session
+            peer.send(third.stop())
+            expect(peer.reply(), ReplyKind.Ack)
+        assert wait_for(lambda: len(server.runtime.sessions) == 0)
+        assert kv_bytes() == 0
+    finally:
+        asyncio.run_coroutine_threadsafe(listener.close(), loop).result(10)

@@ -86,7 +86,15 @@ class StageConnection:
         return (self.conn_id, session_id)
 
     def open_session(self, msg: StageMessage) -> Session:
-        return self.runtime.open_session(self.key(msg.session_id), msg.request_id)
+        """The message's session; a new request on a session id replaces the session, and what
+        the old request held here goes with it (its KV, sampler, grammar state and checkpoints
+        in the runtime; its return stream and summary here)."""
+        key = self.key(msg.session_id)
+        sessions = self.runtime.sessions
+        if key in sessions and sessions.get(key).request_id != msg.request_id:
+            self.server.returns.close(key)
+            self.summaries.pop(msg.session_id, None)
+        return self.runtime.open_session(key, msg.request_id)
 
     def step(self, session: Session, msg: StageMessage, sample: SampleMode, *,
              window: bool = False) -> Step:
@@ -139,7 +147,7 @@ class StageConnection:
 
     async def return_prediction(self, msg: StageMessage, reply: StageReply) -> None:
         """Final stage: straight to stage 0 when the return stream is open, else upstream."""
-        if not await self.server.returns.send((msg.request_id, msg.session_id), reply):
+        if not await self.server.returns.send(self.key(msg.session_id), msg.request_id, reply):
             await self.reply(reply)
 
     # -- the connection's life --------------------------------------------------------------
@@ -242,8 +250,7 @@ class StageConnection:
         if self.link is not None:
             await self.link.close()
         orphans = self.runtime.reclaim_lane(self.conn_id)
-        for session in orphans:
-            self.server.returns.close((session.request_id, session.key[1]))
+        self.server.returns.close_lane(self.conn_id)
         if orphans:
             log.info("stage %d: connection %d ended without Stop; reclaimed %d session(s)",
                      self.config.stage_index, self.conn_id, len(orphans))
