@@ -27,7 +27,13 @@ from skippy.model.grammar import GrammarCompiler
 from skippy.model.locate import bundled_model_path
 from skippy.protocol import SamplingConfig, StageMessage, encode_message
 from skippy.protocol.constants import GrammarKind
-from skippy.protocol.constants import ReplyKind
+from skippy.protocol.constants import (
+    MAX_ACTIVATION_BYTES, MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS_COUNT, MAX_METADATA_BYTES, MAX_SAMPLING_BYTES,
+    MAX_SIDEBAND_COUNT, MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, SAMPLING_FIELDS, ReplyKind, header_offset,
+)
+from skippy.protocol.logprobs import MAX_TOP_LOGPROBS
+from skippy.runtime.runner import MAX_PROMPT_LOGPROB_ROWS, MAX_WINDOW_ROWS
+from skippy.runtime.session import MAX_DISCARD_RANGES, MAX_OPEN_WINDOWS
 from skippy.protocol.sampling_config import GrammarSpec
 from skippy.runtime.engine import StageRuntime
 from skippy.stage.server import StageServer
@@ -40,6 +46,7 @@ DECODE_STEPS = 6
 WAVE_STEP = 2  # the bystander's decode step that shares its wave with the misbehaving frame
 BYSTANDER = SamplingConfig(temperature=0.7, top_p=0.95, seed=11)
 OOV = 1_000_000
+LANES, CTX = 8, 2048
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +57,10 @@ def stage(make_stage):
     thread.start()
 
     async def start():
-        config = stage_config(1, (29, 30), "bundled.gguf", lane_count=8)
+        config = stage_config(1, (29, 30), "bundled.gguf", lane_count=LANES)
         grammars = GrammarCompiler.for_model(bundled_model_path())
-        server = StageServer(config, StageRuntime(make_stage(29, 30), lane_count=8, grammars=grammars))
+        runtime = StageRuntime(make_stage(29, 30), lane_count=LANES, ctx_size=CTX, grammars=grammars)
+        server = StageServer(config, runtime)
         await server.start()
         return server
 
@@ -323,3 +331,118 @@ def test_a_replaced_session_releases_its_return_stream_and_kv(stage, monkeypatch
         assert kv_bytes() == 0
     finally:
         asyncio.run_coroutine_threadsafe(listener.close(), loop).result(10)
+
+
+# -- every count a peer controls is bounded (docs/protocol.md §8): each at its limit + 1 ------
+def patched(frame: bytes, offset: int, fmt: str, value: int) -> bytes:
+    return frame[:offset] + struct.pack("<" + fmt, value) + frame[offset + struct.calcsize(fmt):]
+
+
+def header(frame: bytes, name: str, value: int) -> bytes:
+    spec = next(f for f in MESSAGE_HEADER_FIELDS if f.name == name)
+    return patched(frame, header_offset(MESSAGE_HEADER_FIELDS, name), spec.fmt, value)
+
+
+def sampling_field(frame: bytes, name: str, value: int) -> bytes:
+    """A ConfigureGeneration's sampling-block field (the block follows the 104-byte header)."""
+    spec = next(f for f in SAMPLING_FIELDS if f.name == name)
+    return patched(frame, MESSAGE_HEADER.size + header_offset(SAMPLING_FIELDS, name), spec.fmt, value)
+
+
+REQUEST = Request(9, WIDTH, SamplingConfig(temperature=0.5, seed=1, logprobs=1))
+CONFIGURE = encode_message(REQUEST.configure())
+DECODE = encode_message(REQUEST.decode(0, 5))
+
+
+def f16_rows(n: int, **fields) -> StageMessage:
+    from skippy.protocol import ActivationDtype
+
+    return StageMessage(activation_rows=n, activation_width=WIDTH, activation_dtype=ActivationDtype.f16,
+                        activation=np.zeros((n, WIDTH), np.float16).data, **REQUEST.ids, **fields)
+
+
+def window(window_id: int, rows: int) -> StageMessage:
+    return f16_rows(rows, kind=K.VerifyWindow, pos_start=REQUEST.prompt_len, token_count=rows,
+                    tokens=[5] * rows, current_token=5, seq_id=window_id, prompt_token_count=REQUEST.prompt_len)
+
+
+def configured(*frames) -> list:
+    return [CONFIGURE, encode_message(REQUEST.prompt()), *frames]
+
+
+LIMITS = [  # (count, frames on one connection: the last one is past the limit, reason)
+    ("token_sideband_count", [header(DECODE, "token_sideband_count", MAX_SIDEBAND_COUNT + 1)],
+     "token_sideband_count: expected 0..1048576"),
+    ("position_sideband_count", [header(DECODE, "position_sideband_count", MAX_SIDEBAND_COUNT + 1)],
+     "position_sideband_count: expected 0..1048576"),
+    ("activation_bytes", [header(DECODE, "activation_bytes", MAX_ACTIVATION_BYTES + 1)], "activation_bytes"),
+    ("sampling_bytes", [header(CONFIGURE, "sampling_bytes", MAX_SAMPLING_BYTES + 1)], "sampling_bytes"),
+    ("metadata_bytes", [header(CONFIGURE, "metadata_bytes", MAX_METADATA_BYTES + 1)], "metadata_bytes"),
+    ("logit_bias_count", [sampling_field(CONFIGURE, "logit_bias_count", MAX_LOGIT_BIAS_COUNT + 1)],
+     "logit_bias_count"),
+    ("grammar_bytes", [sampling_field(CONFIGURE, "grammar_bytes", MAX_GRAMMAR_BYTES + 1)], "grammar_bytes"),
+    ("logprobs", [sampling_field(CONFIGURE, "logprobs", MAX_TOP_LOGPROBS + 1)], "sampling.logprobs"),
+    ("decode_step", [header(CONFIGURE, "decode_step", -1)], "Expected decode_step >= 0"),
+    ("prompt_token_count", [header(CONFIGURE, "prompt_token_count", CTX + 1)], "Expected prompt_token_count <="),
+    ("token_count", [CONFIGURE, encode_message(f16_rows(CTX + 1, kind=K.PrefillFinalEmbd, token_count=CTX + 1))],
+     "context size is 2048"),
+    ("window_rows", configured(encode_message(window(1, MAX_WINDOW_ROWS + 1))),
+     f"Expected a verify window of at most {MAX_WINDOW_ROWS} rows"),
+    ("open_windows", configured(*(encode_message(window(i, 1)) for i in range(MAX_OPEN_WINDOWS + 1))),
+     f"Expected at most {MAX_OPEN_WINDOWS} verify windows"),
+    ("prompt_logprob_rows", [encode_message(StageMessage(
+        K.ConfigureGeneration, sampling=SamplingConfig(logprobs=0, prompt_logprobs=True),
+        prompt_token_count=MAX_PROMPT_LOGPROB_ROWS + 1, **REQUEST.ids)),
+        encode_message(f16_rows(MAX_PROMPT_LOGPROB_ROWS + 1, kind=K.PrefillFinalEmbd,
+                                token_count=MAX_PROMPT_LOGPROB_ROWS + 1,
+                                prompt_token_count=MAX_PROMPT_LOGPROB_ROWS + 1))],
+     f"Expected a prompt chunk of at most {MAX_PROMPT_LOGPROB_ROWS} rows"),
+    ("sessions", [encode_message(StageMessage(K.ConfigureGeneration, request_id=i, session_id=i))
+                  for i in range(LANES + 1)], "lane_count"),
+    ("trim", configured(encode_message(StageMessage(K.TrimSession, token_count=REQUEST.prompt_len + 2,
+                                                    **REQUEST.ids))), "cannot trim"),
+    ("pos_start", configured(encode_message(REQUEST.decode(5, 5))), "is past the session's"),
+]
+
+
+@pytest.mark.parametrize("name, frames, reason", LIMITS, ids=[case[0] for case in LIMITS])
+def test_every_count_a_peer_sends_is_refused_past_its_bound(stage, caplog, name, frames, reason):
+    caplog.set_level(logging.INFO, logger="skippy")
+    server, _ = stage
+    with Peer(server.endpoint) as peer:
+        for frame in frames:
+            peer.send(frame)
+        replies = peer.replies_until_close()  # the stage closes it, nothing owed
+    [close] = closes_logged(caplog)
+    assert reason in close.getMessage() and close.levelno == logging.WARNING and not close.exc_info
+    assert all(reply.kind != ReplyKind.StageStatus for reply in replies)
+    assert wait_for(lambda: len(server.runtime.sessions) == 0)
+
+
+def test_the_largest_decode_step_is_served_in_constant_time(stage):
+    """decode_step = 2^31 - 1 (the i32's largest): the sampler jumps past that many draws."""
+    server, _ = stage
+    request = Request(10, WIDTH, SamplingConfig(temperature=1.0, seed=4))
+    with Peer(server.endpoint) as peer:
+        started = time.perf_counter()
+        peer.send(header(encode_message(request.configure()), "decode_step", 2**31 - 1))
+        expect(peer.reply(), ReplyKind.Ack)
+        assert time.perf_counter() - started < 1.0  # drawing them took 0.79 s for 2^27
+        peer.send(request.prompt())
+        expect(peer.reply(), ReplyKind.PredictedToken)
+
+
+def test_discarded_window_ranges_are_the_newest_only(stage):
+    """A session keeps its newest MAX_DISCARD_RANGES DiscardStaleWindows ranges: a window in an
+    older one is run again (the final stage skips only what it still knows to be stale)."""
+    server, _ = stage
+    discard = [encode_message(StageMessage(K.DiscardStaleWindows, tokens=[w, w], **REQUEST.ids))
+               for w in [0, *range(10, 10 + MAX_DISCARD_RANGES)]]
+    with Peer(server.endpoint) as peer:
+        peer.send(CONFIGURE, encode_message(REQUEST.prompt()))
+        expect(peer.reply(), ReplyKind.Ack)
+        expect(peer.reply(), ReplyKind.PredictedToken)
+        peer.send(*discard[:2], encode_message(window(10, 1)), encode_message(window(11, 1)))  # 10 is stale
+        assert expect(peer.reply(), ReplyKind.PredictedTokens).window_id == 11
+        peer.send(*discard[2:], encode_message(window(0, 1)))  # 0's range is the oldest of 129: gone
+        assert expect(peer.reply(), ReplyKind.PredictedTokens).window_id == 0

@@ -14,7 +14,8 @@ from ..model.llama import Segment, StageModel
 from ..model.sampling import RequestSampler, token_logprobs
 from ..protocol.constants import ActivationDtype
 from ..protocol.sampling_config import SamplingConfig
-from .session import Session, SessionError, VerifyCheckpoint
+from .session import MAX_OPEN_WINDOWS, Session, SessionError, VerifyCheckpoint
+from .speculation import MAX_WINDOW_TOKENS
 from .step import SampleMode, Step, StepResult
 
 
@@ -27,6 +28,13 @@ from .step import SampleMode, Step, StepResult
 # lock, and a served stream ran 9-12% slower (three interleaved A/Bs). On an Intel Xeon: 0.82x,
 # and 0.99x once a team's threads claimed each other's matmul blocks (docs/architecture.md).
 PICK_MIN_STEPS = 2
+
+# Rows a frame may ask logits of (docs/protocol.md §8): a verify window's (stage 0's windows
+# carry at most MAX_WINDOW_TOKENS drafts and the current token) and a prompt chunk's with
+# prompt logprobs (stage 0 cuts prompts into 256-row chunks). Each row's logits take 4 bytes
+# a token of the vocabulary (192 KiB for SmolLM2): a context-long window would ask for GBs.
+MAX_WINDOW_ROWS = MAX_WINDOW_TOKENS + 1
+MAX_PROMPT_LOGPROB_ROWS = 1024
 
 
 def rows_to_tensor(rows: np.ndarray, dtype: ActivationDtype) -> torch.Tensor:
@@ -119,6 +127,17 @@ class Runner:
         finite activation row per compute row. Non-finite rows are refused, not computed:
         one NaN row would give its session NaN logits, and a sampler nothing to draw from
         (docs/protocol.md §7)."""
+        if step.window_id is not None:
+            if step.num_rows > MAX_WINDOW_ROWS:
+                raise RequestError(f"Expected a verify window of at most {MAX_WINDOW_ROWS} rows, got "
+                                   f"{step.num_rows}")
+            windows = step.session.verify_windows
+            if step.window_id not in windows and len(windows) >= MAX_OPEN_WINDOWS:
+                raise RequestError(f"Expected at most {MAX_OPEN_WINDOWS} verify windows open in a session "
+                                   "(RetireVerifyWindow frees them), got one more")
+        elif step.num_rows > MAX_PROMPT_LOGPROB_ROWS and self._wants_prompt_logprobs(step):
+            raise RequestError(f"Expected a prompt chunk of at most {MAX_PROMPT_LOGPROB_ROWS} rows with "
+                               f"prompt logprobs, got {step.num_rows}")
         tokens, vocab = step.tokens, self.model.args.vocab_size
         if tokens and not (0 <= min(tokens) and max(tokens) < vocab):
             bad = next(t for t in tokens if not 0 <= t < vocab)
@@ -294,7 +313,13 @@ class Runner:
 
     # -- session operations ---------------------------------------------------------
     def configure(self, session: Session, sampling: SamplingConfig | None, skip_draws: int = 0) -> None:
-        """`skip_draws`: the draws a replayed request's sampler already made (final stage)."""
+        """`skip_draws`: the draws a replayed request's sampler already made (final stage; any
+        count up to 2^31 - 1 skips in constant time and memory: sampling.Draws)."""
+        if skip_draws < 0:
+            raise RequestError(f"Expected decode_step >= 0 (the draws a request already made), got {skip_draws}")
+        if session.prompt_token_count > self.ctx_size:
+            raise RequestError(f"Expected prompt_token_count <= {self.ctx_size} (the context size), got "
+                               f"{session.prompt_token_count}")
         session.sampling = sampling
         session.sampler = self._new_sampler(session) if self.is_last else None
         if session.sampler is not None:

@@ -233,7 +233,7 @@ async def on_control(conn: StageConnection, msg: StageMessage, span: Span) -> No
         conn.open_session(msg).cache_namespace = msg.cache_namespace
         # decode_step of a ConfigureGeneration: the draws a replayed request already made
         timed = await conn.runtime.configure(key, msg.sampling, msg.prompt_token_count,
-                                             skip_draws=max(0, msg.decode_step))
+                                             skip_draws=msg.decode_step)
         if link is None:  # the final stage opens the direct return stream (spec §2.7)
             span.set("direct_return", await conn.server.returns.open(key, msg.request_id))
     span.set("runtime_lock_wait_ms", timed.wait_s * 1e3)
