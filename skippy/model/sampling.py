@@ -162,9 +162,10 @@ class Draws:
     """A request's uniforms, one per sampled row, derivable from (seed, index) without
     making the ones before: draw i is the i-th 64-bit output of PCG64(seed), its top 53 bits
     as a double in [0, 1) (numpy's `random()`). A replayed request skips the draws its
-    earlier session made (ConfigureGeneration's decode_step, up to 2^31 - 1) with PCG64's
-    jump-ahead, O(log n) time and no memory: materialising them took 0.79 s and 1 GB for
-    2^27 (torch's Mersenne Twister has no jump)."""
+    earlier session made (ConfigureGeneration's decode_step, a peer's i32, up to 2^31 - 1)
+    with PCG64's jump-ahead, in O(log n) time and no memory, where making them would hold the
+    runtime's worker and ask for 8 bytes a draw (torch's Mersenne Twister has no jump;
+    docs/decisions.md)."""
 
     __slots__ = ("_bits",)
 

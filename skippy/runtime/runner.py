@@ -59,7 +59,8 @@ def _check_picks(logits: torch.Tensor, tokens: list[int]) -> None:
     """A greedy pick lands on a NaN whenever its row holds one (NaN counts as the largest, in
     the sampler and the forward's picks alike): that row has no token to give, and its request
     fails (RequestError) instead of reading on with token garbage. A sampled row found its NaN
-    in the sampler already. One value read a row (numpy's: torch's gather took ~10 us)."""
+    in the sampler already. One value read a row (through numpy: a torch gather's call costs
+    more than the read)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         values = logits.numpy()
         nan = any(values[i, token] != values[i, token] for i, token in enumerate(tokens))
