@@ -9,6 +9,7 @@ WARNING line, no traceback) or, where the protocol gives its frame a meaning, is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -277,30 +278,43 @@ def wait_for(predicate, timeout_s: float = 5.0):
     return value
 
 
-def test_a_replaced_session_releases_its_return_stream_and_kv(stage, monkeypatch):
-    """Configure(A), then Configure(B) on the same session id: B replaces A, and A's return
-    stream and KV go with it (issue 43, defect 2: the streams to stage 0 went 1 -> 2)."""
+@pytest.fixture
+def returns(stage, monkeypatch):
+    """Stage 0's return listener for the final stage's streams: (its port, prediction), where
+    prediction(request) is a future of the request's next prediction on its stream."""
     from skippy.stage.prediction_return import PredictionHub, ReturnListener
 
     server, loop = stage
     hub = PredictionHub()
     listener = ReturnListener(hub)
     endpoint = asyncio.run_coroutine_threadsafe(listener.start(), loop).result(10)
-    port = int(endpoint.rsplit(":", 1)[1])
-    monkeypatch.setattr(server.returns, "driver_endpoint", endpoint)  # stage 0's return listener
+    monkeypatch.setattr(server.returns, "driver_endpoint", endpoint)
 
-    def prediction(request: Request) -> int:
+    queues: dict[tuple[int, int], asyncio.Queue] = {}
+
+    def prediction(request: Request):
         async def take():
-            queue = hub.register((request.ids["request_id"], request.session_id))
+            key = (request.ids["request_id"], request.session_id)
+            queue = queues.get(key) or queues.setdefault(key, hub.register(key))
             return await asyncio.wait_for(queue.get(), 10)
         return asyncio.run_coroutine_threadsafe(take(), loop)
+
+    yield int(endpoint.rsplit(":", 1)[1]), prediction
+    asyncio.run_coroutine_threadsafe(listener.close(), loop).result(10)
+
+
+def test_a_replaced_session_releases_its_return_stream_and_kv(stage, returns):
+    """Configure(A), then Configure(B) on the same session id: B replaces A, and A's return
+    stream and KV go with it (issue 43, defect 2: the streams to stage 0 went 1 -> 2)."""
+    server, _ = stage
+    port, prediction = returns
 
     def kv_bytes() -> int:
         with Peer(server.endpoint) as peer:
             return peer.status().metrics.gauges["kv_session_bytes"]
 
     first, second, third = (Request(7, WIDTH, HOT, request_id=r) for r in (70, 71, 72))
-    try:
+    if True:
         with Peer(server.endpoint) as peer:
             peer.send(first.configure())
             expect(peer.reply(), ReplyKind.Ack)
@@ -329,8 +343,6 @@ def test_a_replaced_session_releases_its_return_stream_and_kv(stage, monkeypatch
             expect(peer.reply(), ReplyKind.Ack)
         assert wait_for(lambda: len(server.runtime.sessions) == 0)
         assert kv_bytes() == 0
-    finally:
-        asyncio.run_coroutine_threadsafe(listener.close(), loop).result(10)
 
 
 # -- every count a peer controls is bounded (docs/protocol.md §8): each at its limit + 1 ------
@@ -446,3 +458,29 @@ def test_discarded_window_ranges_are_the_newest_only(stage):
         assert expect(peer.reply(), ReplyKind.PredictedTokens).window_id == 11
         peer.send(*discard[2:], encode_message(window(0, 1)))  # 0's range is the oldest of 129: gone
         assert expect(peer.reply(), ReplyKind.PredictedTokens).window_id == 0
+
+
+def test_a_lent_lane_refuses_a_non_finite_row_as_the_loop_does(stage, returns, caplog):
+    """A session decoding alone has its socket lent to the worker (stage/lane_loan.py): the
+    worker's step is checked as any other, and the refusal closes the lane with the reason."""
+    caplog.set_level(logging.INFO, logger="skippy")
+    server, _ = stage
+    _, prediction = returns
+    request = Request(11, WIDTH, HOT)
+    lent = server.runtime.scheduler.stats.lent_steps
+    with Peer(server.endpoint) as peer:
+        peer.send(request.configure())
+        expect(peer.reply(), ReplyKind.Ack)
+        token = prediction(request)
+        peer.send(request.prompt())
+        tokens = [expect(token.result(10), ReplyKind.PredictedToken).predicted]
+        for step in range(4):
+            time.sleep(0.05)  # the lane is lent between frames, once the handler is done
+            token = prediction(request)
+            peer.send(request.decode(step, tokens[-1]))
+            tokens.append(expect(token.result(10), ReplyKind.PredictedToken).predicted)
+        peer.send(dataclasses.replace(request.decode(4, tokens[-1]), activation=bad_rows(math.nan)))
+        assert peer.reply() is CLOSED
+    assert server.runtime.scheduler.stats.lent_steps > lent  # steps did run from the lent socket
+    [close] = closes_logged(caplog)
+    assert "Expected finite activations" in close.getMessage() and close.levelno == logging.WARNING
