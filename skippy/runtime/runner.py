@@ -29,7 +29,7 @@ from .step import SampleMode, Step, StepResult
 # and 0.99x once a team's threads claimed each other's matmul blocks (docs/architecture.md).
 PICK_MIN_STEPS = 2
 
-# Rows a frame may ask logits of (docs/protocol.md §8): a verify window's (stage 0's windows
+# Rows a frame may ask logits of (docs/protocol.md §8.1): a verify window's (stage 0's windows
 # carry at most MAX_WINDOW_TOKENS drafts and the current token) and a prompt chunk's with
 # prompt logprobs (stage 0 cuts prompts into 256-row chunks). Each row's logits take 4 bytes
 # a token of the vocabulary (192 KiB for SmolLM2): a context-long window would ask for GBs.
@@ -127,7 +127,7 @@ class Runner:
         penalties, grammar and prompt logprobs index with them), and, on later stages, one
         finite activation row per compute row. Non-finite rows are refused, not computed:
         one NaN row would give its session NaN logits, and a sampler nothing to draw from
-        (docs/protocol.md §7)."""
+        (docs/protocol.md §7.1)."""
         if step.window_id is not None:
             if step.num_rows > MAX_WINDOW_ROWS:
                 raise RequestError(f"Expected a verify window of at most {MAX_WINDOW_ROWS} rows, got "

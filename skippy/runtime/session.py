@@ -18,7 +18,7 @@ from ..protocol.sampling_config import SamplingConfig
 
 SessionKey = tuple[int, int]  # (lane id, session id)
 
-# What one session may hold that its peer's frames add to (docs/protocol.md §8). Stage 0
+# What one session may hold that its peer's frames add to (docs/protocol.md §8.1). Stage 0
 # keeps at most 64 windows in flight (speculation.MAX_PIPELINE_DEPTH) and retires each as it
 # resolves, so twice that is never reached by a well-behaved peer.
 MAX_OPEN_WINDOWS = 128
