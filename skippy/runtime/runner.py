@@ -5,6 +5,8 @@ Called from the scheduler's worker thread only, so nothing here locks.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -55,20 +57,25 @@ def tensor_to_rows(hidden: torch.Tensor, dtype: ActivationDtype) -> np.ndarray:
     return hidden.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
-def _check_picks(logits: torch.Tensor, tokens: list[int]) -> None:
-    """A greedy pick lands on a NaN whenever its row holds one (NaN counts as the largest, in
-    the sampler and the forward's picks alike): that row has no token to give, and its request
-    fails (RequestError) instead of reading on with token garbage. A sampled row found its NaN
-    in the sampler already. One value read a row (through numpy: a torch gather's call costs
-    more than the read)."""
+def _check_picks(logits: torch.Tensor, tokens: list[int], bias: dict[int, float]) -> None:
+    """Each picked token's logit plus its bias must be a number above -inf. A greedy pick
+    lands on a NaN whenever its row holds one (NaN counts as the largest, in the sampler and
+    the forward's picks alike), and on a -inf only when every token is banned: either way the
+    row has no token to give, and its request fails (RequestError) instead of reading on with
+    a token that means nothing. A sampled row met its case in the sampler already. One value
+    read a row (through numpy: a torch gather's call costs more than the read)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         values = logits.numpy()
-        nan = any(values[i, token] != values[i, token] for i, token in enumerate(tokens))
+        picked = [float(values[i, token]) for i, token in enumerate(tokens)]
     else:
         index = torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None]
-        nan = bool(logits.gather(1, index).isnan().any())
-    if nan:
-        raise RequestError("Expected finite logits, got NaN (the row's activations overflowed)")
+        picked = logits.gather(1, index)[:, 0].tolist()
+    for value, token in zip(picked, tokens):
+        value += bias.get(token, 0.0)
+        if not value > -math.inf:
+            raise RequestError("Expected finite logits, got NaN (the row's activations overflowed)"
+                               if value != value else "Expected some token the sampling settings allow, "
+                               "got none: logit_bias and the grammar ban every token")
 
 
 class Runner:
@@ -278,7 +285,7 @@ class Runner:
             drafts = session.ledger[step.start + 1:step.start + step.num_rows]
             history = session.history(step.start + 1) if sampler.uses_history else ()
             tokens = list(sampler.sample(mine, history, drafts))
-        _check_picks(mine, tokens)
+        _check_picks(mine, tokens, sampler.config.logit_bias)
         num_top = session.sampling.logprobs if session.sampling is not None else None
         logprobs = None if num_top is None else token_logprobs(mine, tokens, num_top)
         if self.record_logits:
