@@ -36,7 +36,7 @@ from skippy.protocol.logprobs import MAX_TOP_LOGPROBS
 from skippy.runtime.runner import MAX_PROMPT_LOGPROB_ROWS, MAX_WINDOW_ROWS
 from skippy.runtime.session import MAX_DISCARD_RANGES, MAX_OPEN_WINDOWS
 from skippy.protocol.sampling_config import GrammarSpec
-from skippy.runtime.engine import StageRuntime
+from skippy.runtime.stage_runtime import StageRuntime
 from skippy.stage.server import StageServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -73,12 +73,12 @@ def stage(make_stage):
 
 
 class HeldWorker:
-    """The stage's worker busy for `seconds`: frames sent meanwhile queue up and run as one wave."""
+    """The stage's engine busy for `seconds`: frames sent meanwhile queue up and run as one wave."""
 
     def __init__(self, stage, seconds: float = 0.4):
         server, loop = stage
-        self.done = asyncio.run_coroutine_threadsafe(server.runtime.call(lambda: time.sleep(seconds)), loop)
-        time.sleep(0.05)  # the worker has taken it
+        self.done = asyncio.run_coroutine_threadsafe(server.engine.call(lambda: time.sleep(seconds)), loop)
+        time.sleep(0.05)  # the engine has taken it
 
     def __enter__(self):
         return self
@@ -282,20 +282,26 @@ def wait_for(predicate, timeout_s: float = 5.0):
 def returns(stage, monkeypatch):
     """Stage 0's return listener for the final stage's streams: (its port, prediction), where
     prediction(request) is a future of the request's next prediction on its stream."""
-    from skippy.stage.prediction_return import PredictionHub, ReturnListener
+    from skippy.stage.returns import ReturnInbox, ReturnListener
 
     server, loop = stage
-    hub = PredictionHub()
-    listener = ReturnListener(hub)
+    inbox = ReturnInbox(server.engine)  # stage 0's end, here on the final stage's own engine
+    listener = ReturnListener(inbox, server.transport)
     endpoint = asyncio.run_coroutine_threadsafe(listener.start(), loop).result(10)
     monkeypatch.setattr(server.returns, "driver_endpoint", endpoint)
 
     queues: dict[tuple[int, int], asyncio.Queue] = {}
 
+    def queue_of(key: tuple[int, int]) -> asyncio.Queue:
+        if key not in queues:
+            queue = queues[key] = asyncio.Queue()
+            inbox.handlers[key] = lambda reply: loop.call_soon_threadsafe(queue.put_nowait, reply)
+        return queues[key]
+
     def prediction(request: Request):
+        queue = queue_of((request.ids["request_id"], request.session_id))  # before its frame is sent
+
         async def take():
-            key = (request.ids["request_id"], request.session_id)
-            queue = queues.get(key) or queues.setdefault(key, hub.register(key))
             return await asyncio.wait_for(queue.get(), 10)
         return asyncio.run_coroutine_threadsafe(take(), loop)
 
@@ -460,14 +466,14 @@ def test_discarded_window_ranges_are_the_newest_only(stage):
         assert expect(peer.reply(), ReplyKind.PredictedTokens).window_id == 0
 
 
-def test_a_lent_lane_refuses_a_non_finite_row_as_the_loop_does(stage, returns, caplog):
-    """A session decoding alone has its socket lent to the worker (stage/lane_loan.py): the
-    worker's step is checked as any other, and the refusal closes the lane with the reason."""
+def test_a_lane_with_a_return_stream_refuses_a_non_finite_row(stage, returns, caplog):
+    """A session decoding alone, its tokens on the direct return stream (written by the engine
+    as its forward ends): its step is checked as any other, and the refusal closes the lane
+    with the reason."""
     caplog.set_level(logging.INFO, logger="skippy")
     server, _ = stage
     _, prediction = returns
     request = Request(11, WIDTH, HOT)
-    lent = server.runtime.scheduler.stats.lent_steps
     with Peer(server.endpoint) as peer:
         peer.send(request.configure())
         expect(peer.reply(), ReplyKind.Ack)
@@ -475,12 +481,11 @@ def test_a_lent_lane_refuses_a_non_finite_row_as_the_loop_does(stage, returns, c
         peer.send(request.prompt())
         tokens = [expect(token.result(10), ReplyKind.PredictedToken).predicted]
         for step in range(4):
-            time.sleep(0.05)  # the lane is lent between frames, once the handler is done
             token = prediction(request)
             peer.send(request.decode(step, tokens[-1]))
             tokens.append(expect(token.result(10), ReplyKind.PredictedToken).predicted)
         peer.send(dataclasses.replace(request.decode(4, tokens[-1]), activation=bad_rows(math.nan)))
         assert peer.reply() is CLOSED
-    assert server.runtime.scheduler.stats.lent_steps > lent  # steps did run from the lent socket
+    assert wait_for(lambda: len(server.returns) == 0)  # its stream closed with the lane
     [close] = closes_logged(caplog)
     assert "Expected finite activations" in close.getMessage() and close.levelno == logging.WARNING

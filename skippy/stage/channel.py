@@ -148,8 +148,8 @@ class Channel(Generic[F]):
                 chunk = sock.recv(RECV_BYTES)
             except _WOULD_BLOCK:
                 break
-            except OSError as error:
-                self.close(f"connection lost ({error or type(error).__name__})")
+            except OSError as error:  # a reset: the peer's doing, one warning line
+                self.close(f"connection lost ({type(error).__name__}: {error})", fault=True)
                 return
             if not chunk:
                 eof = True

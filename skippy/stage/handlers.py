@@ -52,7 +52,7 @@ async def on_stop(ctl: LaneControl, span: Span) -> None:
             lane.record(msg.session_id)  # the full-prefill record, before the session goes
             owed = lane.take_stats()
             runtime.drop(ctl.key)
-        lane.env.returns.close((msg.request_id, msg.session_id))
+        lane.env.returns.close(ctl.key)
         summary = lane.summaries.pop(msg.session_id, None)
         kv = runtime.prefix_cache
         if summary is not None and kv is not None:
@@ -77,20 +77,16 @@ async def on_control(ctl: LaneControl, span: Span) -> None:
         await ctl.run(lambda lane: lane.env.runtime.trim(key, msg.token_count))
     else:
         def configure(lane: Lane) -> None:
-            runtime = lane.env.runtime
-            if key in runtime.sessions and (replaced := runtime.session(key)).request_id != msg.request_id:
-                lane.env.returns.close((replaced.request_id, msg.session_id))  # a new request on this session id
-            runtime.open_session(key, msg.request_id).cache_namespace = msg.cache_namespace
+            lane.open_session(msg).cache_namespace = msg.cache_namespace  # a new request replaces the session
             # decode_step of a ConfigureGeneration: the draws a replayed request already made
-            runtime.configure(key, msg.sampling, msg.prompt_token_count, skip_draws=max(0, msg.decode_step))
+            lane.env.runtime.configure(key, msg.sampling, msg.prompt_token_count, skip_draws=msg.decode_step)
 
         await ctl.run(configure)
         if ctl.is_final:  # the final stage opens the direct return stream (spec §2.7)
-            return_key = (msg.request_id, msg.session_id)
-            sock = await ctl.env.returns.dial(return_key)
+            sock = await ctl.env.returns.dial(msg.request_id, msg.session_id)
             if sock is not None:
                 try:
-                    await ctl.run(lambda lane: lane.env.returns.attach(return_key, sock))
+                    await ctl.run(lambda lane: lane.env.returns.attach(key, msg.request_id, sock))
                 except BaseException:
                     sock.close()
                     raise
@@ -123,7 +119,7 @@ async def on_prefix_cache(ctl: LaneControl, span: Span) -> None:
     def restore(lane: Lane) -> tuple[bool, int, StageReplyStats]:
         runtime = lane.env.runtime
         is_new = key not in runtime.sessions
-        session = runtime.open_session(key, msg.request_id)
+        session = lane.open_session(msg)
         if msg.cache_namespace is not None:
             session.cache_namespace = msg.cache_namespace
         prefix = msg.tokens.tolist()

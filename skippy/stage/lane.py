@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ..model.errors import ContextOverflowError
+from ..model.errors import ContextOverflowError, RequestError
+from ..model.grammar import GrammarError
 from ..protocol import (
     ActivationDtype, FrameError, MessageKind, ProtocolError, StageConfig, StageMessage, StageReply,
     StageReplyStats, encode_reply, merge, prefill_compute_observation, prefill_edge_observation,
@@ -72,10 +73,13 @@ class LaneClosed(ConnectionError):
     """A control message's work found its connection closed under it."""
 
 
-# Errors a message causes by itself (malformed, out of order, for no such session, past the
-# context or the lanes): the connection closes with a warning, the stage is fine.
-UPSTREAM_FAULTS = (ProtocolError, StageError, SessionError, LaneLimitError, ContextOverflowError, LinkBroken,
-                   LaneClosed)
+# A peer's faults: what a message causes by itself (malformed, out of order, for no such
+# session, past the context or the lanes, inputs the model cannot take, a grammar that does not
+# compile) and a peer gone (a reset, a broken or timed-out link). The connection closes with
+# one WARNING line naming the reason; the stage is fine, so no traceback. Anything else is ours:
+# an ERROR with its traceback.
+UPSTREAM_FAULTS = (ProtocolError, StageError, SessionError, LaneLimitError, ContextOverflowError, RequestError,
+                   GrammarError, ConnectionError, TimeoutError)
 
 
 @dataclass(slots=True)
@@ -131,6 +135,16 @@ class Lane:
 
     def key(self, session_id: int) -> tuple[int, int]:
         return (self.lane_id, session_id)
+
+    def open_session(self, msg: StageMessage) -> Session:
+        """The message's session; a new request on a session id replaces the session, and what
+        the old request held here goes with it (its KV, sampler, grammar state and checkpoints
+        in the runtime; its return stream and summary here)."""
+        key, runtime = self.key(msg.session_id), self.env.runtime
+        if key in runtime.sessions and runtime.session(key).request_id != msg.request_id:
+            self.env.returns.close(key)
+            self.summaries.pop(msg.session_id, None)
+        return runtime.open_session(key, msg.request_id)
 
     def summary(self, session_id: int) -> RequestSummary:
         return self.summaries.setdefault(session_id, RequestSummary())
@@ -243,7 +257,7 @@ class Lane:
 
     def _prefill(self, msg: StageMessage, span: Span) -> None:
         """PrefillEmbd: compute, forward the rows down, defer the downstream ACK."""
-        session = self.env.runtime.open_session(self.key(msg.session_id), msg.request_id)
+        session = self.open_session(msg)
         step = self._step(session, msg, SampleMode.NONE)
         self._busy = True
         self.env.runtime.submit(step, lambda result, timed: self._prefilled(msg, span, result, timed),
@@ -275,7 +289,7 @@ class Lane:
 
     def _predicting(self, msg: StageMessage, span: Span) -> None:
         """PrefillFinalEmbd, DecodeEmbd and VerifyWindow."""
-        session = self.env.runtime.open_session(self.key(msg.session_id), msg.request_id)
+        session = self.open_session(msg)
         is_window = msg.kind == MessageKind.VerifyWindow
         if is_window and self.is_final and session.is_discarded(msg.seq_id):
             span.set("skipped_stale_window", True)  # middle stages ran it; the final skips it
@@ -325,7 +339,7 @@ class Lane:
 
     def return_frame(self, msg: StageMessage, frame: bytes) -> None:
         """A prediction reply, on the direct return stream when the request has one, else up this lane."""
-        if not self.env.returns.send((msg.request_id, msg.session_id), frame):
+        if not self.env.returns.send(self.key(msg.session_id), msg.request_id, frame):
             self.channel.send(frame)
 
     def _return_prediction(self, msg: StageMessage, result: StepResult, is_window: bool) -> None:
@@ -447,8 +461,7 @@ class Lane:
             self.link.close()
         runtime = self.env.runtime
         orphans = runtime.reclaim_lane(self.lane_id)
-        for session in orphans:
-            self.env.returns.close((session.request_id, session.key[1]))
+        self.env.returns.close_lane(self.lane_id)
         if orphans:
             log.info("stage %d: connection %d ended without Stop; reclaimed %d session(s)",
                      self.env.config.stage_index, self.lane_id, len(orphans))
@@ -489,7 +502,7 @@ class LaneControl:
         def submit() -> None:
             if lane.closed:
                 raise LaneClosed(f"connection {lane.lane_id} closed: {lane.close_reason}")
-            session = lane.env.runtime.open_session(self.key, msg.request_id)
+            session = lane.open_session(msg)
             step = lane._step(session, msg, sample)
             lane.env.runtime.submit(step, lambda result, timed: engine.settle(done, (result, timed)),
                                     prefill=True)

@@ -8,7 +8,8 @@
   the request's handler (`ReturnInbox`), with no thread in between.
 * If the stream cannot be opened, the final stage replies upstream instead, and every middle
   stage relays the reply (the hop-by-hop fallback); a stream that breaks falls back the same way.
-* The stream is closed on Stop, or when the session's connection ends.
+* The stream is the session's (`ReturnStreams`): it is closed on Stop, when a new request
+  replaces the session, or when the session's connection ends.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..protocol import MessageKind, ProtocolError, StageMessage, StageReply, enc
 from ..protocol.constants import MESSAGE_HEADER
 from ..protocol.decode_frames import read_reply_from
 from ..protocol.frames import decode_message_body, parse_message_header
+from ..runtime.session import SessionKey
 from .channel import Channel
 from .engine import Engine
 from .transport import LinkBroken, Transport, recv_exactly, send_all
@@ -31,16 +33,23 @@ ReturnKey = tuple[int, int]  # (request_id, session_id)
 
 
 class ReturnStreams:
-    """The final stage's open streams back to stage 0: opened on the event loop, written by the engine."""
+    """The final stage's open streams back to stage 0: opened on the event loop, written by the
+    engine. One per session, keyed as the runtime keys it, (lane id, session id), and held for
+    the request it was opened for: a lane owns its streams (no other lane's frames reach or close
+    them), and whatever ends or replaces the session ends its stream (a new request on the
+    session id, Stop, the lane's end)."""
 
     def __init__(self, engine: Engine, transport: Transport, driver_endpoint: str | None):
         self.engine, self.transport = engine, transport
         self.driver_endpoint = driver_endpoint
-        self._channels: dict[ReturnKey, Channel] = {}  # the engine's
+        self._streams: dict[SessionKey, tuple[int, Channel]] = {}  # the engine's
 
-    async def dial(self, key: ReturnKey):
-        """On the event loop: a stream to stage 0 for `key`, its opening frame sent, for `attach`;
-        None (and the fallback path) when that is not possible."""
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    async def dial(self, request_id: int, session_id: int):
+        """On the event loop: a stream to stage 0 for the request, its opening frame sent, for
+        `attach`; None (and the fallback path) when that is not possible."""
         if self.driver_endpoint is None:
             return None
         try:
@@ -49,46 +58,54 @@ class ReturnStreams:
             log.warning("direct prediction return unavailable, relaying upstream: %s", error)
             return None
         try:
-            await send_all(sock, encode_message(StageMessage(MessageKind.PredictionReturnOpen, request_id=key[0],
-                                                             session_id=key[1])))
+            await send_all(sock, encode_message(StageMessage(MessageKind.PredictionReturnOpen, request_id=request_id,
+                                                             session_id=session_id)))
         except OSError as error:
             sock.close()
             log.warning("direct prediction return unavailable, relaying upstream: %s", error)
             return None
         return sock
 
-    def attach(self, key: ReturnKey, sock) -> None:
-        """On the engine: the key's stream, written by the engine from now on."""
-        old = self._channels.pop(key, None)
-        if old is not None:
-            old.close("replaced")
-        self._channels[key] = Channel(self.engine, sock, name=f"return stream {key}", parse=None,
-                                      on_frame=lambda _: None, on_close=lambda reason, fault: self._lost(key, reason),
-                                      conditioner=self.transport.conditioner())
+    def attach(self, key: SessionKey, request_id: int, sock) -> None:
+        """On the engine: the session's stream for `request_id`, written by the engine from now on."""
+        self.close(key)
+        channel = Channel(self.engine, sock, name=f"return stream {key}", parse=None, on_frame=lambda _: None,
+                          on_close=lambda reason, fault: self._lost(key, channel, reason),
+                          conditioner=self.transport.conditioner())
+        self._streams[key] = (request_id, channel)
 
-    def _lost(self, key: ReturnKey, reason: str) -> None:
-        if self._channels.pop(key, None) is not None and reason not in ("closed", "replaced"):
+    def _lost(self, key: SessionKey, channel: Channel, reason: str) -> None:
+        held = self._streams.get(key)
+        if held is not None and held[1] is channel:
+            del self._streams[key]
             log.warning("direct prediction return lost, relaying upstream: %s", reason)
 
     # -- on the engine ------------------------------------------------------------------------
-    def send(self, key: ReturnKey, frame: bytes) -> bool:
-        """Write a prediction on the key's stream; False if there is none (or it broke)."""
-        channel = self._channels.get(key)
-        if channel is None:
+    def send(self, key: SessionKey, request_id: int, frame: bytes) -> bool:
+        """Write a prediction on the session's stream; False if it has none for `request_id`
+        (or it broke)."""
+        held = self._streams.get(key)
+        if held is None or held[0] != request_id:
             return False
-        channel.send(frame)
-        return not channel.closed
+        held[1].send(frame)
+        return not held[1].closed
 
-    def has(self, key: ReturnKey) -> bool:
-        return key in self._channels
+    def has(self, key: SessionKey, request_id: int) -> bool:
+        held = self._streams.get(key)
+        return held is not None and held[0] == request_id
 
-    def close(self, key: ReturnKey) -> None:
-        channel = self._channels.pop(key, None)
-        if channel is not None:
-            channel.close("closed")
+    def close(self, key: SessionKey) -> None:
+        held = self._streams.pop(key, None)
+        if held is not None:
+            held[1].close("closed")
+
+    def close_lane(self, lane_id: int) -> None:
+        """Close every stream of one lane's sessions (the lane ended)."""
+        for key in [key for key in self._streams if key[0] == lane_id]:
+            self.close(key)
 
     def close_all(self) -> None:
-        for key in list(self._channels):
+        for key in list(self._streams):
             self.close(key)
 
 
