@@ -8,6 +8,8 @@ prompt_cache_key namespaces share nothing; no session or lane is left behind.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -100,6 +102,32 @@ def test_an_entry_evicted_on_the_middle_stage_rolls_back_everywhere(chain, token
     assert [c.rollbacks for c in caches(chain)] == [rollbacks[0] + 2, rollbacks[1] + 1, rollbacks[2]]
     assert stage0.stats()["num_pinned"] == 0
     assert all(c.stats()["num_pinned"] == 0 for c in caches(chain))
+
+
+def test_a_restored_prompts_first_token_comes_straight_back(chain, tokenizer, monkeypatch):
+    """TryRestorePrefillDecode as in the seed: the final stage's first token reaches stage 0
+    on the return stream and the request decodes from it, while the ACKs climb the chain
+    behind it (held here at the middle stage for HOLD_S); their stats still join the request's."""
+    from skippy.protocol import MessageKind
+    from skippy.stage import handlers
+
+    hold_s = 1.5
+    restore = handlers.CONTROL_HANDLERS[MessageKind.TryRestorePrefillDecode]
+
+    async def held_at_the_middle(ctl, span):
+        if ctl.env.config.stage_index == 1:
+            reply = ctl.reply
+            ctl.reply = lambda ack: asyncio.get_running_loop().call_later(hold_s, reply, ack)
+        await restore(ctl, span)
+
+    prompt = tokenizer.encode("Straight back. " + system_text(9))
+    reference = generate(chain, prompt)
+    monkeypatch.setitem(handlers.CONTROL_HANDLERS, MessageKind.TryRestorePrefillDecode, held_at_the_middle)
+    warm = generate(chain, prompt)
+    assert warm.timings.prefilled_tokens == 1 and warm.timings.restore_decision == "chain_restore_hit"
+    assert warm.timings.first_token_s < hold_s / 2, warm.timings.first_token_s  # not behind the ACK
+    assert warm.stats.kv_hit_stage_mask == 0b111  # the held ACK's stats joined all the same
+    assert warm.tokens == reference.tokens
 
 
 def test_namespaces_share_nothing(chain, tokenizer):
