@@ -189,7 +189,7 @@ class LocalChain:
         71 with 1), provided a waiting stage's OpenMP workers stop spinning soon
         (model/threads.py: co_located_spin_count, given to the stage processes here). Enough
         sessions decoding form one wave per stage instead, each wave's forward on its
-        share of the threads (runtime/scheduler.py: waves).
+        share of the threads (runtime/batch_policy.py: waves).
         `max_restarts`: supervise the stage processes (supervisor.py), restarting each at most
         this often; None: no supervision (a stage that dies stays down). `link_conditioning`: a
         test knob on every link of the chain, stage 0's lanes included (stage/link.py)."""

@@ -6,8 +6,8 @@ holds more such threads than it has cores, libgomp stops letting idle workers sp
 spins instead of ~300,000) and every parallel region of a decode step pays a futex
 wake-up: decoding then ran at about a third of its speed (docs/decisions.md).
 
-So a process runs its model on one long-lived thread (the runtime's scheduler, see
-runtime/scheduler.py), and one-off parallel work, loading above all, runs on a thread that
+So a process runs its model on one long-lived thread (the stage's engine, see
+stage/engine.py), and one-off parallel work, loading above all, runs on a thread that
 exits when it is done and takes its team with it.
 """
 

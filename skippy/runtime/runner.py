@@ -1,6 +1,6 @@
 """Turns steps into tensors, runs the stage model, samples. The only torch module in runtime.
 
-Called from the scheduler's worker thread only, so nothing here locks.
+Called from the stage's engine thread only (stage/engine.py), so nothing here locks.
 """
 
 from __future__ import annotations
