@@ -178,7 +178,7 @@ class StageConfig(_Frozen):
     max_inflight: int = Field(4, ge=1)
     reply_credit_limit: int | None = Field(None, ge=0)   # None = max_inflight - 1 (§2.6)
     kv_cache: KvCacheConfig = KvCacheConfig()
-    # batch a decoding peer due back within this many forwards (runtime/scheduler.py)
+    # batch a decoding peer due back within this many forwards (runtime/batch_policy.py)
     peer_wait_forwards: float = Field(0.25, ge=0.0)
     # the waves decoding sessions form when stages share one machine's cores (one per
     # stage, each wave's forward on its share of them); 1: however they arrive
