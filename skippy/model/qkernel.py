@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from .locate import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("kernels") / name for name in ("qmatmul.c", "rows.c", "layers.c")]
+SOURCES = [Path(__file__).with_name("kernels") / name for name in ("qmatmul.c", "rows.c", "layers.c", "probe.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 # glibc's vector expf (rows.c calls it where glibc and AVX-512 are), then libm
 LIBS = (["-lmvec"] if platform.libc_ver()[0] == "glibc" else []) + ["-lm"]
@@ -52,6 +53,7 @@ SIGNATURES = {  # the C functions' (argument types, return type), in their argum
                               _P, _P, _I, _P, _P, _P, _P, _P], _I),
     "skippy_greedy_pick": ([_P, _I, _P, _P, _I], _I),
     "skippy_embed_rows": ([_P, ctypes.c_int64, ctypes.c_int64, _I, _P, _I, _I, _P], _I),
+    "skippy_read_probe": ([_P, ctypes.c_size_t], ctypes.c_uint64),
 }
 
 
@@ -351,6 +353,17 @@ def embed_rows(raw: np.ndarray, block_bytes: int, ids: torch.Tensor, cols: int) 
     if status:
         raise ValueError(f"embed_rows failed ({status}): ids {ids.tolist()} of {raw.shape[0]} rows")
     return out
+
+
+def read_bandwidth(buffer: torch.Tensor, rounds: int = 5) -> float:
+    """The best of `rounds` timed passes of the thread team reading `buffer` (contiguous,
+    far larger than the last-level cache), in bytes per second (kernels/probe.c)."""
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        library().skippy_read_probe(buffer.data_ptr(), buffer.nbytes)
+        best = min(best, time.perf_counter() - started)
+    return buffer.nbytes / best
 
 
 def greedy_pick(row: torch.Tensor, ids: list[int], values: list[float]) -> int:
