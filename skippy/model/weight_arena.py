@@ -17,9 +17,13 @@ anonymous memory. Chunks are freed when the last tensor in them is.
 from __future__ import annotations
 
 import mmap
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .packed_cache import PackedCache
 
 HUGE_PAGE = 2 << 20
 CHUNK_BYTES = 32 << 20   # a chunk holds several matmuls; a larger one gets its own
@@ -27,10 +31,11 @@ ALIGN = 64               # every tensor starts on a cache line, as torch's alloc
 
 
 class WeightArena:
-    """Bump allocation of one model's weight tensors, chunk by chunk."""
+    """Bump allocation of one model's weight tensors, chunk by chunk. `packed`: where matmuls
+    packed before are found, and packed ones kept for the next start (packed_cache.py)."""
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES):
-        self.chunk_bytes = chunk_bytes
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, packed: PackedCache | None = None):
+        self.chunk_bytes, self.packed = chunk_bytes, packed
         self._chunk: torch.Tensor | None = None  # uint8 view of the current chunk, 2 MiB-aligned
         self._used = 0
 

@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "skippy_kernels.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
