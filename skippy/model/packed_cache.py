@@ -12,7 +12,7 @@ next start maps those files read-only and faults them in at the disk's speed
 The key holds everything the bytes depend on: the GGUF (its header fingerprint and the
 file's identity: device, inode, size, modification time, so a file replaced in place
 packs anew), the kernel build (sources, flags, compiler, CPU flags: qkernel.build_key)
-and the packing code (quant.py's source). A matmul's bytes are fsync'ed and renamed into
+and the packing code (quant.py's and quant_linear.py's source). A matmul's bytes are fsync'ed and renamed into
 place before its index (a JSON file, written the same way), and a matmul is read only
 when its index names exactly the bytes found, so a crash mid-write leaves a matmul that
 is packed again, never a wrong one.
@@ -61,7 +61,8 @@ def model_key(path: str | Path) -> str:
 
 @functools.cache
 def _packing_identity() -> str:
-    source = (Path(__file__).with_name("quant.py")).read_bytes()
+    """The kernel build's key (its sources include pack.c) and the Python that packs."""
+    source = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("quant.py", "quant_linear.py"))
     return qkernel.build_key(qkernel.FLAGS) + hashlib.blake2b(source, digest_size=8).hexdigest()
 
 
