@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from common import resident, start_serve
+from common import resident, resolve_model, start_serve
 from sse_client import HttpxSSEClient, SSEClient, make_client
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -288,7 +288,8 @@ def median(values: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the bundled SmolLM2)")
+    parser.add_argument("--model", type=resolve_model, default=None,
+                        help="GGUF or HF directory or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2)")
     parser.add_argument("--stages", type=int, default=2, help="stages behind the API (1 = one process)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -30,10 +30,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import resolve_model  # noqa: E402
 from skippy.model.locate import bundled_model_path  # noqa: E402
 from skippy.model.threads import spin_for_co_located_stages  # noqa: E402
 
-spin_for_co_located_stages(bundled_model_path())  # before torch loads, as `skippy serve --stages N` does
+
+def model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=resolve_model, default=None,
+                        help="GGUF file, or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2)")
+
+
+_early = argparse.ArgumentParser(add_help=False)  # the model sets the spin, before torch loads
+model_argument(_early)
+MODEL = Path(_early.parse_known_args()[0].model or bundled_model_path())
+spin_for_co_located_stages(MODEL)  # before torch loads, as `skippy serve --stages N` does
 
 import numpy as np  # noqa: E402
 
@@ -65,7 +75,7 @@ async def workload(client, args) -> tuple[float, float, float]:
 
 async def on_loopback(args, dtype: str, delay: float, mbps: float | None) -> tuple[float, float, float]:
     conditioning = None if mbps is None else LinkConditioning(delay_ms=delay, mbps=mbps)
-    async with LocalChain(bundled_model_path(), 2, ctx_size=2048, activation_dtype=dtype, concurrency=8,
+    async with LocalChain(MODEL, 2, ctx_size=2048, activation_dtype=dtype, concurrency=8,
                           lane_count=8, link_conditioning=conditioning) as client:
         return await workload(client, args)
 
@@ -76,7 +86,7 @@ async def as_client(args) -> None:
     topology, stage0 = Topology.load(plan / "topology.json"), StageConfig.load(plan / "stage-0.json")
     tls.use(stage0.tls.resolved(plan))
     link.use(LinkConditioning(delay_ms=args.delay) if args.delay else None)
-    client = await connect_topology(topology, bundled_model_path(), auth_token=stage0.auth_token, ctx_size=2048,
+    client = await connect_topology(topology, MODEL, auth_token=stage0.auth_token, ctx_size=2048,
                                     activation_dtype=stage0.activation_dtype, concurrency=8,
                                     peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
     try:
@@ -94,7 +104,7 @@ class Namespaces:
     async def measure(self, args, dtype: str, delay: float, mbps: float | None) -> tuple[float, float, float]:
         plan = self.out / dtype
         if not plan.is_dir():
-            topology, configs = plan_chain(bundled_model_path(), [f"{h.address}:{PORT}" for h in self.hosts],
+            topology, configs = plan_chain(MODEL, [f"{h.address}:{PORT}" for h in self.hosts],
                                            auth_token=os.urandom(16).hex(), ctx_size=2048, lane_count=8,
                                            activation_dtype=dtype, threads=os.cpu_count(),
                                            peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
@@ -157,6 +167,7 @@ async def compare(args: argparse.Namespace, base_name: str, measure, capped_by: 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_argument(parser)
     parser.add_argument("--decode-tokens", type=int, default=24)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--delays", type=lambda t: [float(x) for x in t.split(",")], default=[0, 5, 20, 50])
