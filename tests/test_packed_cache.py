@@ -75,6 +75,15 @@ def test_the_key_follows_the_file_and_the_kernel_build(gguf_path, tmp_path, monk
     assert packed_cache.model_key(copy) not in (key, replaced)
 
 
+def test_a_dead_writers_temporary_files_are_removed(tmp_path):
+    stale, fresh = tmp_path / ".a.bin.1.tmp", tmp_path / ".b.bin.2.tmp"
+    for tmp in (stale, fresh):
+        tmp.write_bytes(b"partial")
+    os.utime(stale, (0, 0))
+    packed_cache._remove_stale_writes(tmp_path)
+    assert not stale.exists() and fresh.exists()
+
+
 def test_old_packed_models_are_evicted(tmp_path, monkeypatch):
     monkeypatch.setenv("SKIPPY_CACHE_DIR", str(tmp_path))
     for i in range(6):

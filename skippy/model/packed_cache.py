@@ -28,6 +28,7 @@ import mmap
 import os
 import shutil
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -90,6 +91,7 @@ class PackedCache:
             log.warning("packed weights will not be kept for the next start: %s", e)
             return None
         _evict_beyond(KEPT, keep=directory)
+        _remove_stale_writes(directory)
         return cls(directory)
 
     def load(self, name: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
@@ -191,6 +193,20 @@ def _write_atomically(path: Path, content: bytes) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)
+
+
+STALE_WRITE_S = 3600  # a temporary file this old belongs to a writer that died
+
+
+def _remove_stale_writes(directory: Path) -> None:
+    """A process that exits while its writer runs leaves a temporary file: remove old ones."""
+    now = time.time()
+    for tmp in directory.glob(".*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > STALE_WRITE_S:
+                tmp.unlink()
+        except OSError:
+            pass
 
 
 def _evict_beyond(kept: int, keep: Path) -> None:
