@@ -262,7 +262,7 @@ def test_every_vector_path_agrees_with_plain_c(qtype, levels, monkeypatch):
     raw = random_blocks(qtype, 48, 512, seed=3)
     linear = packed(raw, qtype, (48, 512), levels)
     weight = linear.affine()
-    x = np.random.default_rng(0).standard_normal((37, 512))  # two tiles of 16 and 5 rows
+    x = np.random.default_rng(0).standard_normal((150, 512))  # row chunks of 64 (and tiles of 16) and a rest
     x[2] *= 1e-3  # rows of other magnitudes share the batch
     x[20] *= 40.0
     exact = x @ weight.dequantize().astype(np.float64).T
@@ -273,7 +273,7 @@ def test_every_vector_path_agrees_with_plain_c(qtype, levels, monkeypatch):
         monkeypatch.setattr(qkernel, "library", lambda library=library: library)
         products[name] = kernel_product(linear, x)
         assert np.all(np.abs(products[name] - exact) <= matmul_bound(x, weight, levels)), name
-        for i in (0, 20):
+        for i in (0, 20, 149):
             assert np.array_equal(kernel_product(linear, x[i : i + 1]), products[name][i : i + 1]), name
     assert products["plain"].any()
     if "amx" in products:

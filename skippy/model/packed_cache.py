@@ -20,12 +20,14 @@ is packed again, never a wrong one.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import json
 import logging
 import mmap
 import os
+import platform
 import shutil
 import threading
 import time
@@ -45,6 +47,7 @@ FORMAT = 1  # of the files below; the packing itself is keyed by quant.py's sour
 KEPT = 4  # packed models kept; the least recently used beyond this are deleted
 ALIGN = 4096  # every tensor in a matmul's file starts on a page
 MADV_POPULATE_READ = 22  # Linux 5.14+: fault the mapping in, as reads
+IOPRIO_SET, IOPRIO_WHO_PROCESS, IOPRIO_IDLE = 251, 1, 3 << 13  # x86-64 ioprio_set: the idle class
 
 
 def packed_root() -> Path:
@@ -149,6 +152,7 @@ class PackedCache:
             self._writer.join()
 
     def _write_all(self, queue) -> None:
+        _lower_priority()  # the stage serves meanwhile: its threads come first
         try:
             for name, meta, tensors in queue:
                 self._write(name, meta, tensors)
@@ -173,6 +177,17 @@ class PackedCache:
         os.replace(tmp, data)
         record = {"format": FORMAT, "size": offset, "meta": meta, "tensors": entries}
         _write_atomically(self.directory / f"{name}.json", json.dumps(record).encode())
+
+
+def _lower_priority() -> None:
+    """This thread's CPU and I/O priority to the lowest (Linux: both are per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        if platform.machine() == "x86_64":  # the syscall's number is the architecture's
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.syscall(IOPRIO_SET, IOPRIO_WHO_PROCESS, threading.get_native_id(), IOPRIO_IDLE)
+    except (OSError, AttributeError):
+        pass
 
 
 def _populate(region: mmap.mmap | None) -> None:

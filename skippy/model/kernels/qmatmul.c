@@ -54,6 +54,10 @@
 #include <immintrin.h>
 #endif
 
+#ifndef ROW_CHUNK
+#define ROW_CHUNK 64 /* rows of x a pass over the weights takes (skippy_qmatmul) */
+#endif
+
 /* x [M, K] -> group r's first- and second-level codes, scales and sums (skippy_rows) */
 static inline __attribute__((always_inline)) void quantize_group(int r, const float *x, int levels, int8_t *q,
                                                                   float *dx, float *sx, int32_t *qs, int32_t *qh) {
@@ -240,29 +244,45 @@ int skippy_qmatmul_check(int M, const skippy_matmul *w) {
     return rows == w->rows ? 0 : -1;
 }
 
+/* blocks [b0, b1) against rows [m0, m1) of x (skippy_qmatmul_blocks for every row) */
+static void blocks_rows(const skippy_rows *x, const skippy_matmul *w, float *y, int accumulate, int b0, int b1,
+                        int m0, int m1) {
+    int part = 0, first = 0; /* the part holding block b0, and that part's first block */
+    for (int b = b0; b < b1; b++) {
+        while (b >= first + w->part[part].rows / LANES) first += w->part[part++].rows / LANES;
+        one_block(&w->part[part], b - first, x, m0, m1, y + (size_t)b * LANES, w->rows, accumulate, w->levels);
+    }
+}
+
 /* blocks [b0, b1) of y [M, w->rows] (+)= x . W^T (blocks count across the parts), x
    quantized into scratch: each block computes alike whichever thread runs it (layers.c
    deals them out inside one parallel region) */
 void skippy_qmatmul_blocks(const void *scratch, int M, const skippy_matmul *w, float *y, int accumulate, int b0,
                            int b1) {
     const skippy_rows x = scratch_rows(scratch, M, w->cols);
-    int part = 0, first = 0; /* the part holding block b0, and that part's first block */
-    for (int b = b0; b < b1; b++) {
-        while (b >= first + w->part[part].rows / LANES) first += w->part[part++].rows / LANES;
-        one_block(&w->part[part], b - first, &x, 0, M, y + (size_t)b * LANES, w->rows, accumulate, w->levels);
-    }
+    blocks_rows(&x, w, y, accumulate, b0, b1, 0, M);
 }
 
-/* Returns 0, or -1 for bad arguments (skippy_qmatmul_check), -2 when out of memory. */
+/* Returns 0, or -1 for bad arguments (skippy_qmatmul_check), -2 when out of memory.
+   Many rows (a prompt) go ROW_CHUNK at a time past every block: a block takes its rows of x from
+   the scratch, which for all of a 512-row prompt is up to 8 MB (ffn_down of a 3B model) and came
+   from L3 for every block; a chunk's stays in L2, and the weights are read once a chunk. */
 int skippy_qmatmul(const float *x, int M, const skippy_matmul *w, float *y, int accumulate) {
     if (skippy_qmatmul_check(M, w)) return -1;
     const int K = w->cols, groups = M * (K / GROUP), blocks = w->rows / LANES;
     void *scratch = malloc(skippy_qmatmul_scratch_bytes(M, K));
     if (!scratch) return -2;
-    #pragma omp parallel for schedule(static) if (M > 8)
-    for (int r = 0; r < groups; r++) skippy_qmatmul_quantize(x, M, K, w->levels, scratch, r, r + 1);
-    #pragma omp parallel for schedule(guided)
-    for (int b = 0; b < blocks; b++) skippy_qmatmul_blocks(scratch, M, w, y, accumulate, b, b + 1);
+    const skippy_rows rows = scratch_rows(scratch, M, K);
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int r = 0; r < groups; r++) skippy_qmatmul_quantize(x, M, K, w->levels, scratch, r, r + 1);
+        for (int m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+            const int m1 = M - m0 < ROW_CHUNK ? M : m0 + ROW_CHUNK;
+            #pragma omp for schedule(guided)
+            for (int b = 0; b < blocks; b++) blocks_rows(&rows, w, y, accumulate, b, b + 1, m0, m1);
+        }
+    }
     free(scratch);
     return 0;
 }

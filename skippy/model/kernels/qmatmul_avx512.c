@@ -15,7 +15,12 @@
 /* groups of a block fetched ahead, into every cache level (Intel Xeon with AVX512-VNNI, 2
    threads, bundled model, one-row decode steps: none 283 tok/s, 8 groups ahead 343, 16 385,
    24-32 394-396, 64 390; _MM_HINT_NTA, which suits the AVX2 path on a Zen 2 EPYC, 109 at 8) */
+#ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 24
+#endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0
+#endif
 
 /* acc += codes . (4 signed bytes at q, in every lane), the bytes broadcast by the
    instruction's own memory operand: GCC emits a separate vpbroadcastd otherwise */
@@ -59,12 +64,15 @@ static inline int k_of(const int format, int j) {
 }
 
 /* Group g's scales per lane: d and the offset's m (Q4, Q8, Q4K), or each half's d (Q6K: d and m).
-   The K formats' super-block factors are read at a super-block's first group into *sd, *sm. */
-static inline __attribute__((always_inline)) void group_scales(const int format, const skippy_part *p, int b, int G,
-                                                               int g, __m512 *sd, __m512 *sm, __m512 *d, __m512 *m) {
+   The K formats' super-block factors are read at a super-block's first group into *sd, *sm. With
+   one level (and not Q6K), d comes times 128: group_sum then skips shifting the sums (the same bits). */
+static inline __attribute__((always_inline)) void group_scales(const int format, const int levels,
+                                                               const skippy_part *p, int b, int G, int g, __m512 *sd,
+                                                               __m512 *sm, __m512 *d, __m512 *m) {
     const size_t at = (size_t)b * G + g;
+    const __m512 times = _mm512_set1_ps(levels == 1 && format != SKIPPY_Q6K ? 128.f : 1.f);
     if (format == SKIPPY_Q4 || format == SKIPPY_Q8) {
-        *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p->scale + at * LANES)));
+        *d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p->scale + at * LANES))), times);
         *m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p->offset + at * LANES)));
         return;
     }
@@ -78,7 +86,7 @@ static inline __attribute__((always_inline)) void group_scales(const int format,
     const __m128i first = _mm_loadu_si128((const __m128i *)(p->sub + at * 2 * LANES));
     const __m128i second = _mm_loadu_si128((const __m128i *)(p->sub + at * 2 * LANES + LANES));
     if (format == SKIPPY_Q4K) {
-        *d = _mm512_mul_ps(*sd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first)));
+        *d = _mm512_mul_ps(_mm512_mul_ps(*sd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first))), times);
         *m = _mm512_mul_ps(*sm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second)));
     } else {
         *d = _mm512_mul_ps(*sd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)));
@@ -90,18 +98,19 @@ static inline __attribute__((always_inline)) void group_scales(const int format,
 static inline __attribute__((always_inline)) void prefetch_ahead(const int format, const skippy_part *p, int b,
                                                                  int G, int g, const uint8_t *codes) {
     const int bytes = skippy_group_bytes(format);
-    for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(codes + PREFETCH_GROUPS * bytes + l), _MM_HINT_T0);
+    if (PREFETCH_GROUPS == 0) return;
+    for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(codes + PREFETCH_GROUPS * bytes + l), PREFETCH_HINT);
     if (g & 1) return; /* a line holds two groups' scales: +0.5-0.8% against one a group (3 interleaved runs) */
     const size_t ahead = (size_t)b * G + g + PREFETCH_GROUPS;
     if (format == SKIPPY_Q4 || format == SKIPPY_Q8) {
-        _mm_prefetch((const char *)(p->scale + ahead * LANES), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p->offset + ahead * LANES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p->scale + ahead * LANES), PREFETCH_HINT);
+        _mm_prefetch((const char *)(p->offset + ahead * LANES), PREFETCH_HINT);
         return;
     }
-    _mm_prefetch((const char *)(p->sub + ahead * 2 * LANES), _MM_HINT_T0);
+    _mm_prefetch((const char *)(p->sub + ahead * 2 * LANES), PREFETCH_HINT);
     if (g % GROUPS_PER_SUPER == 0) {
         const size_t super = (size_t)b * (G / GROUPS_PER_SUPER) + (g + PREFETCH_GROUPS) / GROUPS_PER_SUPER;
-        _mm_prefetch((const char *)(p->scale + super * (format == SKIPPY_Q4K ? 2 : 1) * LANES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p->scale + super * (format == SKIPPY_Q4K ? 2 : 1) * LANES), PREFETCH_HINT);
     }
 }
 
@@ -121,9 +130,12 @@ static inline __attribute__((always_inline)) __m512 group_sum(const int format, 
         }
         return _mm512_fmadd_ps(_mm512_fmadd_ps(t[1], m, _mm512_mul_ps(t[0], d)), dr, acc);
     }
-    __m512i both = _mm512_slli_epi32(lo[0], 7); /* 128 lo + hi: the dot product in units of dr, exact */
-    if (levels == 2) both = _mm512_add_epi32(both, hi[0]);
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(both), d), dr, acc);
+    if (levels == 2) { /* 128 lo + hi: the dot product in units of dr, exact */
+        const __m512i both = _mm512_add_epi32(_mm512_slli_epi32(lo[0], 7), hi[0]);
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(both), d), dr, acc);
+    } else { /* d128 = 128 d: float(128 lo) d and float(lo) (128 d) are one and the same rounding */
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo[0]), d), dr, acc);
+    }
     return _mm512_fmadd_ps(m, _mm512_set1_ps(x->sx[r]), acc);
 }
 
@@ -145,7 +157,7 @@ static inline __attribute__((always_inline)) void block(const int format, const 
             __m512i cw[8];
             unpack(format, codes, cw);
             __m512 d, m;
-            group_scales(format, p, b, G, g, &sd, &sm, &d, &m);
+            group_scales(format, levels, p, b, G, g, &sd, &sm, &d, &m);
             for (int j = 0; j < MT; j++) {
                 const size_t r = (size_t)(t0 + j) * G + g;
                 const int8_t *qg = x->q + r * 2 * GROUP;
@@ -285,7 +297,7 @@ static inline __attribute__((always_inline)) void block_amx(const int format, co
             _tile_stored(3, sums[0][0], 64);
             if (levels == 2) _tile_stored(4, sums[1][0], 64);
             __m512 d, m;
-            group_scales(format, p, b, G, g, &sd, &sm, &d, &m);
+            group_scales(format, levels, p, b, G, g, &sd, &sm, &d, &m);
             for (int j = 0; j < 16; j++) {
                 const __m512i zero = _mm512_setzero_si512();
                 const __m512i lo[2] = {_mm512_load_si512(sums[0][0][j]),
