@@ -246,16 +246,40 @@ static uint8_t *unpacked_buffer(size_t bytes) {
     return tiles_buffer;
 }
 
+/* A group's tile multiplies for 16 rows of x on tile set (A, B, C0, C1): the codes' tile at
+   `tile`, the rows' group at qg (rows `stride` apart). One level: C0 = q . codes; two: C1 = r . codes
+   too; Q6K (one level): C0, C1 = each half group's q . codes. Tile numbers are immediates. */
+#define ISSUE(A, B, C0, C1)                                                                                        \
+    do {                                                                                                           \
+        _tile_loadd(B, tile, 64);                                                                                  \
+        _tile_loadd(A, qg, stride);                                                                                \
+        _tile_zero(C0);                                                                                            \
+        _tile_dpbsud(C0, A, B);                                                                                    \
+        if (halves == 2) {                                                                                         \
+            _tile_loadd(B, tile + 256, 64);                                                                        \
+            _tile_loadd(A, qg + 16, stride);                                                                       \
+            _tile_zero(C1);                                                                                        \
+            _tile_dpbsud(C1, A, B);                                                                                \
+        } else if (levels == 2) {                                                                                  \
+            _tile_loadd(A, qg + GROUP, stride);                                                                    \
+            _tile_zero(C1);                                                                                        \
+            _tile_dpbsud(C1, A, B);                                                                                \
+        }                                                                                                          \
+    } while (0)
+
+/* Two sets of tiles, (0, 1, 2, 3) and (4, 5, 6, 7): group g + 1's multiplies run on the tile
+   unit while group g's sums go through the float steps. Q6K with two levels needs four sums
+   a group, so it takes one set of six tiles (A 0, B 1, sums 2, 3, 6, 7) and no overlap. */
 static inline __attribute__((always_inline)) void block_amx(const int format, const int levels, const skippy_part *p,
                                                             int b, const skippy_rows *x, int m0, int m1, float *y,
                                                             int N, int accumulate, uint8_t *unpacked) {
     const int G = x->G, bytes = skippy_group_bytes(format), halves = format == SKIPPY_Q6K ? 2 : 1;
-    const int k_tile = GROUP / halves; /* k per tile multiply */
+    const int k_tile = GROUP / halves, overlap = !(halves == 2 && levels == 2);
     tile_config config = {0};
     config.palette = 1;
-    for (int t = 0; t < 2; t++) config.rows[t] = 16, config.colsb[t] = (uint16_t)k_tile; /* A: q, r */
-    for (int t = 2; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;                /* C */
-    config.rows[2] = config.rows[5] = (uint8_t)(k_tile / 4);                               /* B, each half's */
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;      /* C */
+    config.colsb[0] = config.colsb[4] = (uint16_t)k_tile;                        /* A */
+    config.rows[1] = config.rows[5] = (uint8_t)(k_tile / 4);                     /* B */
     _tile_loadconfig(&config);
     const uint8_t *codes = p->codes + (size_t)b * G * bytes;
     for (int g = 0; g < G; g++, codes += bytes) {
@@ -263,47 +287,65 @@ static inline __attribute__((always_inline)) void block_amx(const int format, co
         unpack(format, codes, cw);
         for (int c = 0; c < 8; c++) _mm512_store_si512(unpacked + (size_t)g * 512 + k_of(format, c) / 4 * 64, cw[c]);
     }
-    _Alignas(64) int32_t sums[2][2][16][16]; /* [level][half][row][lane] */
+    _Alignas(64) int32_t sums[2][4][16][16]; /* [set][C0, C1 (, Q6K's two levels: 2, 3)][row][lane] */
     const size_t stride = (size_t)G * 2 * GROUP;
     for (int t0 = m0; t0 + 16 <= m1; t0 += 16) {
         __m512 acc[16];
         for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
         __m512 sd = _mm512_setzero_ps(), sm = _mm512_setzero_ps();
+        const int8_t *rows_q = x->q + (size_t)t0 * G * 2 * GROUP;
+        if (overlap) {
+            const uint8_t *tile = unpacked;
+            const int8_t *qg = rows_q;
+            ISSUE(0, 1, 2, 3);
+        }
         for (int g = 0; g < G; g++) {
-            const int8_t *qg = x->q + ((size_t)t0 * G + g) * 2 * GROUP;
-            const uint8_t *tile = unpacked + (size_t)g * 512;
-            _tile_loadd(2, tile, 64);
-            _tile_loadd(0, qg, stride);
-            _tile_zero(3);
-            _tile_dpbsud(3, 0, 2);
-            if (levels == 2) {
-                _tile_loadd(1, qg + GROUP, stride);
-                _tile_zero(4);
-                _tile_dpbsud(4, 1, 2);
+            const int set = overlap ? g & 1 : 0;
+            if (overlap && g + 1 < G) {
+                const uint8_t *tile = unpacked + (size_t)(g + 1) * 512;
+                const int8_t *qg = rows_q + (size_t)(g + 1) * 2 * GROUP;
+                if (set == 0) ISSUE(4, 5, 6, 7);
+                else ISSUE(0, 1, 2, 3);
             }
-            if (halves == 2) {
-                _tile_loadd(5, tile + 256, 64);
-                _tile_loadd(0, qg + 16, stride);
-                _tile_zero(6);
-                _tile_dpbsud(6, 0, 5);
-                if (levels == 2) {
-                    _tile_loadd(1, qg + GROUP + 16, stride);
-                    _tile_zero(7);
-                    _tile_dpbsud(7, 1, 5);
+            if (overlap) {
+                if (set == 0) {
+                    _tile_stored(2, sums[0][0], 64);
+                    if (halves == 2 || levels == 2) _tile_stored(3, sums[0][1], 64);
+                } else {
+                    _tile_stored(6, sums[1][0], 64);
+                    if (halves == 2 || levels == 2) _tile_stored(7, sums[1][1], 64);
                 }
-                _tile_stored(6, sums[0][1], 64);
-                if (levels == 2) _tile_stored(7, sums[1][1], 64);
+            } else { /* Q6K, two levels: each half group's q and r */
+                const uint8_t *tile = unpacked + (size_t)g * 512;
+                const int8_t *qg = rows_q + (size_t)g * 2 * GROUP;
+                _tile_loadd(1, tile, 64);
+                _tile_loadd(0, qg, stride);
+                _tile_zero(2);
+                _tile_dpbsud(2, 0, 1);
+                _tile_loadd(0, qg + GROUP, stride);
+                _tile_zero(6);
+                _tile_dpbsud(6, 0, 1);
+                _tile_loadd(1, tile + 256, 64);
+                _tile_loadd(0, qg + 16, stride);
+                _tile_zero(3);
+                _tile_dpbsud(3, 0, 1);
+                _tile_loadd(0, qg + GROUP + 16, stride);
+                _tile_zero(7);
+                _tile_dpbsud(7, 0, 1);
+                _tile_stored(2, sums[0][0], 64);
+                _tile_stored(3, sums[0][1], 64);
+                _tile_stored(6, sums[0][2], 64);
+                _tile_stored(7, sums[0][3], 64);
             }
-            _tile_stored(3, sums[0][0], 64);
-            if (levels == 2) _tile_stored(4, sums[1][0], 64);
             __m512 d, m;
             group_scales(format, levels, p, b, G, g, &sd, &sm, &d, &m);
+            int32_t(*s)[16][16] = sums[set];
             for (int j = 0; j < 16; j++) {
                 const __m512i zero = _mm512_setzero_si512();
-                const __m512i lo[2] = {_mm512_load_si512(sums[0][0][j]),
-                                       halves == 2 ? _mm512_load_si512(sums[0][1][j]) : zero};
-                const __m512i hi[2] = {levels == 2 ? _mm512_load_si512(sums[1][0][j]) : zero,
-                                       levels == 2 && halves == 2 ? _mm512_load_si512(sums[1][1][j]) : zero};
+                __m512i lo[2] = {_mm512_load_si512(s[0][j]), zero}, hi[2] = {zero, zero};
+                if (halves == 2) lo[1] = _mm512_load_si512(s[1][j]);
+                if (levels == 2 && halves == 1) hi[0] = _mm512_load_si512(s[1][j]);
+                if (levels == 2 && halves == 2) hi[0] = _mm512_load_si512(s[2][j]), hi[1] = _mm512_load_si512(s[3][j]);
                 acc[j] = group_sum(format, levels, acc[j], lo, hi, d, m, x, (size_t)(t0 + j) * G + g);
             }
         }
