@@ -20,7 +20,8 @@ and the head; the embedding only when it is the tied head). The table's "floor" 
 each engine's decode rate as a share of it.
 
 "ours auto" is the default: the GGUF's quantized weights stay 4-bit (quant.py),
-as llama.cpp runs them. "ours float32"/"float16" and transformers dequantize the
+as llama.cpp runs them; "ours no-AMX" is the same with SKIPPY_AMX=0, the prompt on the
+AVX512-VNNI path a CPU without AMX takes. "ours float32"/"float16" and transformers dequantize the
 GGUF (float32 is our parity reference).
 llama.cpp runs only when `llama_cpp` imports (pip install -e '.[bench-llamacpp]';
 it compiles llama.cpp for about ten minutes).
@@ -78,6 +79,8 @@ PROMPT_TEXT = (
 RATIOS = [
     ("ours auto", "llama.cpp", "decode"),
     ("ours auto", "llama.cpp", "prefill"),
+    ("ours auto", "ours no-AMX", "prefill"),
+    ("ours no-AMX", "llama.cpp", "prefill"),
     ("ours auto", "ours float32", "decode"),
     ("ours float32", "transformers float32", "decode"),
     ("ours float32", "transformers float32", "prefill"),
@@ -96,7 +99,9 @@ class Timings:
 
 
 class OursEngine:
-    def __init__(self, path: Path, dtype: str):
+    def __init__(self, path: Path, dtype: str, amx: bool = True):
+        if not amx:  # the kernels read it on their first prompt (a CPU without AMX runs this path)
+            os.environ["SKIPPY_AMX"] = "0"
         self.model = load_stage(path, dtype=dtype, device="cpu", progress=False)
 
     def prefill(self, prompt: list[int]) -> int:
@@ -180,6 +185,7 @@ def run_once(engine, prompt: list[int], num_decode: int) -> tuple[float, float, 
 
 ENGINES = {
     "ours auto": ("Loading ours auto (quantized)", lambda path, options: OursEngine(path, "auto")),
+    "ours no-AMX": ("Loading ours auto, AMX off", lambda path, options: OursEngine(path, "auto", amx=False)),
     "ours float32": ("Loading ours float32", lambda path, options: OursEngine(path, "float32")),
     "ours float16": ("Loading ours float16", lambda path, options: OursEngine(path, "float16")),
     "transformers float32": ("Loading transformers float32 (converts the GGUF, ~30 s)",

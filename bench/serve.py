@@ -71,7 +71,7 @@ def sample(started: float, token_times: list[float]) -> Sample:
 async def http_stream(client: SSEClient | HttpxSSEClient, url: str, body: dict) -> Sample:
     started = time.perf_counter()
     token_times: list[float] = []
-    num_tokens = 0
+    num_tokens, finish = 0, None
     async for data in client.events(url, body):
         if not data.startswith(b"{"):
             continue
@@ -82,9 +82,12 @@ async def http_stream(client: SSEClient | HttpxSSEClient, url: str, body: dict) 
             num_tokens = chunk["usage"]["completion_tokens"]
         if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
             token_times.append(time.perf_counter())
+        if chunk["choices"] and chunk["choices"][0].get("finish_reason"):
+            finish = chunk["choices"][0]["finish_reason"]
     # A chunk can carry two tokens (a character split across them); spread the count evenly.
-    # llama-cpp-python's server sends no usage in a stream: there, count its chunks.
-    num_tokens = num_tokens or len(token_times)
+    # llama-cpp-python's server sends no usage in a stream: a stream it ended for its length ran
+    # max_tokens tokens (a random model's text splits characters often); otherwise count its chunks.
+    num_tokens = num_tokens or (body["max_tokens"] if finish == "length" else len(token_times))
     result = sample(started, token_times)
     rate = (num_tokens - 1) / (token_times[-1] - token_times[0])
     return Sample(result.ttft_s, rate, num_tokens, result.started, result.finished)

@@ -5,16 +5,16 @@ in one of the kernel's formats (kernels/skippy_kernels.h, skippy_format):
     q4    4-bit codes, float16 scale and offset per group of 32     Q4_0, Q4_1, --quantize int4
     q8    8-bit codes, float16 scale and offset per group of 32     Q5_0, Q5_1, Q5_K, Q8_0, int8
     q4k   Q4_K's own: 4-bit codes, its 6-bit scales and mins under float16 ones per 256
-          (0.578 bytes a weight, the file's 0.5625; a float16 scale per group was 0.625)
+          (0.578 bytes a weight, the file's 0.5625)
     q6k   Q6_K's own: 6-bit codes, int8 scales per 16 under a float16 one per 256 (0.82 bytes
-          a weight, the file's size; requantized to 8 bits per group of 32 it was 1.125)
+          a weight, the file's size)
 The K formats hold exactly the file's numbers; q4 and q8 hold the legacy types' exactly and
 Q5_K's with each group's scale rounded to float16 once. The kernel quantizes each input row
 to int8 per group of 32, in one level or two (`levels`), and multiplies codes by codes.
 
 Packing reads a tensor's blocks from the memory-mapped file straight into the final tensors
-(the K formats in C, kernels/pack.c: ~60 MB/s in numpy was half a minute of a 2 GB model's
-first start) and drops the file's pages, so loading never holds a float copy of the model.
+(the K formats in C, kernels/pack.c, so that a first start packs about as fast as the disk
+reads) and drops the file's pages, so loading never holds a float copy of the model.
 """
 
 from __future__ import annotations

@@ -3,19 +3,15 @@
    one from Python (RMS norm, fused q/k/v matmul, RoPE, cache write + attention, output
    matmul summed into the residual, RMS norm, gate/up matmul, SwiGLU, down matmul summed
    into the residual), so its rows are bit for bit the loop's. Each of those ~9 calls a
-   layer cost a few microseconds of Python and ctypes: with 30 layers that was a quarter
-   of a token's time on 2 cores, and the interpreter lock stayed with the worker thread
-   between them. Here the lock is released once for the whole step.
+   layer costs a few microseconds of Python and ctypes, a large share of a small model's
+   token, and the interpreter lock would stay with the worker thread between them. Here the lock is released once for the whole step.
 
    And the step is one OpenMP parallel region, where it was ~150 (each matmul and each
    attention its own): the team meets at barriers of its own between the pieces, spinning,
    and the workers go back to libgomp's pool only once the step is done. A region's start
    wakes workers that libgomp put to sleep after GOMP_SPINCOUNT pauses, and stages sharing
    a machine keep that spin short (model/threads.py) so a waiting stage leaves the cores to
-   the computing one. The layers' call, A/B in the same decode steps (2 cores, bundled
-   model, 3 ms between calls as in a 2-stage chain): 2958 against 3092 us at 1,000 spins,
-   2817 against 2932 at the default; per layer in a 2-stage chain, slower than in one
-   process (7-9%) where it had been 17-20%.
+   the computing one (docs/decisions.md, "The one-call step is one OpenMP parallel region").
 
    The model's layers are skippy_layer structures (skippy_kernels.h; qkernel.DecodeLayers
    builds them once per model). */
@@ -36,10 +32,8 @@
 #define cpu_relax() ((void)0)
 #endif
 
-/* a teammate this late has lost its core: let it have ours. A pause takes ~140 cycles on an
-   Intel Xeon (512: ~25 us); 4096 there left a core spinning ~200 us while its teammate waited
-   for it, and a 2-stage chain served one stream 1.06x faster with 512 and matmul_share's
-   claiming (bench/serve_ab.py, 6 rounds; 8 streams and one process alike) */
+/* a teammate this late has lost its core: let it have ours, rather than spin while it waits
+   for the core we hold (docs/decisions.md, "Matmul blocks claimed four at a time") */
 #define SPINS_BEFORE_YIELD 512
 #define SHARED_QUANTIZE_ROWS 8  /* past this many rows the team shares the quantizing, as skippy_qmatmul does */
 #define STEAL_BLOCKS 4 /* blocks of 16 rows a thread claims at a time (matmul_share) */
@@ -213,11 +207,11 @@ static int check_step(const skippy_decode_model *model, const skippy_sessions *s
 
 /* x [S, hidden]: one row per session, updated in place through the model's layers; the
    sessions' caches as skippy_decode_attention takes them; RoPE read from the model's tables
-   at each row's position (slicing them in Python cost ~35 us a step, after a forward evicted
-   the interpreter's caches). With `logits` [S, vocab] (a model with a head: the final stage),
+   at each row's position (slicing them in Python is slow after a forward has evicted the
+   interpreter's caches). With `logits` [S, vocab] (a model with a head: the final stage),
    the region goes on to the output: RMS norm by out_norm, then the head's matmul, as
-   compute_logits' two calls compute them. Its own region used to start ~60 us after this one
-   ended: past the co-located stages' short spin, so it began by waking a sleeping worker.
+   compute_logits' two calls compute them. A region of its own would start after the
+   co-located stages' short spin has ended, and so begin by waking a sleeping worker.
    One parallel region for the whole step: one thread runs the row-sized pieces (norms,
    RoPE, SwiGLU, quantizing a matmul's input), the team shares each matmul's blocks and
    the attention's (session, kv head) tasks (or their query rows), every piece computing
@@ -262,11 +256,9 @@ int skippy_decode_layers(const skippy_decode_model *model, float *x, const skipp
         const int tid = omp_get_thread_num(), team = omp_get_num_threads();
         /* the attention's (session, kv head) tasks beyond a whole number per thread are each
            split by their query rows among the team, after the others (their stores first, on
-           thread 0): 3 kv heads of one row on 2 threads took two heads' time. After a
-           512-token prompt the threads' waits at the attention's barrier fell from 409 to 50
-           us a token and bare decode ran 1.04x (8 interleaved pairs); after 64 or 200
-           tokens 1.01x and 1.00x. Parts of one row each (every part reading the head's keys
-           and values again) left 151 us of waits and ran 1.014x. */
+           thread 0): whole, 3 kv heads of one row on 2 threads take two heads' time. Splitting a
+           row's keys instead would read the head's keys and values once per part
+           (docs/decisions.md, "Uneven attention tasks split by query rows"). */
         const int whole = team > 1 && group > 1 ? S * KVH - (S * KVH) % team : S * KVH,
                   parts = group < team ? group : team, tasks = whole + (S * KVH - whole) * parts;
         float *my_scores = score_rows + scores * tid;

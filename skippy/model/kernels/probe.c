@@ -1,9 +1,9 @@
 /* The machine's memory read bandwidth, as a decode step meets it: the team of threads
    streams a buffer far larger than the last-level cache with 64-byte vector loads, each
    thread its own contiguous half, as a matmul's blocks are shared (bench/decode.py prints
-   the floor a model's bytes per token imply). No software prefetch: on 2 MiB pages the
-   hardware prefetchers ran it fastest (28.3 GB/s against 27.0 with prefetching, 2 threads,
-   Xeon with AVX-512); on 4 KiB pages they stop at every page (14.7, 25.6 with prefetching). */
+   the floor a model's bytes per token imply). No software prefetch: on 2 MiB pages, as the
+   probe's buffer and the weights are, the hardware prefetchers stream it fastest (they stop
+   only at page boundaries; docs/decisions.md, "The decode floor, probed"). */
 
 #include <omp.h>
 #include <stddef.h>

@@ -81,12 +81,10 @@ static inline __attribute__((always_inline)) void block(const int format, const 
         for (int j = 0; j < M_TILE; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
         const uint8_t *codes = p->codes + (size_t)b * G * bytes;
         for (int g = 0; g < G; g++, codes += bytes) {
-            /* the weights stream from memory once a step: fetch a few groups ahead (all 121
-               matmuls of a SmolLM2 token, 2 threads, EPYC: 15.5 -> 12.3 ms, 8 groups ahead),
-               non-temporally: read once, they need not pass through L2 and L3, where they evicted
-               everything the step's Python runs on. On a Zen 2 EPYC the matmuls took the same time
-               either way, and the Python between a stage's layers ran ~2x faster after them: between
-               a 2-stage chain's layers 1.7 -> 0.9 ms a token, one process and 2 stages +7% decode */
+            /* the weights stream from memory once a step: fetch a few groups ahead,
+               non-temporally: read once, they need not pass through L2 and L3, where they would
+               evict everything the step's Python runs on (docs/decisions.md, "Weight prefetch:
+               non-temporal on AVX2, into L1 on AVX512-VNNI") */
             for (int l = 0; l < bytes; l += 64)
                 _mm_prefetch((const char *)(codes + PREFETCH_GROUPS * bytes + l), _MM_HINT_NTA);
             __m256i cw[8][2], sg[8][2]; /* [k chunk][row half]: unsigned codes (8 bits: |c - 128|, sg: c - 128) */
@@ -187,10 +185,9 @@ static inline __attribute__((always_inline)) void block(const int format, const 
    a group's codes are unpacked one chunk at a time, and LOCKSTEP_ROWS rows of x take each chunk
    in turn, their sums pinned in registers (the empty asm) so each row's additions stay in order.
    The integer sums and the float steps after them are block()'s, in its order: a row's outputs
-   are the same bits on either path, so a session computes alike in any batch. All 121 matmuls
-   of a SmolLM2 token, 2 threads, Zen 2: 8 rows 12.6 -> 10.3 ms, 336 rows 484 -> 385 ms. One or
-   two rows stay on block(), whose single pass over the codes streams them best (one row: 3.0
-   against 4.8 ms). */
+   are the same bits on either path, so a session computes alike in any batch. One or two rows
+   stay on block(), whose single pass over the codes streams them best (docs/decisions.md,
+   "Waves on co-located stages; the AVX2 lockstep matmul"). */
 static inline __attribute__((always_inline)) void block_q4_lockstep(const int format, const int levels,
                                                                     const skippy_part *p, int b, const skippy_rows *x,
                                                                     int m0, int m1, float *y, int N, int accumulate) {

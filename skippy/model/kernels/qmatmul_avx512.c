@@ -12,9 +12,10 @@
 #endif
 
 #define M_TILE 8 /* rows of x sharing one unpacking of a block's codes */
-/* groups of a block fetched ahead, into every cache level (Intel Xeon with AVX512-VNNI, 2
-   threads, bundled model, one-row decode steps: none 283 tok/s, 8 groups ahead 343, 16 385,
-   24-32 394-396, 64 390; _MM_HINT_NTA, which suits the AVX2 path on a Zen 2 EPYC, 109 at 8) */
+/* groups of a block fetched ahead, into every cache level: the hardware prefetchers alone
+   leave the cores waiting at every new block, and a non-temporal hint (the AVX2 path's) drops
+   lines before a tile of rows is done with them (docs/decisions.md, "Weight prefetch");
+   overridable for experiments */
 #ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 24
 #endif

@@ -2,8 +2,7 @@
    GeGLU and one query row's
    attention over a session's KV cache. A decode step runs them on a single row,
    where torch's dispatch and thread wake-ups cost several times their arithmetic
-   (F.rms_norm took 28 us on 576 numbers; SDPA plus the 16-bit cache's upcast ~90 us
-   a layer). float32 rows, float16 or float32 caches; attention in AVX-512 or AVX2
+   (docs/decisions.md, 2026-12-01). float32 rows, float16 or float32 caches; attention in AVX-512 or AVX2
    where the CPU has it (on an AVX2-only EPYC its plain C took half of a decode step),
    plain C that the compiler vectorizes elsewhere (`omp simd` lets it reorder a sum,
    as any vector kernel does). exp is glibc's vector expf where either is. */
@@ -15,8 +14,9 @@
 
 #include "skippy_kernels.h"
 
-/* Rows are shared among threads past this many (a prompt's; a row computes alike either way): a
-   512-row prompt of a 3B model spent 0.2-0.3 s of ~7 in SwiGLU on one thread */
+/* Rows are shared among threads past this many (a prompt's; a row computes alike either way):
+   a long prompt's per-row work on one thread leaves the other cores idle, while a decode
+   step's few rows cost less than waking the team */
 #define PARALLEL_ROWS 16
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows r < rows of D */
