@@ -12,15 +12,16 @@
 #endif
 
 #define M_TILE 8 /* rows of x sharing one unpacking of a block's codes */
-/* groups of a block fetched ahead, into every cache level: the hardware prefetchers alone
-   leave the cores waiting at every new block, and a non-temporal hint (the AVX2 path's) drops
-   lines before a tile of rows is done with them (docs/decisions.md, "Weight prefetch");
+/* groups of a block fetched ahead, into L2: the hardware prefetchers alone leave the cores
+   waiting at every new block, a non-temporal hint (the AVX2 path's) drops lines before a tile
+   of rows is done with them, and fetching into L1 from further ahead evicts the lines the
+   kernel is still reading (docs/decisions.md, "Weight prefetch into L2, 12 groups ahead");
    overridable for experiments */
 #ifndef PREFETCH_GROUPS
-#define PREFETCH_GROUPS 24
+#define PREFETCH_GROUPS 12
 #endif
 #ifndef PREFETCH_HINT
-#define PREFETCH_HINT _MM_HINT_T0
+#define PREFETCH_HINT _MM_HINT_T1
 #endif
 
 /* acc += codes . (4 signed bytes at q, in every lane), the bytes broadcast by the
