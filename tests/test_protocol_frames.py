@@ -22,6 +22,7 @@ from skippy.protocol.constants import (
     MESSAGE_HEADER_FIELDS, NAMESPACE_KINDS, REPLY_HEADER, REPLY_HEADER_FIELDS, U64_MAX,
     header_offset,
 )
+from skippy.protocol.activation_codec import q8_encode
 from skippy.protocol.frames import decode_sampling, encode_sampling, parse_message_header
 from skippy.protocol.logprobs import TokenLogprob
 from skippy.protocol.sampling_config import GrammarSpec
@@ -321,10 +322,15 @@ def messages(draw, kinds=st.sampled_from(list(MessageKind))):
         fields["cache_namespace"] = draw(st.none() | st.binary(min_size=32, max_size=32))
     if KIND_INFO[kind].has_activation and draw(st.booleans()):
         dtype = draw(st.sampled_from(list(ActivationDtype)))
-        rows, width = draw(st.integers(0, 5)), draw(st.integers(0, 7))
-        nbytes = rows * width * dtype.itemsize
+        rows, width = draw(st.integers(0, 5)), draw(st.integers(0, 7)) * dtype.block_elements
+        if dtype == ActivationDtype.q8:  # its scales must be finite: the codec's own blocks
+            values = draw(st.lists(st.floats(-1e4, 1e4, width=32), min_size=rows * width, max_size=rows * width))
+            activation = q8_encode(np.array(values, np.float32).reshape(rows, width))
+        else:
+            nbytes = dtype.nbytes(rows, width)
+            activation = draw(st.binary(min_size=nbytes, max_size=nbytes))
         fields.update(activation_dtype=dtype, activation_rows=rows, activation_width=width,
-                      activation=draw(st.binary(min_size=nbytes, max_size=nbytes)))
+                      activation=activation)
     return StageMessage(kind, **fields)
 
 
@@ -398,7 +404,9 @@ HEADER_CASES = [
     # metadata bytes without the CHAT_METADATA flag
     (CONFIGURE, "flags", 1 << 3, FrameError, "metadata_bytes"),
     # unknown activation dtype
-    (DECODE_PREFILL, "activation_dtype", 3, FrameError, "activation_dtype"),
+    (DECODE_PREFILL, "activation_dtype", 4, FrameError, "activation_dtype"),
+    # q8 rows are whole blocks of 32 values
+    (DECODE_PREFILL, "activation_dtype", 3, FrameError, "activation_width"),
     # explicit activation length disagrees with rows x width x itemsize
     (DECODE_PREFILL, "activation_width", 3, FrameError, "activation_bytes"),
     (DECODE_PREFILL, "activation_dtype", 1, FrameError, "activation_bytes"),
@@ -839,18 +847,20 @@ def _decode_message(pos: int, step: int, token: int, rows: np.ndarray, dtype: Ac
     return StageMessage(K.DecodeEmbd, request_id=9, session_id=4, pos_start=pos, token_count=1, tokens=[token],
                         current_token=token, decode_step=step, prompt_token_count=512, trace_context=trace,
                         source_stage_index=0, activation_dtype=dtype, activation_rows=1,
-                        activation_width=rows.shape[1], activation=memoryview(rows).cast("B"))
+                        activation_width=rows.shape[1] * dtype.block_elements, activation=memoryview(rows).cast("B"))
 
 
 @pytest.mark.parametrize("dtype, np_dtype", [(ActivationDtype.f32, np.float32), (ActivationDtype.f16, np.float16),
-                                             (ActivationDtype.bf16, np.uint16)])
+                                             (ActivationDtype.bf16, np.uint16), (ActivationDtype.q8, None)])
 @pytest.mark.parametrize("trace", [None, TRACE])
 def test_decode_frames_equal_encode_message_byte_for_byte(dtype, np_dtype, trace):
     from skippy.protocol.decode_frames import DecodeFrames
 
     rng = np.random.default_rng(7)
 
-    def random_rows() -> np.ndarray:  # bf16 travels as its raw bits
+    def random_rows() -> np.ndarray:  # bf16 travels as its raw bits, q8 as its blocks
+        if np_dtype is None:
+            return q8_encode(rng.standard_normal((1, 64)).astype(np.float32))
         if np_dtype is np.uint16:
             return rng.integers(0, 2**16, (1, 24)).astype(np.uint16)
         return rng.standard_normal((1, 24)).astype(np_dtype)
@@ -862,7 +872,9 @@ def test_decode_frames_equal_encode_message_byte_for_byte(dtype, np_dtype, trace
         assert frames.matches(trace, rows)
         assert frames.encode(pos, step, token, rows) == encode_message(_decode_message(pos, step, token, rows, dtype, trace))
     assert not frames.matches(None if trace else TRACE, first)  # another trace context: a new template
-    assert not frames.matches(trace, np.zeros((2, 24), np_dtype))
+    assert not frames.matches(trace, np.concatenate([first, first]))
+    if np_dtype is np.float16:  # as many bytes, another dtype
+        assert not frames.matches(trace, first.view(np.uint16))
 
 
 def test_decode_frames_refuse_what_encode_message_refuses():

@@ -12,6 +12,7 @@ from ..model.errors import ContextOverflowError
 from ..model.grammar import GrammarCompiler
 from ..model.llama import Segment, StageModel
 from ..model.sampling import RequestSampler, token_logprobs
+from ..protocol.activation_codec import q8_decode, q8_encode
 from ..protocol.constants import ActivationDtype
 from ..protocol.sampling_config import SamplingConfig
 from .session import Session, SessionError, VerifyCheckpoint
@@ -30,19 +31,36 @@ PICK_MIN_STEPS = 2
 
 
 def rows_to_tensor(rows: np.ndarray, dtype: ActivationDtype) -> torch.Tensor:
-    """Wire rows (f32, f16, or bf16 as uint16 bits) -> float32 tensor. `rows` must be writable."""
+    """Wire rows (f32, f16, bf16 as uint16 bits, q8 as Q8_BLOCK records) -> float32 tensor.
+    `rows` must be writable."""
     if dtype == ActivationDtype.bf16:
         return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16).float()
+    if dtype == ActivationDtype.q8:
+        return torch.from_numpy(q8_decode(rows))
     return torch.from_numpy(rows).float()
 
 
+def steps_to_tensor(steps: list[Step]) -> torch.Tensor:
+    """The input rows of a batch's steps as one float32 tensor. Steps may carry different
+    wire dtypes: a link's codec can send a prompt chunk in q8 and a short one in f16."""
+    dtype = steps[0].rows_dtype
+    if any(s.rows is None for s in steps):
+        raise ValueError("later stages need input rows for every step")
+    if all(s.rows_dtype == dtype for s in steps):
+        return rows_to_tensor(np.concatenate([s.rows for s in steps]), dtype)  # a writable copy
+    return torch.cat([rows_to_tensor(s.rows.copy(), s.rows_dtype) for s in steps])
+
+
 def tensor_to_rows(hidden: torch.Tensor, dtype: ActivationDtype) -> np.ndarray:
-    """float32 hidden [T, D] -> contiguous wire rows in `dtype` (bf16 as uint16 bits)."""
+    """float32 hidden [T, D] -> contiguous wire rows in `dtype` (bf16 as uint16 bits, q8 as
+    Q8_BLOCK records: protocol/activation_codec.py)."""
     hidden = hidden.detach().cpu()
     if dtype == ActivationDtype.f32:
         return hidden.contiguous().numpy()
     if dtype == ActivationDtype.f16:
         return hidden.to(torch.float16).contiguous().numpy()
+    if dtype == ActivationDtype.q8:
+        return q8_encode(hidden.numpy())
     # round-to-nearest-even to bf16, then the raw bits
     return hidden.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
 
@@ -125,10 +143,7 @@ class Runner:
                 raise ValueError("the first stage needs a token id for every row")
             x = torch.tensor(ids, dtype=torch.long)
         else:
-            dtype = steps[0].rows_dtype
-            if any(s.rows is None or s.rows_dtype != dtype for s in steps):
-                raise ValueError("later stages need input rows of one dtype for every step")
-            x = rows_to_tensor(np.concatenate([s.rows for s in steps]), dtype)  # a writable copy
+            x = steps_to_tensor(steps)
         greedy = [self._greedy_bias(s) for s in steps] if self.is_last and len(steps) >= PICK_MIN_STEPS else None
         hidden = model.forward(x, [Segment(s.session.cache, s.start, s.num_rows) for s in steps], greedy)
 
