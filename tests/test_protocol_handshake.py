@@ -21,7 +21,7 @@ def test_auth_preamble_bytes():
 
 
 def test_ready_bytes():
-    assert Ready().encode() == bytes.fromhex("59445253 05000000")  # magic "SRDY", version 5
+    assert Ready().encode() == bytes.fromhex("59445253 06000000")  # magic "SRDY", version 6
     assert Ready.decode(Ready().encode()) == Ready(5)
 
 

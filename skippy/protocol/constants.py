@@ -15,10 +15,11 @@ import numpy as np
 
 # Version of this Python wire format. Frames, replies and READY carry it; any other
 # value fails closed (spec §2.11): peers must upgrade together.
-PROTOCOL_VERSION = 5   # 2: the CACHE_NAMESPACE section; 3: a grammar in the sampling block;
+PROTOCOL_VERSION = 6   # 2: the CACHE_NAMESPACE section; 3: a grammar in the sampling block;
                        # 4: the TRACE_CONTEXT section, stage metrics in StageStatus;
                        # 5: logprobs (a count in the sampling block, a block in replies),
-                       #    the LARK grammar kind (enforced tool calls)
+                       #    the LARK grammar kind (enforced tool calls);
+                       # 6: q8 activations, LinkProbe, the stage's probe in StageStatus
 
 # Magics are u32 written little-endian; the ASCII spelling is the value read
 # most-significant byte first, as the spec writes READY's 0x53524459 ("SRDY").
@@ -44,6 +45,7 @@ class MessageKind(IntEnum):
     RetireVerifyWindow      = 22
     DiscardStaleWindows     = 23
     GetStageStatus          = 24  # ours: this stage's layers and open sessions; not forwarded
+    LinkProbe               = 25  # ours: filler tokens, ACKed once read; not forwarded (RTT, bandwidth)
 
 
 class ReplyKind(IntEnum):
@@ -140,6 +142,12 @@ ACTIVATION_NUMPY_DTYPE = {ActivationDtype.f32:  np.dtype("<f4"),
                           ActivationDtype.bf16: np.dtype("<u2"),
                           ActivationDtype.q8:   Q8_BLOCK}
 assert all(ACTIVATION_NUMPY_DTYPE[d].itemsize == ACTIVATION_LAYOUT[d][1] for d in ActivationDtype)
+_BY_NUMPY_DTYPE = {numpy_dtype: dtype for dtype, numpy_dtype in ACTIVATION_NUMPY_DTYPE.items()}
+
+
+def activation_dtype_of(rows: np.ndarray) -> ActivationDtype:
+    """The wire dtype of rows held as ACTIVATION_NUMPY_DTYPE says (KeyError for any other array)."""
+    return _BY_NUMPY_DTYPE[rows.dtype]
 
 
 # ---------------------------------------------------------------------------
@@ -287,6 +295,7 @@ KIND_INFO: dict[MessageKind, KindInfo] = {
     K.RetireVerifyWindow:      KindInfo(P.Prefill, False, None),
     K.DiscardStaleWindows:     KindInfo(P.Decode,  False, None),              # tokens [min, max]
     K.GetStageStatus:          KindInfo(P.Prefill, False, R.StageStatus),
+    K.LinkProbe:               KindInfo(P.Prefill, False, R.Ack),             # once the whole frame is read
 }
 del K, P, R
 

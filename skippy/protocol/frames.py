@@ -33,6 +33,7 @@ from .errors import FrameError, VersionMismatch
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from .sampling_config import GrammarSpec, SamplingConfig
 from .stage_metrics import METRIC_VALUE_COUNT, StageMetricValues
+from .stage_probe import PROBE_VALUE_COUNT, StageProbe
 from .stats import NO_STATS, StageReplyStats, decode_stats, encode_stats
 
 _I32 = np.dtype("<i4")
@@ -528,8 +529,8 @@ def decode_message(buf: Buffer) -> StageMessage:
 @dataclass(frozen=True, slots=True)
 class StageStatusReport:
     """A stage's answer to GetStageStatus, sent in a StageStatus reply's token array: these
-    five i32 values, in this order, then each of `metrics`' i64 values as two i32 (low half
-    first, as an unsigned 32-bit pattern)."""
+    five i32 values, in this order, then each of `metrics`' i64 values and then each of
+    `probe`'s as two i32 (low half first, as an unsigned 32-bit pattern)."""
 
     stage_index: int
     layer_start: int
@@ -537,6 +538,7 @@ class StageStatusReport:
     active_sessions: int  # sessions open on this stage, over all its connections
     lane_count: int
     metrics: StageMetricValues = field(default_factory=StageMetricValues)
+    probe: StageProbe = field(default_factory=StageProbe)  # what it measured of itself and its link
 
     def __post_init__(self) -> None:
         values = self.values()
@@ -547,7 +549,7 @@ class StageStatusReport:
         return (self.stage_index, self.layer_start, self.layer_end, self.active_sessions, self.lane_count)
 
     def wire_values(self) -> list[int]:
-        flat = self.metrics.flat()
+        flat = self.metrics.flat() + self.probe.flat()
         try:
             pairs = struct.unpack(f"<{2 * len(flat)}i", struct.pack(f"<{len(flat)}q", *flat))
         except struct.error as error:
@@ -557,12 +559,13 @@ class StageStatusReport:
     @classmethod
     def from_wire(cls, values: list[int]) -> StageStatusReport:
         pairs = values[STATUS_VALUE_COUNT:]
-        flat = struct.unpack(f"<{len(pairs) // 2}q", struct.pack(f"<{len(pairs)}i", *pairs))
-        return cls(*values[:STATUS_VALUE_COUNT], StageMetricValues.from_flat(list(flat)))
+        flat = list(struct.unpack(f"<{len(pairs) // 2}q", struct.pack(f"<{len(pairs)}i", *pairs)))
+        return cls(*values[:STATUS_VALUE_COUNT], StageMetricValues.from_flat(flat[:METRIC_VALUE_COUNT]),
+                   StageProbe.from_flat(flat[METRIC_VALUE_COUNT:]))
 
 
 STATUS_VALUE_COUNT = 5
-STATUS_WIRE_COUNT = STATUS_VALUE_COUNT + 2 * METRIC_VALUE_COUNT
+STATUS_WIRE_COUNT = STATUS_VALUE_COUNT + 2 * (METRIC_VALUE_COUNT + PROBE_VALUE_COUNT)
 
 
 @dataclass(frozen=True, slots=True)

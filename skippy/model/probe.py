@@ -1,0 +1,103 @@
+"""What a stage's host gives it, measured: its forward on its own kernels, and the memory it
+may still use. The split planner (launch/planner.py) turns these into layer ranges.
+
+Call `measure_forward` on the thread that runs the model (runtime.call): a forward on any
+other thread opens a second OpenMP team (model/threads.py) and measures that instead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .inference import inference_mode
+from .llama import Segment, StageModel
+from .loader import available_memory_bytes
+
+# The forward of one row is timed for at least this long and by its mean, not its median: a
+# host capped by a cgroup's CPU quota runs full speed for part of each period and not at all
+# for the rest, and only an average over several periods sees the rate it gives.
+ROW_SECONDS = 0.25
+MIN_ROW_FORWARDS = 8
+CHUNK_FORWARDS = 2
+DECODE_POSITIONS = 512  # the rows decode after the chunk, then start there again
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardTimes:
+    row_s: float    # one decode row through the stage (its logits too on the final stage)
+    chunk_s: float  # a prompt chunk of `chunk_rows` rows (and its last row's logits on the final stage)
+    chunk_rows: int
+
+
+@inference_mode
+def measure_forward(model: StageModel, chunk_rows: int = 64, *, row_seconds: float = ROW_SECONDS,
+                    seed: int = 0) -> ForwardTimes:
+    """Time the stage's forward on inputs of its own shape (token ids on the first stage,
+    random hidden rows elsewhere), in a KV cache of its own: a prompt chunk once to warm up,
+    then decode rows after it for `row_seconds`, then the chunk again."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = model.new_cache(chunk_rows + DECODE_POSITIONS)
+
+    def rows(n: int) -> torch.Tensor:
+        if model.layers.is_first:
+            return torch.randint(0, model.args.vocab_size, (n,), generator=generator)
+        return torch.randn(n, model.args.hidden_size, generator=generator)
+
+    def forward(start: int, n: int) -> None:
+        hidden = model.forward(rows(n), [Segment(cache, start, n)])
+        if model.layers.is_last:  # the row a step samples (a decode step's layers' call computed it already)
+            model.compute_logits(hidden if n == 1 else hidden[-1:])
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+
+    forward(0, chunk_rows)  # warm: weights paged in, the thread team up
+    count, started = 0, time.perf_counter()
+    while count < MIN_ROW_FORWARDS or time.perf_counter() - started < row_seconds:
+        position = chunk_rows + count % DECODE_POSITIONS
+        cache.truncate(position)
+        forward(position, 1)
+        count += 1
+    row_s = (time.perf_counter() - started) / count
+    started = time.perf_counter()
+    for _ in range(CHUNK_FORWARDS):
+        cache.truncate(0)
+        forward(0, chunk_rows)
+    return ForwardTimes(row_s, (time.perf_counter() - started) / CHUNK_FORWARDS, chunk_rows)
+
+
+def memory_available() -> int:
+    """Bytes this process may still allocate: the system's MemAvailable, within what its
+    cgroup's memory limit leaves (v2 memory.max, v1 memory.limit_in_bytes); 0 if unknown."""
+    available = available_memory_bytes()
+    left = _cgroup_memory_left()
+    candidates = [value for value in (available, left) if value is not None]
+    return min(candidates) if candidates else 0
+
+
+def _cgroup_memory_left() -> int | None:
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            base = Path("/sys/fs/cgroup") / path.lstrip("/")
+            limit, usage = base / "memory.max", base / "memory.current"
+        elif "memory" in controllers.split(","):
+            base = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+            limit, usage = base / "memory.limit_in_bytes", base / "memory.usage_in_bytes"
+        else:
+            continue
+        try:
+            text = limit.read_text().strip()
+            if text == "max" or int(text) >= 1 << 60:  # no limit (v1 writes a huge number)
+                continue
+            return max(0, int(text) - int(usage.read_text()))
+        except (OSError, ValueError):
+            continue
+    return None
