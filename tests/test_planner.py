@@ -82,3 +82,16 @@ def test_unmeasured_links_are_the_measured_ones_mean():
     plan = plan_split(MODEL, [host("a"), host("b", 0.01), host("c", 0.01)], {(0, 1): far, (1, 2): far},
                       use_all_hosts=True)
     assert plan.hops_s == pytest.approx(3 * 20e-3)  # 0 -> 1 -> 2 -> back to 0, each half a round trip
+
+
+def test_a_host_under_a_cpu_quota_is_busy_at_its_rate_not_its_speed():
+    # full speed 0.1 ms a layer, but a quarter of a core kept up: 0.4 ms a layer of busy time
+    capped = HostCost("capped", 0.4e-3, 4e-3, 64, 10_000 * MB, burst_share=0.25)
+    fast = host("fast", 0.1)
+    equal = predict(MODEL, [fast, capped], links(2), [(0, 19), (19, 30)])
+    assert equal.token_s == pytest.approx(19 * 0.4e-3)  # the capped stage's 19 layers of work set the pace
+    plan = plan_split(MODEL, [fast, capped], links(2), use_all_hosts=True)
+    # the capped stage keeps one layer and the head (9 x 0.4 = 3.6 ms busy, under the path's 3.8 + hops)
+    assert plan.ranges == ((0, 29), (29, 30))
+    assert plan.token_s == pytest.approx(29 * 0.1e-3 + 9 * 0.1e-3 + LAN.rtt_s + 1152 / LAN.bytes_per_s)
+    assert "CPU quota" not in plan.describe(["fast", "capped"]) and "CPU quota" in equal.describe(["fast", "capped"])

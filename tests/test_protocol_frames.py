@@ -336,7 +336,7 @@ def messages(draw, kinds=st.sampled_from(list(MessageKind))):
         rows, width = draw(st.integers(0, 5)), draw(st.integers(0, 7)) * dtype.block_elements
         if dtype == ActivationDtype.q8:  # its scales must be finite: the codec's own blocks
             values = draw(st.lists(st.floats(-1e4, 1e4, width=32), min_size=rows * width, max_size=rows * width))
-            activation = q8_encode(np.array(values, np.float32).reshape(rows, width))
+            activation = q8_encode(np.array(values, np.float32).reshape(rows, width)).tobytes()
         else:
             nbytes = dtype.nbytes(rows, width)
             activation = draw(st.binary(min_size=nbytes, max_size=nbytes))
@@ -381,7 +381,7 @@ HEADER_CASES = [
     # wrong frame magic (e.g. a reply read as a message)
     (DECODE_PREFILL, "magic", 0x53525059, FrameError, "magic"),
     # a peer of another protocol version fails closed
-    (DECODE_PREFILL, "version", 4, VersionMismatch, "version: expected 5, got 4"),
+    (DECODE_PREFILL, "version", 5, VersionMismatch, "version: expected 6, got 5"),
     # negative counts
     (DECODE_PREFILL, "token_count", -1, FrameError, "token_count: expected >= 0"),
     (DECODE_PREFILL, "pos_start", -5, FrameError, "pos_start"),
@@ -677,10 +677,11 @@ def test_reply_golden_bytes():
     status = encode_reply(StageReply.of_status(StageStatusReport(1, 19, 30, 2, 8)))
     assert status[:REPLY_HEADER.size] == unhex(
         "59505253 06000000 04000000 00000000"   # StageStatus, no prediction
-        "00000000 bd000000 00000000 00000000"   # 5 status values + 2 x (83 metric + 9 probe) halves
+        "00000000 bf000000 00000000 00000000"   # 5 status values + 2 x (83 metric + 10 probe) halves
         "00000000 00000000 ffffffff 00000000")  # no draft; logprob_top -1: no logprob block
     assert status[264:284] == unhex("01000000 13000000 1e000000 02000000 08000000")
-    assert status[284:] == bytes(8 * METRIC_VALUE_COUNT)  # every metric 0, as i64 halves
+    assert status[284:284 + 8 * METRIC_VALUE_COUNT] == bytes(8 * METRIC_VALUE_COUNT)  # every metric 0, as i64 halves
+    assert status[284 + 8 * METRIC_VALUE_COUNT:] == struct.pack("<10q", *StageProbe().flat())  # nothing measured
 
 
 def _set_reply(wire: bytes, name: str, value: int) -> bytes:
@@ -824,16 +825,20 @@ def test_stage_metrics_travel_as_i64_halves_in_a_status_reply():
     assert decoded.metrics == metrics and decoded.values() == (2, 10, 20, 1, 4)
     assert encode_reply(StageReply.of_status(decoded)) == wire
 
+    with pytest.raises(ValueError, match="COUNTERS"):
+        StageMetricValues({}, gauges, histograms)
+
 
 def test_a_stage_probe_travels_after_the_metrics():
     probe = StageProbe(row_ns=3_100_000, chunk_ns=41_000_000_000, chunk_rows=64, weight_bytes=5 << 30,
                        memory_available_bytes=20 << 30, link_rtt_ns=40_123_456, link_bytes_per_s=12_500_000,
-                       row_dtype=int(ActivationDtype.f16), chunk_dtype=int(ActivationDtype.q8))
+                       row_dtype=int(ActivationDtype.f16), chunk_dtype=int(ActivationDtype.q8), row_burst_ns=2_900_000)
     wire = encode_reply(StageReply.of_status(StageStatusReport(1, 10, 20, 0, 4, probe=probe)))
     first = 264 + 20 + 8 * 83  # the probe's i64 halves follow the metrics'
     assert wire[first:first + 8] == struct.pack("<q", 3_100_000)
     assert decode_reply(wire).status.probe == probe
     assert probe.figures()["link_chunk_dtype"] == "q8" and probe.figures()["link_mbit_s"] == 100.0
+    assert StageProbe.from_figures(probe.figures()) == probe  # /v1/stages' JSON back to the probe
     final = StageProbe(row_ns=1)  # sends no rows: its dtypes are -1
     assert decode_reply(encode_reply(StageReply.of_status(StageStatusReport(1, 10, 20, 0, 4, probe=final)))
                         ).status.probe.figures()["link_row_dtype"] is None
@@ -841,8 +846,6 @@ def test_a_stage_probe_travels_after_the_metrics():
     forged[first + 8 * 7:first + 8 * 8] = struct.pack("<q", 9)  # row_dtype 9: no such dtype
     with pytest.raises(FrameError, match="row_dtype"):
         decode_reply(forged)
-    with pytest.raises(ValueError, match="COUNTERS"):
-        StageMetricValues({}, gauges, histograms)
 
 
 def test_logprob_block_layout():

@@ -3,33 +3,45 @@
 
 A token visits every stage in turn and comes back to stage 0, so one stream pays
 
-    T = sum over stages of its forward of one row + every hop (one-way latency + the row's bytes / rate)
+    T = max(sum over stages of (its forward of one row + the hop after it),  slowest stage's busy time)
 
 and decodes at 1 / T. A stage's forward is its layers' time plus, on the last stage, the
 output head's (counted as `head_layers` layers: its weight bytes over one block's, which is
-what a decode step reads). A host's layer time is affine in the rows of a forward, through
-the probe's two points (one row, a prompt chunk: model/probe.py), so a batch of 8 decode rows
-costs what that line says.
+what a decode step reads). A hop is half the link's round trip plus the row's bytes over its
+rate, in the dtype the link's codec would choose (protocol/activation_codec.py); the last
+stage's hop is its token's way back to stage 0.
 
-The plan minimises T within each host's memory. Since T only adds up, a faster host should
-take every layer it can hold; measurements of equal hosts differ by noise, though, and a
-plan that moved 14 layers for 1% would trade a pipeline's balance for nothing. So among the
-splits within TIE_SHARE of the least T, the one whose slowest stage at 8 rows is fastest
-wins (what 8 streams in flight wait on). Every host set that keeps stage 0's host (it serves the API) and the hosts' order is
-planned the same way: when fewer hosts decode faster (the hops cost more than the others'
-compute gives), the plan says so and uses them, unless told to use every host.
+The second term is a host that cannot keep up its own speed: a CPU quota (a cgroup's
+cpu.max) runs a forward at full speed, then stops the process for the rest of its period
+once the quota is spent. A stage busy less than its quota's share of the time never meets
+it; one busy more is held to the quota's rate. The probe measures both (model/probe.py):
+a forward's median time (its speed) and the mean over a quarter second of back-to-back
+forwards (the rate it keeps up). On a host without a quota the two are the same, and the
+first term is the whole story.
+
+A host's layer time is affine in the rows of a forward, through the probe's two points (one
+row, a prompt chunk), so a batch of 8 decode rows costs what that line says; the aggregate
+of 8 streams in one wave is 8 / T at 8 rows.
+
+The plan minimises T within each host's memory. Since the first term only adds up, a faster
+host should take every layer it can hold; measurements of equal hosts differ by noise,
+though, and a plan that moved 14 layers for 1% would trade a pipeline's balance for nothing.
+So among the splits within TIE_SHARE of the least T, the one whose busiest stage at 8 rows
+is least busy wins (what 8 streams in flight wait on). Every set of hosts that keeps stage
+0's host (it serves the API), in the order given, is planned the same way: when fewer hosts
+decode faster (the hops cost more than the others' compute gives), the plan says so and
+uses them, unless told to use every host.
 
 Links the chain has not measured (the closing hop back to stage 0; a link between hosts
 that were not neighbours) are taken as the mean of the measured ones: the planner assumes
-one network. A link's frames are in the dtype its codec would choose (protocol/
-activation_codec.py), and a link never measured costs only its latency.
+one network. A link whose rate was not measured costs only its latency.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..protocol import ActivationDtype
@@ -45,13 +57,14 @@ class HostCost:
     """One host, as its stage measured it."""
 
     name: str
-    row_layer_s: float      # one layer's forward of one row
-    chunk_layer_s: float    # one layer's forward of a prompt chunk of `chunk_rows` rows
+    row_layer_s: float      # one layer's forward of one row, at the rate the host keeps up
+    chunk_layer_s: float    # one layer's forward of a prompt chunk of `chunk_rows` rows, likewise
     chunk_rows: int
     memory_bytes: float     # what it may hold: the weights it holds now and MEMORY_SHARE of what is free
+    burst_share: float = 1.0  # a forward's own time over the rate's (< 1 under a CPU quota)
 
     def layer_s(self, rows: int) -> float:
-        """One layer's forward of `rows` rows: affine through the probe's two points."""
+        """One layer's forward of `rows` rows at the rate kept up: affine through the probe's points."""
         if self.chunk_rows <= 1:
             return self.row_layer_s * rows
         slope = (self.chunk_layer_s - self.row_layer_s) / (self.chunk_rows - 1)
@@ -90,12 +103,13 @@ class ModelCost:
 class Plan:
     hosts: tuple[int, ...]                 # indices into the hosts planned over, in stage order
     ranges: tuple[tuple[int, int], ...]    # each stage's layers [start, end)
-    stage_s: tuple[float, ...]             # each stage's forward of one row
+    stage_s: tuple[float, ...]             # each stage's forward of one row, at its own speed
+    busy_s: tuple[float, ...]              # the same at the rate its host keeps up
     hops_s: float                          # what one row's hops cost a token
-    token_s: float                         # one stream's token: stages + hops
+    token_s: float                         # one stream's token
     batch_token_s: float                   # a token of BATCH_ROWS streams in one wave
     fewer_hosts: str = ""                  # said when fewer hosts than offered decode faster
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
 
     @property
     def tok_s(self) -> float:
@@ -107,21 +121,12 @@ class Plan:
 
     def describe(self, names: Sequence[str]) -> str:
         lines = [f"stage {i}: layers [{a}, {b}) on {names[h]}, forward {s * 1e3:.2f} ms"
-                 for i, (h, (a, b), s) in enumerate(zip(self.hosts, self.ranges, self.stage_s))]
+                 + (f" (its host's CPU quota holds it to one every {busy * 1e3:.2f} ms: the pace)"
+                    if busy > s * 1.05 and busy >= self.token_s * (1 - 1e-9) else "")
+                 for i, (h, (a, b), s, busy) in enumerate(zip(self.hosts, self.ranges, self.stage_s, self.busy_s))]
         lines.append(f"hops {self.hops_s * 1e3:.2f} ms a token; predicted {self.tok_s:.1f} tok/s one stream, "
                      f"{self.batch_tok_s:.1f} tok/s at {BATCH_ROWS} streams")
-        if self.fewer_hosts:
-            lines.append(self.fewer_hosts)
-        return "\n".join(lines + self.notes)
-
-
-def stage_s(model: ModelCost, host: HostCost, layers: int, last: bool, rows: int = 1) -> float:
-    """A stage's forward of `rows` rows: its layers, and the head's on the last stage."""
-    return (layers + (model.head_layers if last else 0.0)) * host.layer_s(rows)
-
-
-def stage_bytes(model: ModelCost, layers: int, first: bool, last: bool) -> float:
-    return layers * model.layer_bytes + (model.first_bytes if first else 0) + (model.last_bytes if last else 0)
+        return "\n".join(lines + ([self.fewer_hosts] if self.fewer_hosts else []) + list(self.notes))
 
 
 class Links:
@@ -130,103 +135,133 @@ class Links:
     def __init__(self, measured: dict[tuple[int, int], LinkCost]):
         self.measured = measured
         known = list(measured.values())
-        self.typical = LinkCost(sum(l.rtt_s for l in known) / len(known) if known else 0.0,
-                                _mean_rate(known))
+        rates = [link.bytes_per_s for link in known if link.bytes_per_s]
+        self.typical = LinkCost(sum(link.rtt_s for link in known) / len(known) if known else 0.0,
+                                len(rates) / sum(1 / r for r in rates) if rates else 0.0)  # a byte's mean time
 
     def __call__(self, a: int, b: int) -> LinkCost:
         return self.measured.get((a, b)) or self.measured.get((b, a)) or self.typical
 
 
-def _mean_rate(links: list[LinkCost]) -> float:
-    rates = [l.bytes_per_s for l in links if l.bytes_per_s]
-    return len(rates) / sum(1 / r for r in rates) if rates else 0.0  # a byte's mean time, inverted
+class Chain:
+    """The costs of one host order: stage i holding k layers, at 1 row and at BATCH_ROWS."""
 
+    def __init__(self, model: ModelCost, order: Sequence[int], hosts: Sequence[HostCost], links: Links):
+        self.model, self.order, self.hosts, self.links = model, tuple(order), hosts, links
+        n, total = len(order), model.num_layers
+        self.limits = []  # the most layers each host can hold beside what its position adds
+        for i, h in enumerate(order):
+            extra = (model.first_bytes if i == 0 else 0) + (model.last_bytes if i == n - 1 else 0)
+            room = hosts[h].memory_bytes - extra
+            self.limits.append(min(total, math.floor(room / model.layer_bytes)) if model.layer_bytes else total)
+        self.fits = min(self.limits) >= 1 and sum(self.limits) >= total >= n
 
-def hop_s(model: ModelCost, host: HostCost, layers: int, last: bool, link: LinkCost, rows: int = 1) -> float:
-    """The hop after a stage: its rows' way down (their dtype the codec's choice for their
-    compute), or from the final stage the token's way back to stage 0 (its latency)."""
-    if last:
-        return link.rtt_s / 2
-    return link.hop_s(model.row_bytes(rows, link, stage_s(model, host, layers, False, rows)))
+    def busy(self, i: int, k: int, rows: int = 1) -> float:
+        """Stage i's forward of `rows` rows with k layers, at the rate its host keeps up."""
+        head = self.model.head_layers if i == len(self.order) - 1 else 0.0
+        return (k + head) * self.hosts[self.order[i]].layer_s(rows)
 
+    def forward(self, i: int, k: int, rows: int = 1) -> float:
+        return self.busy(i, k, rows) * self.hosts[self.order[i]].burst_share
 
-def _costs(model: ModelCost, order: Sequence[int], hosts: Sequence[HostCost], links: Links, i: int,
-           n: int, rows: int) -> float:
-    """Stage i of `order` with n layers: its forward of `rows` rows and the hop after it."""
-    last, host = i == len(order) - 1, hosts[order[i]]
-    if len(order) == 1:
-        return stage_s(model, host, n, last, rows)  # one process: no hop at all
-    link = links(order[i], order[0] if last else order[i + 1])
-    return stage_s(model, host, n, last, rows) + hop_s(model, host, n, last, link, rows)
+    def hop(self, i: int, k: int, rows: int = 1) -> float:
+        """The hop after stage i: its rows down, or the final stage's token back to stage 0."""
+        n = len(self.order)
+        if n == 1:
+            return 0.0  # one process: no hop at all
+        if i == n - 1:
+            return self.links(self.order[i], self.order[0]).rtt_s / 2
+        link = self.links(self.order[i], self.order[i + 1])
+        return link.hop_s(self.model.row_bytes(rows, link, self.forward(i, k, rows)))
+
+    def token_s(self, counts: Sequence[int], rows: int = 1) -> float:
+        path = sum(self.forward(i, k, rows) + self.hop(i, k, rows) for i, k in enumerate(counts))
+        return max(path, max(self.busy(i, k, rows) for i, k in enumerate(counts)))
+
+    def least_path(self, limits: Sequence[int]) -> list[int] | None:
+        """Layer counts (each <= its limit) with the least sum of forwards and hops at one row:
+        a dynamic programme over (stage, layers so far), since that sum adds up stage by stage."""
+        n, total = len(self.order), self.model.num_layers
+        best: dict[int, tuple[float, list[int]]] = {0: (0.0, [])}
+        for i in range(n):
+            step: dict[int, tuple[float, list[int]]] = {}
+            for used, (cost, counts) in best.items():
+                for k in range(1, min(limits[i], total - used) + 1):
+                    if i == n - 1 and used + k != total:
+                        continue
+                    value = cost + self.forward(i, k) + self.hop(i, k)
+                    if used + k not in step or value < step[used + k][0]:
+                        step[used + k] = (value, counts + [k])
+            best = step
+        found = best.get(total)
+        return None if found is None else found[1]
+
+    def capped(self, cap: Callable[[int, int], bool]) -> list[int]:
+        """Per stage, the most layers with `cap(i, k)` true (busy times grow with k)."""
+        out = []
+        for i, limit in enumerate(self.limits):
+            k = 0
+            while k < limit and cap(i, k + 1):
+                k += 1
+            out.append(k)
+        return out
+
+    def best(self, batch_cap: float = math.inf) -> list[int] | None:
+        """The least T with every stage's busy time at BATCH_ROWS rows <= batch_cap. T is the
+        larger of a path sum, which falls as the cap on the busiest stage rises, and that cap:
+        a search for where the two cross."""
+        caps = sorted({self.busy(i, k) for i in range(len(self.order)) for k in range(1, self.limits[i] + 1)})
+
+        def under(cap: float) -> list[int] | None:
+            return self.least_path(self.capped(lambda i, k: self.busy(i, k) <= cap
+                                               and self.busy(i, k, BATCH_ROWS) <= batch_cap))
+
+        low, high = 0, len(caps) - 1
+        while low < high:  # the least cap whose path sum is within it
+            middle = (low + high) // 2
+            counts = under(caps[middle])
+            if counts is not None and self.token_s(counts) <= caps[middle]:
+                high = middle
+            else:
+                low = middle + 1
+        found = [c for c in (under(caps[low]), under(caps[low - 1]) if low else None) if c is not None]
+        return min(found, key=self.token_s) if found else None
 
 
 def plan_over(model: ModelCost, order: Sequence[int], hosts: Sequence[HostCost], links: Links) -> Plan | None:
     """The best split over the hosts `order` (stage order), or None when the model does not
-    fit them: the least token time, and among splits within TIE_SHARE of it the one whose
-    slowest stage at BATCH_ROWS rows is fastest. A token's time adds up stage by stage (each
-    stage's forward and the hop after it), so the least sum is a dynamic programme over
-    (stage, layers so far), run again under each cap on the slowest stage."""
-    n, total = len(order), model.num_layers
-    limits = []
-    for i, h in enumerate(order):
-        room = hosts[h].memory_bytes - stage_bytes(model, 0, i == 0, i == n - 1)
-        limits.append(min(total, math.floor(room / model.layer_bytes)) if model.layer_bytes else total)
-    if min(limits) < 1 or sum(limits) < total or total < n:
+    fit them: the least T, and among splits within TIE_SHARE of it the one whose busiest
+    stage at BATCH_ROWS rows is least busy."""
+    chain = Chain(model, order, hosts, links)
+    if not chain.fits or (fastest := chain.best()) is None:
         return None
-    one = [[_costs(model, order, hosts, links, i, k, 1) if k else math.inf for k in range(total + 1)]
-           for i in range(n)]
-    batch = [[stage_s(model, hosts[order[i]], k, i == n - 1, BATCH_ROWS) for k in range(total + 1)]
-             for i in range(n)]
-
-    def least(cap: float) -> tuple[float, list[int]] | None:
-        """The least token time with every stage's batch forward <= cap, and its layer counts."""
-        best = {0: (0.0, [])}
-        for i in range(n):
-            step = {}
-            for used, (cost, counts) in best.items():
-                for k in range(1, limits[i] + 1):
-                    if used + k > total or batch[i][k] > cap:
-                        break
-                    if i == n - 1 and used + k != total:
-                        continue
-                    value = cost + one[i][k]
-                    if used + k not in step or value < step[used + k][0]:
-                        step[used + k] = (value, counts + [k])
-            best = step
-        return best.get(total)
-
-    unbounded = least(math.inf)
-    if unbounded is None:
-        return None
-    bound = unbounded[0] * (1 + TIE_SHARE)
-    caps = sorted({batch[i][k] for i in range(n) for k in range(1, limits[i] + 1)})
-    low, high = 0, len(caps) - 1  # the smallest cap under which the least time stays within the tie
-    while low < high:
+    bound = chain.token_s(fastest) * (1 + TIE_SHARE)
+    caps = sorted({chain.busy(i, k, BATCH_ROWS) for i in range(len(order)) for k in range(1, chain.limits[i] + 1)})
+    low, high = 0, len(caps) - 1
+    while low < high:  # the least cap on the busiest stage at 8 rows that keeps T within the tie
         middle = (low + high) // 2
-        found = least(caps[middle])
-        if found is not None and found[0] <= bound:
+        counts = chain.best(caps[middle])
+        if counts is not None and chain.token_s(counts) <= bound:
             high = middle
         else:
             low = middle + 1
-    counts = (least(caps[low]) or unbounded)[1]
+    counts = chain.best(caps[low]) or fastest
+    return _plan(chain, counts)
+
+
+def _plan(chain: Chain, counts: Sequence[int]) -> Plan:
     bounds = list(itertools.accumulate(counts, initial=0))
-    return _plan(model, order, hosts, links, tuple(zip(bounds[:-1], bounds[1:])))
-
-
-def _plan(model: ModelCost, order: Sequence[int], hosts: Sequence[HostCost], links: Links,
-          ranges: Sequence[tuple[int, int]]) -> Plan:
-    n = len(order)
-    counts = [b - a for a, b in ranges]
-    one = tuple(stage_s(model, hosts[h], k, i == n - 1) for i, (h, k) in enumerate(zip(order, counts)))
-    hops = sum(_costs(model, order, hosts, links, i, k, 1) for i, k in enumerate(counts)) - sum(one)
-    batch = sum(_costs(model, order, hosts, links, i, k, BATCH_ROWS) for i, k in enumerate(counts))
-    return Plan(tuple(order), tuple(ranges), one, hops, sum(one) + hops, batch)
+    forwards = tuple(chain.forward(i, k) for i, k in enumerate(counts))
+    return Plan(chain.order, tuple(zip(bounds[:-1], bounds[1:])), forwards,
+                tuple(chain.busy(i, k) for i, k in enumerate(counts)),
+                sum(chain.hop(i, k) for i, k in enumerate(counts)), chain.token_s(counts),
+                chain.token_s(counts, BATCH_ROWS))
 
 
 def predict(model: ModelCost, hosts: Sequence[HostCost], links: dict[tuple[int, int], LinkCost],
             ranges: Sequence[tuple[int, int]]) -> Plan:
     """What a given split over every host (in order) predicts, e.g. the equal-bytes one."""
-    return _plan(model, list(range(len(hosts))), hosts, Links(links), ranges)
+    return _plan(Chain(model, range(len(hosts)), hosts, Links(links)), [b - a for a, b in ranges])
 
 
 def plan_split(model: ModelCost, hosts: Sequence[HostCost], links: dict[tuple[int, int], LinkCost], *,
@@ -236,29 +271,22 @@ def plan_split(model: ModelCost, hosts: Sequence[HostCost], links: dict[tuple[in
     `use_all_hosts`. ValueError when the model fits no set of them."""
     table = Links(links)
     everyone = plan_over(model, range(len(hosts)), hosts, table)
-    candidates = []
-    for size in range(1, len(hosts) + 1):
-        for rest in itertools.combinations(range(1, len(hosts)), size - 1):
-            plan = plan_over(model, (0, *rest), hosts, table)
-            if plan is not None:
-                candidates.append(plan)
+    candidates = [plan for size in range(1, len(hosts) + 1)
+                  for rest in itertools.combinations(range(1, len(hosts)), size - 1)
+                  if (plan := plan_over(model, (0, *rest), hosts, table)) is not None]
     if not candidates:
         raise ValueError(f"the model ({model.num_layers} layers) fits in none of the hosts' memory, "
                          f"alone or together")
     best = min(candidates, key=lambda p: (p.token_s, len(p.hosts)))
-    if everyone is not None and len(best.hosts) < len(hosts) and best.token_s < everyone.token_s:
+    if everyone is None:
+        return replace(best, notes=(f"the model does not fit all {len(hosts)} hosts' memory in any split "
+                                    f"that uses every one of them",))
+    if len(best.hosts) < len(hosts) and best.token_s < everyone.token_s:
         names = ", ".join(hosts[h].name for h in best.hosts)
         said = (f"fewer hosts are faster: {len(best.hosts)} of {len(hosts)} ({names}) predict "
                 f"{best.tok_s:.1f} tok/s against {everyone.tok_s:.1f} on all {len(hosts)}: the hops cost more "
                 f"than the other hosts' compute gives")
         if use_all_hosts:
-            return _with(everyone, fewer_hosts=said + " (every host used, as asked)")
-        return _with(best, fewer_hosts=said + " (pass --all-hosts to use every host anyway)")
-    if everyone is None:
-        return _with(best, notes=[f"the model does not fit all {len(hosts)} hosts' memory in any split "
-                                  f"that uses every one of them"])
-    return everyone if use_all_hosts or everyone.token_s <= best.token_s else best
-
-
-def _with(plan: Plan, **changes) -> Plan:
-    return replace(plan, **changes)
+            return replace(everyone, fewer_hosts=said + " (every host used, as asked)")
+        return replace(best, fewer_hosts=said + " (pass --all-hosts to use every host anyway)")
+    return everyone

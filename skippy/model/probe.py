@@ -7,6 +7,7 @@ other thread opens a second OpenMP team (model/threads.py) and measures that ins
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +29,14 @@ DECODE_POSITIONS = 512  # the rows decode after the chunk, then start there agai
 
 @dataclass(frozen=True, slots=True)
 class ForwardTimes:
-    row_s: float    # one decode row through the stage (its logits too on the final stage)
+    row_s: float    # one decode row through the stage (its logits too on the final stage): the mean
     chunk_s: float  # a prompt chunk of `chunk_rows` rows (and its last row's logits on the final stage)
     chunk_rows: int
+    # the median row: the speed of one forward, where row_s is the rate the host keeps up. They
+    # differ under a CPU quota (a cgroup's cpu.max), which lets a forward run at full speed and
+    # then stops the process for the rest of its period: a stage busy less than its quota's
+    # share of the time never meets it (planner.py)
+    row_burst_s: float = 0.0
 
 
 @inference_mode
@@ -55,18 +61,20 @@ def measure_forward(model: StageModel, chunk_rows: int = 64, *, row_seconds: flo
             torch.cuda.synchronize(model.device)
 
     forward(0, chunk_rows)  # warm: weights paged in, the thread team up
-    count, started = 0, time.perf_counter()
-    while count < MIN_ROW_FORWARDS or time.perf_counter() - started < row_seconds:
-        position = chunk_rows + count % DECODE_POSITIONS
+    times, started = [], time.perf_counter()
+    while len(times) < MIN_ROW_FORWARDS or time.perf_counter() - started < row_seconds:
+        position = chunk_rows + len(times) % DECODE_POSITIONS
         cache.truncate(position)
+        began = time.perf_counter()
         forward(position, 1)
-        count += 1
-    row_s = (time.perf_counter() - started) / count
+        times.append(time.perf_counter() - began)
+    row_s = (time.perf_counter() - started) / len(times)
     started = time.perf_counter()
     for _ in range(CHUNK_FORWARDS):
         cache.truncate(0)
         forward(0, chunk_rows)
-    return ForwardTimes(row_s, (time.perf_counter() - started) / CHUNK_FORWARDS, chunk_rows)
+    return ForwardTimes(row_s, (time.perf_counter() - started) / CHUNK_FORWARDS, chunk_rows,
+                        min(statistics.median(times), row_s))
 
 
 def memory_available() -> int:

@@ -1,8 +1,8 @@
 """What a stage measures of itself and of its link at start, and the codec that reads it.
 
-`StageMeasurement` runs once, in the background after the stage is up: its forward on its
-own kernels (model/probe.py, on the runtime's worker) and the link to the stage below
-(link_probe.py). The StageStatus reply carries the result (`probe`), which is what the
+`StageMeasurement` runs once, in the background after the stage is up, at its first quiet
+moment: its forward on its own kernels (model/probe.py, on the runtime's worker) and the
+link to the stage below (link_probe.py). The StageStatus reply carries the result (`probe`), which is what the
 split planner (launch/planner.py) plans from and what `/v1/stages` shows. Processes on one
 machine take turns with the compute probe (a file lock): stages that share cores would
 otherwise each measure the others' forwards too, where in a chain they compute in turn.
@@ -34,6 +34,7 @@ log = logging.getLogger("skippy.stage")
 PROBE_LOCK = Path(tempfile.gettempdir()) / "skippy-probe.lock"
 CHUNK_ROWS = 64      # the prompt chunk the probe times (with one row, a forward's cost is affine in rows)
 LOCK_POLL_S = 0.05
+QUIET_S = 0.5        # no session open this long: the probe may take the worker
 
 
 class LinkCodec:
@@ -75,6 +76,7 @@ class StageMeasurement:
         try:
             if self.downstream:  # first: the stage below may still be loading, and this waits for it
                 reader, writer = await dial_downstream(self.downstream, self.auth_token)
+            await self._quiet()
             async with _machine_turn():  # a link probe's bytes cost CPU too
                 model = self.runtime.model
                 self.codec.forward = await self.runtime.call(lambda: measure_forward(model, CHUNK_ROWS))
@@ -94,6 +96,20 @@ class StageMeasurement:
                 writer.close()
             self.done.set()
 
+    async def _quiet(self) -> None:
+        """Wait for a moment without sessions: the probe's forwards would delay a request's
+        and be timed beside them (a chain that starts with work measures once it is idle)."""
+        quiet_since = None
+        while True:
+            now = asyncio.get_running_loop().time()
+            if self.runtime.sessions:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= QUIET_S:
+                return
+            await asyncio.sleep(QUIET_S / 4)
+
     @property
     def probe(self) -> StageProbe:
         """What is measured so far (0: not yet)."""
@@ -103,6 +119,7 @@ class StageMeasurement:
             row_ns=0 if forward is None else round(forward.row_s * 1e9),
             chunk_ns=0 if forward is None else round(forward.chunk_s * 1e9),
             chunk_rows=0 if forward is None else forward.chunk_rows,
+            row_burst_ns=0 if forward is None else round(forward.row_burst_s * 1e9),
             weight_bytes=self.runtime.model.parameter_bytes, memory_available_bytes=memory_available(),
             link_rtt_ns=0 if link is None else round(link.rtt_s * 1e9),
             link_bytes_per_s=0 if link is None else round(link.bytes_per_s),
