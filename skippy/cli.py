@@ -137,9 +137,9 @@ def add_chain_options(parser: argparse.ArgumentParser) -> None:
 
 def add_activation_dtype(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-dtype", default=None, choices=["auto", "f32", "f16", "bf16", "q8"],
-                        help="what rows cross the links between stages as: auto (default) per link and frame from "
-                             "its measured bandwidth (q8 on a slow link, else f16); q8 = 8 bits with a scale per "
-                             "32 values (llama.cpp's Q8_0)")
+                        help="what rows cross the links between stages as: auto (default) per link and frame, the "
+                             "widest the link's measured bandwidth moves in 5%% of the rows' compute (f32 on a fast "
+                             "link, then f16, then q8); q8 = 8 bits with a scale per 32 values (llama.cpp's Q8_0)")
 
 
 def add_stage_commands(commands) -> None:

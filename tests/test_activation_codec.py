@@ -96,3 +96,14 @@ def test_runner_conversion_and_a_batch_of_mixed_dtypes():
     x = steps_to_tensor(steps)
     assert x.shape == (4, 64) and torch.equal(x[:3], back)
     assert torch.equal(x[3], hidden[0].half().float())
+
+
+def test_auto_takes_the_widest_dtype_the_link_moves_in_its_share_of_the_compute():
+    from skippy.protocol.activation_codec import auto_dtype
+
+    mbit = 1e6 / 8
+    assert auto_dtype(1, 576, 5000 * mbit, 2e-3) == ActivationDtype.f32     # loopback: nothing to save
+    assert auto_dtype(1, 576, 100 * mbit, 2e-3) == ActivationDtype.f16      # 184 us in f32, 92 in f16: budget 100
+    assert auto_dtype(64, 576, 100 * mbit, 25e-3) == ActivationDtype.q8     # a prompt chunk on the same link
+    assert auto_dtype(64, 576, 1000 * mbit, 25e-3) == ActivationDtype.f32
+    assert auto_dtype(64, 580, 100 * mbit, 25e-3) == ActivationDtype.f16    # no whole q8 blocks

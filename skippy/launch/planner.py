@@ -92,7 +92,7 @@ class ModelCost:
 
     def row_bytes(self, rows: int, link: LinkCost, compute_s: float) -> int:
         if self.activation_dtype == "auto":
-            dtype = (ActivationDtype.f16 if not link.bytes_per_s
+            dtype = (ActivationDtype.f32 if not link.bytes_per_s
                      else auto_dtype(rows, self.hidden_size, link.bytes_per_s, compute_s))
         else:
             dtype = ActivationDtype[self.activation_dtype]

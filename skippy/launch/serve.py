@@ -54,7 +54,7 @@ class ServeConfig(BaseModel):
     dtype: str = "auto"
     device: str = "auto"
     repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
-    # what stage rows cross links as; auto: per link and frame, from the measured bandwidth (q8 or f16)
+    # what stage rows cross links as; auto: per link and frame, from the measured bandwidth (f32, f16 or q8)
     activation_dtype: Literal["f32", "f16", "bf16", "q8", "auto"] = "auto"
     split: Literal["equal", "auto"] = "equal"  # --stages N: layers by weight bytes, or by measured time
     threads: int | None = Field(None, ge=1)  # torch threads in every stage process, this one included

@@ -75,18 +75,21 @@ def check_q8_scales(blocks: np.ndarray) -> None:
         raise FrameError(f"activation (q8): expected finite scales >= 0, got {bad}")
 
 
-# `--activation-dtype auto`: a frame goes in q8 when its rows in f16 would take longer on the
-# link than this share of the time they take to compute, else in f16 (never f32: twice f16's
-# bytes for a precision the next stage's own rounding does not keep).
-AUTO_Q8_SHARE = 0.1
+# `--activation-dtype auto`: each frame goes in the widest dtype whose bytes the link moves in at
+# most this share of the time its rows took to compute: f32, else f16, else q8. f32 where it
+# costs nothing (loopback, a LAN) keeps a chain's greedy output bit for bit one process's.
+AUTO_SHARE = 0.05
+AUTO_ORDER = (ActivationDtype.f32, ActivationDtype.f16, ActivationDtype.q8)
 
 
 def auto_dtype(rows: int, width: int, bytes_per_s: float, compute_s: float) -> ActivationDtype:
     """The wire dtype of a frame of `rows` rows of `width` values, on a link that moves
-    `bytes_per_s`, whose rows took `compute_s` to compute. A decode row on 100 Mbit/s (1,152
-    bytes: 92 us against a ~2 ms forward) stays f16; a 64-row prompt chunk (74 KB: 5.9 ms against
-    ~25 ms) goes q8; on 1 Gbit/s both stay f16. q8 needs whole blocks: other widths stay f16."""
-    transfer_s = ActivationDtype.f16.nbytes(rows, width) / bytes_per_s
-    if width % Q8_BLOCK_VALUES == 0 and transfer_s > AUTO_Q8_SHARE * compute_s:
-        return ActivationDtype.q8
-    return ActivationDtype.f16
+    `bytes_per_s`, whose rows took `compute_s` to compute. On 100 Mbit/s a decode row (~2 ms
+    of compute, 576 values) goes f16: 92 us, where f32 would take 184; a 64-row prompt chunk
+    (~25 ms) goes q8: 3.1 ms against f16's 5.9. On 1 Gbit/s both stay f32. q8 needs whole
+    blocks of 32 values: other widths stop at f16."""
+    budget = AUTO_SHARE * compute_s * bytes_per_s
+    for dtype in AUTO_ORDER:
+        if dtype.nbytes(rows, width) <= budget:
+            return dtype
+    return ActivationDtype.q8 if width % Q8_BLOCK_VALUES == 0 else ActivationDtype.f16

@@ -49,7 +49,7 @@ class LinkCodec:
         if self.setting != "auto":
             return ActivationDtype[self.setting]
         if self.forward is None or self.link is None:
-            return ActivationDtype.f16  # until measured: half f32's bytes, no codec error
+            return ActivationDtype.f32  # until measured: as a chain always sent them
         return auto_dtype(rows, self.width, self.link.bytes_per_s, self.compute_s(rows))
 
     def compute_s(self, rows: int) -> float:
