@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -45,7 +44,7 @@ from skippy.protocol.stage_probe import StageProbe  # noqa: E402
 from skippy.stage import tls  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from netns_support import cpu_limited, namespace_hosts, run_in, start_in  # noqa: E402
+from netns_support import cpu_limited, namespace_hosts, run_beside  # noqa: E402
 
 CLI = [sys.executable, "-m", "skippy.cli"]
 PORT = 7300
@@ -82,17 +81,11 @@ def write_split(out: Path, hosts, ranges, name: str) -> Path:
 
 
 def run_round(args, hosts, cgroup: Path, plan: Path, log: Path) -> dict:
-    stage = start_in(hosts[1].namespace, *CLI, "stage", "--config", str(plan / "stage-1.json"), "--topology",
-                     str(plan / "topology.json"), "--threads", "1", log_path=log, cgroup=cgroup)
-    try:
-        asked = run_in(hosts[0].namespace, sys.executable, __file__, "--client", str(plan), "--decode-tokens",
-                       str(args.decode_tokens), "--threads", str(args.threads), timeout=900)
-        if asked.returncode != 0:
-            raise RuntimeError(f"stage 0 failed:\n{asked.stderr[-3000:]}")
-        return json.loads(asked.stdout.strip().splitlines()[-1])
-    finally:
-        stage.terminate()
-        stage.wait(timeout=60)
+    stage = [*CLI, "stage", "--config", str(plan / "stage-1.json"), "--topology", str(plan / "topology.json"),
+             "--threads", "1"]
+    client = [sys.executable, __file__, "--client", str(plan), "--decode-tokens", str(args.decode_tokens),
+              "--threads", str(args.threads)]
+    return run_beside((hosts[1].namespace, stage), (hosts[0].namespace, client), log_path=log, cgroup=cgroup)
 
 
 def reports_of(answer: dict) -> list[StageReport]:

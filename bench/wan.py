@@ -51,7 +51,7 @@ from skippy.stage import link, tls  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import speculative_prompts  # noqa: E402
-from netns_support import cap_bandwidth, namespace_hosts, run_in, start_in  # noqa: E402
+from netns_support import cap_bandwidth, namespace_hosts, run_beside  # noqa: E402
 
 CLI = [sys.executable, "-m", "skippy.cli"]
 PORT = 7200  # every host is a fresh namespace: nothing else listens there
@@ -106,18 +106,10 @@ def measure(args, hosts, out: Path, codec: str, delay: float) -> dict:
                                        peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
         write_plan(topology, configs, plan, tls=True)
     wire = ["--downstream-wire-delay-ms", str(delay)] if delay else []
-    stage = start_in(hosts[1].namespace, *CLI, "stage", "--config", str(plan / "stage-1.json"),
-                     "--topology", str(plan / "topology.json"), *wire, log_path=out / "stage-1.log")
-    try:
-        asked = run_in(hosts[0].namespace, sys.executable, __file__, "--client", str(plan), "--delay", str(delay),
-                       "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
-                       timeout=900)
-        if asked.returncode != 0:
-            raise RuntimeError(f"stage 0 in {hosts[0].namespace} failed:\n{asked.stderr[-4000:]}")
-        return json.loads(asked.stdout.strip().splitlines()[-1])
-    finally:
-        stage.terminate()
-        stage.wait(timeout=60)
+    stage = [*CLI, "stage", "--config", str(plan / "stage-1.json"), "--topology", str(plan / "topology.json"), *wire]
+    client = [sys.executable, __file__, "--client", str(plan), "--delay", str(delay), "--max-tokens",
+              str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+    return run_beside((hosts[1].namespace, stage), (hosts[0].namespace, client), log_path=out / "stage-1.log")
 
 
 def main(args: argparse.Namespace) -> None:

@@ -84,9 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--otlp-protocol", default="http", choices=["http", "grpc"],
                        help="OTLP over HTTP/protobuf or gRPC (default http)")
     add_activation_dtype(serve)
-    serve.add_argument("--split", default=None, choices=["equal", "auto"],
-                       help="--stages N: layers by weight bytes (equal, default), or by what each stage measures "
-                            "of its forward and link (auto: measure, then start again on that split)")
+    add_split(serve)
     serve.add_argument("--kv-cache-mem", dest="kv_cache_bytes", type=byte_size, default=1 << 30,
                        help="prefix-cache memory, all stages together (e.g. 512MiB; 0 = no prefix cache)")
     add_kv_disk_options(serve, "all stages together, split evenly")
@@ -133,6 +131,13 @@ def add_chain_options(parser: argparse.ArgumentParser) -> None:
                         help="the chain's transport token (with --topology)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads in every stage process")
     add_activation_dtype(parser)
+    add_split(parser)
+
+
+def add_split(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--split", default=None, choices=["equal", "auto"],
+                        help="--stages N: layers by weight bytes (equal, default), or by what each stage measures "
+                             "of its forward and link (auto: measure, then start again on that split)")
 
 
 def add_activation_dtype(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ cap what a host sends, and a cgroup's CPU quota to make a host slower. Needs roo
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -113,3 +114,19 @@ def start_in(namespace: str, *command: str, log_path, cgroup: Path | None = None
             threading.Thread(target=process.stdout.read, daemon=True).start()
             return process
     raise AssertionError(f"{' '.join(command)} exited with {process.wait()}; see {log_path}")
+
+
+def run_beside(stage: tuple[str, list[str]], client: tuple[str, list[str]], *, log_path,
+               cgroup: Path | None = None, timeout: float = 900) -> dict:
+    """A bench's round: `stage` = (namespace, command) started (start_in), then `client`
+    = (namespace, command) run to its end; the JSON of the client's last stdout line. The
+    stage is stopped afterwards."""
+    process = start_in(stage[0], *stage[1], log_path=log_path, cgroup=cgroup)
+    try:
+        asked = run_in(client[0], *client[1], timeout=timeout)
+        if asked.returncode != 0:
+            raise RuntimeError(f"the client in {client[0]} failed:\n{asked.stderr[-4000:]}")
+        return json.loads(asked.stdout.strip().splitlines()[-1])
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

@@ -128,14 +128,18 @@ def advisor(model: ModelCost, *, use_all_hosts: bool) -> Callable[[list[StageSta
             plan = plan_split(model, hosts, links, use_all_hosts=use_all_hosts)
         except ValueError as error:
             return {"detail": str(error)}
-        now = predict(model, hosts, links, [(r.layer_start, r.layer_end) for r in reports])
-        return {"detail": f"a stage's decode forward is more than {DRIFT:.0%} off its prediction; this split "
-                          f"is what the measured times give. Apply it with `skippy plan --auto --from <this "
-                          f"server> --out DIR` and a restart of the stages from DIR (a local chain: `skippy "
-                          f"serve --split auto` measures again at start)",
-                "ranges": [list(r) for r in plan.ranges], "hosts": [hosts[h].name for h in plan.hosts],
-                "predicted_tok_s": plan.tok_s, "predicted_tok_s_8_streams": plan.batch_tok_s,
-                "current_split_predicted_tok_s": now.tok_s, "fewer_hosts": plan.fewer_hosts}
+        current = [(r.layer_start, r.layer_end) for r in reports]
+        now = predict(model, hosts, links, current)
+        advice = {"ranges": [list(r) for r in plan.ranges], "hosts": [hosts[h].name for h in plan.hosts],
+                  "predicted_tok_s": plan.tok_s, "predicted_tok_s_8_streams": plan.batch_tok_s,
+                  "current_split_predicted_tok_s": now.tok_s, "fewer_hosts": plan.fewer_hosts}
+        if list(plan.ranges) == current and len(plan.hosts) == len(reports):
+            return {**advice, "detail": f"a stage's decode forward is more than {DRIFT:.0%} off its prediction, "
+                                        "but its measured times give this same split: nothing to change"}
+        return {**advice, "detail": f"a stage's decode forward is more than {DRIFT:.0%} off its prediction; "
+                                    f"this split is what the measured times give. Apply it with `skippy plan "
+                                    f"--auto --from <this server> --out DIR` and a restart of the stages from DIR "
+                                    f"(a local chain: `skippy serve --split auto` measures again at start)"}
     return advise
 
 

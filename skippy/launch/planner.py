@@ -42,7 +42,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from ..protocol import ActivationDtype
 from ..protocol.activation_codec import auto_dtype

@@ -74,13 +74,14 @@ class StageMeasurement:
     async def _run(self) -> None:
         writer = None
         try:
-            if self.downstream:  # first: the stage below may still be loading, and this waits for it
-                reader, writer = await dial_downstream(self.downstream, self.auth_token)
+            if self.downstream:  # the stage below may still be loading: wait until it answers
+                (await dial_downstream(self.downstream, self.auth_token))[1].close()
             await self._quiet()
             async with _machine_turn():  # a link probe's bytes cost CPU too
                 model = self.runtime.model
                 self.codec.forward = await self.runtime.call(lambda: measure_forward(model, CHUNK_ROWS))
-                if writer is not None:
+                if self.downstream:
+                    reader, writer = await dial_downstream(self.downstream, self.auth_token)
                     self.codec.link = await measure_link(reader, writer)
             probe = self.probe
             log.info("stage measured: decode row %.2f ms, %d-row chunk %.1f ms, link rtt %.2f ms %.0f Mbit/s, "
@@ -127,9 +128,11 @@ class StageMeasurement:
             chunk_dtype=int(codec.dtype_for(CHUNK_ROWS)) if sends else -1)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        task, self._task = self._task, None
+        if task is None or task.done():
+            return  # (a stage started under another event loop, since closed, ended it there)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,93 @@
+"""A chain's stages measure their forward and their link once they are quiet (stage/measure.py),
+report it in StageStatus and /v1/stages, and a split is planned from it (launch/measured_split.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from chain_support import PROMPTS, run, start_chain
+from skippy.driver.chain_backend import ChainBackend
+from skippy.driver.split_check import MIN_FORWARDS
+from skippy.launch.measured_split import StageReport, advisor, chain_inputs, model_cost
+from skippy.launch.planner import plan_split
+from skippy.protocol import ActivationDtype, Topology, TopologyStage
+from skippy.stage.downstream import query_stage_status
+from skippy.stage.measure import CHUNK_ROWS
+
+
+def topology_of(chain, splits) -> Topology:
+    endpoints = [chain.client.return_endpoint, *(s.endpoint for s in chain.servers)]
+    return Topology(topology_id="t", model_id="m", stages=[
+        TopologyStage(stage_id=f"s{i}", stage_index=i, endpoint=e, layer_start=a, layer_end=b)
+        for i, (e, (a, b)) in enumerate(zip(endpoints, splits))])
+
+
+def test_stages_measure_themselves_and_their_links(make_stage, gguf_path):
+    splits = [(0, 10), (10, 20), (20, 30)]
+
+    async def main():
+        chain = await start_chain(make_stage, 3, splits=splits, activation_dtype="auto",
+                                  stage_options={"activation_dtype": "auto"})
+        try:
+            measurements = [chain.client.measurement, *(s.measurement for s in chain.servers)]
+            await asyncio.wait_for(asyncio.gather(*(m.done.wait() for m in measurements)), 120)
+            reports = [await query_stage_status(s.endpoint, None) for s in chain.servers]
+            probes = [chain.client.measurement.probe, *(r.probe for r in reports)]
+            assert [r.probe for r in reports] == [s.measurement.probe for s in chain.servers]  # over the wire
+            for index, probe in enumerate(probes):
+                final = index == 2
+                assert 0 < probe.row_burst_ns <= probe.row_ns < probe.chunk_ns and probe.chunk_rows == CHUNK_ROWS
+                assert probe.weight_bytes > 0 and probe.memory_available_bytes > 0
+                # LinkProbe frames were ACKed by the stage below; the final stage sends nothing down
+                assert (probe.link_rtt_ns > 0 and probe.link_bytes_per_s > 0) != final
+                # loopback moves f32 in far less than 5% of any frame's compute
+                assert (probe.row_dtype, probe.chunk_dtype) == ((-1, -1) if final else (0, 0))
+
+            # a plan from them: every layer placed, a prediction to go with it
+            model = model_cost(gguf_path, ctx_size=2048, lane_count=4)
+            hosts, links = chain_inputs([StageReport(f"s{i}", a, b, p)
+                                         for i, ((a, b), p) in enumerate(zip(splits, probes))], model)
+            plan = plan_split(model, hosts, links, use_all_hosts=True)
+            assert plan.ranges[0][0] == 0 and plan.ranges[-1][1] == 30 and 10 < plan.tok_s < 10_000
+
+            # serving: each stage's decode forward, predicted from its probe, against measured
+            backend = ChainBackend(chain.client, topology_of(chain, splits), advise=advisor(model, use_all_hosts=True))
+            for _ in range(2):
+                await chain.client.generate(PROMPTS[1], max_tokens=MIN_FORWARDS)
+            statuses = await backend.status()
+            assert [s.probe.row_ns for s in statuses] == [p.row_ns for p in probes]
+            for status in statuses:
+                compared = status.predicted_vs_measured
+                assert compared is not None and compared["decode_rows"] == 1.0
+                assert compared["off_by"] == pytest.approx(
+                    compared["measured_decode_forward_ms"] / compared["predicted_decode_forward_ms"] - 1)
+            # a stage far off its prediction: the advice is the split its measured time gives
+            slow = dataclasses.replace(statuses[2], predicted_vs_measured={**statuses[2].predicted_vs_measured,
+                                                                           "off_by": 2.0})
+            on_time = [dataclasses.replace(s, predicted_vs_measured={**s.predicted_vs_measured, "off_by": 0.0})
+                       for s in statuses]
+            assert await backend.split_advice(on_time) is None
+            advice = await backend.split_advice([*on_time[:2], slow])
+            assert advice["ranges"][-1][1] == 30 and advice["ranges"][-1][0] > 20  # the slow stage does less
+        finally:
+            await chain.close()
+
+    run(main())
+
+
+def test_the_codec_picks_each_frames_dtype_from_the_measurements():
+    from skippy.model.probe import ForwardTimes
+    from skippy.stage.link_probe import LinkTimes
+    from skippy.stage.measure import LinkCodec
+
+    codec = LinkCodec("auto", 576)
+    assert codec.dtype_for(1) == ActivationDtype.f32  # not measured yet: as chains always sent
+    codec.forward, codec.link = ForwardTimes(2e-3, 25e-3, 64), LinkTimes(10e-3, 100e6 / 8)  # 100 Mbit/s
+    assert (codec.dtype_for(1), codec.dtype_for(64)) == (ActivationDtype.f16, ActivationDtype.q8)
+    odd = LinkCodec("auto", 580)  # no whole q8 blocks
+    odd.forward, odd.link = codec.forward, codec.link
+    assert odd.dtype_for(64) == ActivationDtype.f16
+    assert LinkCodec("q8", 576).dtype_for(1) == ActivationDtype.q8  # a fixed dtype is that dtype
