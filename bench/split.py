@@ -7,7 +7,8 @@ CPU quota is --cpu-share of one core (cpu.max, or v1's cfs quota where only v1's
 controller is mounted), with one thread; stage 0 (this script again, as --client, in the
 first namespace) has --threads. Each round starts stage 1 and stage 0 afresh on one split,
 waits for both to measure themselves and their link (stage/measure.py), decodes one stream
-of --decode-tokens, and reports tok/s and the measurements.
+of --decode-tokens, and reports tok/s, the measurements and the CPU a token cost each stage
+(two reports' CPU clocks around the decode).
 
 The first round runs the equal-bytes split (`skippy plan`'s); its measurements plan the
 measured split (launch/planner.py, every host used), with the tok/s it predicts. Then rounds
@@ -61,12 +62,16 @@ async def as_client(args) -> None:
     client = await connect_topology(topology, bundled_model_path(), auth_token=stage0.auth_token, ctx_size=CTX,
                                     activation_dtype=stage0.activation_dtype, concurrency=1)
     try:
-        reports = await measured_reports(client, topology, stage0.auth_token)
+        await measured_reports(client, topology, stage0.auth_token)  # every stage measured, before any load
         prompt = np.random.default_rng(0).integers(100, 40000, size=32).tolist()
         await client.generate(prompt, max_tokens=8)  # warm
+        before = await measured_reports(client, topology, stage0.auth_token)
         result = await client.generate(prompt, max_tokens=args.decode_tokens)
-        print(json.dumps({"tok_s": result.timings.decode_steps / result.timings.decode_s,
-                          "reports": [[r.name, r.layer_start, r.layer_end, r.probe.flat()] for r in reports]}))
+        after = await measured_reports(client, topology, stage0.auth_token)
+        # what a token cost each stage's CPU in serving: its forward and everything around it
+        token_cpu = [(a.probe.cpu_ns - b.probe.cpu_ns) / 1e9 / len(result.tokens) for a, b in zip(after, before)]
+        print(json.dumps({"tok_s": result.timings.decode_steps / result.timings.decode_s, "token_cpu_s": token_cpu,
+                          "reports": [[r.name, r.layer_start, r.layer_end, r.probe.flat()] for r in after]}))
     finally:
         await client.close()
 
@@ -102,12 +107,13 @@ def main(args: argparse.Namespace) -> None:
         equal_plan = write_split(out, hosts, None, "equal")
         equal_ranges = [(s.layer_start, s.layer_end) for s in Topology.load(equal_plan / "topology.json").stages]
         first = run_round(args, hosts, cgroup, equal_plan, out / "stage-1.log")
-        host_costs, links = chain_inputs(reports_of(first), model)
+        host_costs, links = chain_inputs(reports_of(first), model, first["token_cpu_s"])
         names = [f"host {i}" for i in range(2)]
         predicted_equal = predict(model, host_costs, links, equal_ranges)
         plan = plan_split(model, host_costs, links, use_all_hosts=True)
         print(f"stage 1 held to {args.cpu_share:g} of a core (one thread); stage 0 {args.threads} threads\n"
-              f"measured at the first round: {[r.probe.figures() for r in reports_of(first)]}\n"
+              f"measured at the first round: {[r.probe.figures() for r in reports_of(first)]}, CPU a token "
+              f"cost each stage: {[f'{c * 1e3:.2f} ms' for c in first['token_cpu_s']]}\n"
               f"equal bytes {equal_ranges}: predicted {predicted_equal.tok_s:.1f} tok/s\n"
               f"measured plan:\n{plan.describe(names)}", flush=True)
         measured_plan = write_split(out, hosts, list(plan.ranges), "measured")

@@ -20,7 +20,10 @@ TTFT); the round trips are the injected delays (2 x one-way a token; 8 tokens a 
 streams; the prompt pays one trip). A ratio of 1.0 is a chain that costs nothing but
 compute and the wire's delay; speculation can beat the floor (several tokens a trip).
 
-    python bench/wan.py [--delays 0,5,20] [--codecs f16,q8] [--mbps 100] [--max-tokens 96]   (root)
+Before the table, the codecs' TTFT alone (delay 0) at each of --ttft-mbps: what q8 saves a
+prompt where the wire, not the compute, is the cost.
+
+    python bench/wan.py [--delays 0,5,20] [--codecs f16,q8] [--mbps 100] [--ttft-mbps 100,10,2]   (root)
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -79,6 +83,10 @@ async def as_client(args) -> None:
                                     peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
     try:
         probes = [r.probe for r in await measured_reports(client, topology, stage0.auth_token)]
+        if args.ttft_only:  # the codec's own figure: a long prompt's first token, nothing else
+            times = [(await client.generate(long_prompt, max_tokens=1)).timings.first_token_s for _ in range(4)]
+            print(json.dumps({"ttft": statistics.median(times[1:])}))
+            return
         out = {"compute_s": {rows: sum(forward_s(p, rows) for p in probes)
                              for rows in (1, STREAMS, args.prompt_tokens)}}
         for name, settings in SPECULATION.items():
@@ -97,7 +105,7 @@ async def as_client(args) -> None:
         await client.close()
 
 
-def measure(args, hosts, out: Path, codec: str, delay: float) -> dict:
+def measure(args, hosts, out: Path, codec: str, delay: float, *extra: str) -> dict:
     plan = out / codec
     if not plan.is_dir():
         topology, configs = plan_chain(bundled_model_path(), [f"{h.address}:{PORT}" for h in hosts],
@@ -108,7 +116,7 @@ def measure(args, hosts, out: Path, codec: str, delay: float) -> dict:
     wire = ["--downstream-wire-delay-ms", str(delay)] if delay else []
     stage = [*CLI, "stage", "--config", str(plan / "stage-1.json"), "--topology", str(plan / "topology.json"), *wire]
     client = [sys.executable, __file__, "--client", str(plan), "--delay", str(delay), "--max-tokens",
-              str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+              str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens), *extra]
     return run_beside((hosts[1].namespace, stage), (hosts[0].namespace, client), log_path=out / "stage-1.log")
 
 
@@ -119,22 +127,43 @@ def main(args: argparse.Namespace) -> None:
           f"delay by skippy's knob; bundled SmolLM2-135M; 1 stream and {STREAMS} streams of the copy-heavy "
           f"prompt to its end (up to {args.max_tokens} tokens), TTFT of {args.prompt_tokens} prompt tokens; "
           f"speculation: ngram-suffix, window 1..16", flush=True)
-    rows = []
+    cells, ttft = {}, {}
     with namespace_hosts(2) as hosts, tempfile.TemporaryDirectory(prefix="skippy-wan-") as out:
+        for mbps in args.ttft_mbps:  # the codec's TTFT alone, at each rate: delay 0, 3 prompts, median
+            for host in hosts:
+                cap_bandwidth(host, mbps)
+            for codec in ("f16", "q8"):
+                ttft[mbps, codec] = measure(args, hosts, Path(out), codec, 0.0, "--ttft-only")["ttft"]
+            print(f"  {mbps:g} Mbit/s: TTFT f16 {ttft[mbps, 'f16'] * 1e3:.0f} ms, q8 {ttft[mbps, 'q8'] * 1e3:.0f} ms",
+                  flush=True)
         for host in hosts:
             cap_bandwidth(host, args.mbps)
         for delay in args.delays:
             for codec in args.codecs:
-                cell = measure(args, hosts, Path(out), codec, delay)
-                compute, trip = cell["compute_s"], 2 * delay / 1e3
-                floors = {"one": 1 / (compute["1"] + trip), "many": STREAMS / (compute[str(STREAMS)] + trip),
-                          "ttft": compute[str(args.prompt_tokens)] + trip}
+                cells[delay, codec] = cell = measure(args, hosts, Path(out), codec, delay)
                 for spec in SPECULATION:
-                    rows.append((delay, codec, spec, cell[spec], floors))
                     r = cell[spec]
                     print(f"  {delay:g} ms {codec} speculation {spec}: 1 stream {r['one']:.1f} tok/s "
                           f"({r['tokens']} tokens), {STREAMS} streams {r['many']:.1f} tok/s, "
                           f"TTFT {r['ttft'] * 1e3:.0f} ms", flush=True)
+    for mbps in args.ttft_mbps:
+        print(f"TTFT of {args.prompt_tokens} prompt tokens at {mbps:g} Mbit/s, delay 0: f16 {ttft[mbps, 'f16'] * 1e3:.0f} "
+              f"ms, q8 {ttft[mbps, 'q8'] * 1e3:.0f} ms: q8 {ttft[mbps, 'f16'] / ttft[mbps, 'q8']:.2f}x faster")
+    if cells:
+        table(args, cells)
+
+
+def table(args: argparse.Namespace, cells: dict) -> None:
+    # the model's compute does not depend on the link: each cell's probes measured it again, and
+    # the floor takes their median, so the floors differ only by their round trips
+    compute = {rows: statistics.median(c["compute_s"][rows] for c in cells.values())
+               for rows in ("1", str(STREAMS), str(args.prompt_tokens))}
+    rows = []
+    for (delay, codec), cell in cells.items():
+        trip = 2 * delay / 1e3
+        floors = {"one": 1 / (compute["1"] + trip), "many": STREAMS / (compute[str(STREAMS)] + trip),
+                  "ttft": compute[str(args.prompt_tokens)] + trip}
+        rows += [(delay, codec, spec, cell[spec], floors) for spec in SPECULATION]
     header = (f"{'delay':>6} {'codec':>5} {'spec':>4} | {'1 stream':>8} {'floor':>7} {'ratio':>5} | "
               f"{f'{STREAMS} streams':>10} {'floor':>7} {'ratio':>5} | {'TTFT ms':>8} {'floor':>7} {'ratio':>5}")
     print("\n" + header + "\n" + "-" * len(header))
@@ -154,19 +183,23 @@ def main(args: argparse.Namespace) -> None:
                   f"{cells[d, c, 'on']['one'] / cells[d, c, 'off']['one']:.2f}x")
         if s == "off" and d == 20:
             print(f"goal 20 ms {c}: {STREAMS} streams >= 4x 1 stream: {cells[d, c, s]['many'] / cells[d, c, s]['one']:.2f}x")
-    for d in args.delays:
-        if (d, "f16", "off") in cells and (d, "q8", "off") in cells:
-            print(f"{d:g} ms, {args.mbps:g} Mbit/s: TTFT f16 / q8 = "
-                  f"{cells[d, 'f16', 'off']['ttft'] / cells[d, 'q8', 'off']['ttft']:.2f}x")
+    print(f"compute of the whole model (the probes' median): one row {compute['1'] * 1e3:.2f} ms, {STREAMS} rows "
+          f"{compute[str(STREAMS)] * 1e3:.2f} ms, a {args.prompt_tokens}-token prompt "
+          f"{compute[str(args.prompt_tokens)] * 1e3:.0f} ms (the probe's line from 1 to 64 rows, extended: a "
+          f"pipelined prefill can beat it)")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--delays", type=lambda t: [float(x) for x in t.split(",")], default=[0, 5, 20])
+    parser.add_argument("--delays", type=lambda t: [float(x) for x in t.split(",") if x], default=[0, 5, 20],
+                        help="one-way delays of the table's rows (ms); '' for no table")
     parser.add_argument("--codecs", type=lambda t: t.split(","), default=["f16", "q8"])
     parser.add_argument("--mbps", type=float, default=100.0, help="tc tbf rate each way (Mbit/s)")
+    parser.add_argument("--ttft-mbps", type=lambda t: [float(x) for x in t.split(",") if x], default=[100, 10, 2],
+                        help="rates at which to time the codecs' TTFT alone (delay 0); '' for none")
+    parser.add_argument("--ttft-only", action="store_true", help=argparse.SUPPRESS)  # the client: TTFT alone
     parser.add_argument("--client", default=None, help=argparse.SUPPRESS)  # stage 0: the plan directory
     parser.add_argument("--delay", type=float, default=0.0, help=argparse.SUPPRESS)  # its one-way delay, ms
     main(parser.parse_args())

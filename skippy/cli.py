@@ -350,10 +350,10 @@ def measured_plan(args: argparse.Namespace, activation_dtype: str) -> tuple[list
         raise ValueError("Expected --from URL (a running `skippy serve`) with --auto")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     stages = httpx.get(args.from_url.rstrip("/") + "/v1/stages", headers=headers, timeout=30).raise_for_status().json()
-    reports = reports_of_listing(stages["data"])
+    reports, token_cpu = reports_of_listing(stages["data"])
     model = model_cost(model_path(args), ctx_size=args.ctx_size, lane_count=args.lane_count,
                        activation_dtype=activation_dtype)
-    hosts, links = chain_inputs(reports, model)
+    hosts, links = chain_inputs(reports, model, token_cpu)
     plan = plan_split(model, hosts, links, use_all_hosts=args.all_hosts)
     now = predict(model, hosts, links, [(r.layer_start, r.layer_end) for r in reports])
     print(f"measured plan (the running split predicts {now.tok_s:.1f} tok/s one stream, "

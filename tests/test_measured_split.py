@@ -36,10 +36,15 @@ def test_stages_measure_themselves_and_their_links(make_stage, gguf_path):
             await asyncio.wait_for(asyncio.gather(*(m.done.wait() for m in measurements)), 120)
             reports = [await query_stage_status(s.endpoint, None) for s in chain.servers]
             probes = [chain.client.measurement.probe, *(r.probe for r in reports)]
-            assert [r.probe for r in reports] == [s.measurement.probe for s in chain.servers]  # over the wire
+            def fixed(probe):  # what a report carries but the clock and the free memory, which move
+                return dataclasses.replace(probe, cpu_ns=0, memory_available_bytes=0)
+
+            assert [fixed(r.probe) for r in reports] == [fixed(s.measurement.probe) for s in chain.servers]
             for index, probe in enumerate(probes):
                 final = index == 2
-                assert 0 < probe.row_burst_ns <= probe.row_ns < probe.chunk_ns and probe.chunk_rows == CHUNK_ROWS
+                assert 0 < probe.row_ns < probe.chunk_ns and probe.chunk_rows == CHUNK_ROWS
+                assert probe.row_cpu_ns > 0 and probe.threads >= 1 and probe.cpu_share_milli >= 1000  # no quota here
+                assert probe.cpu_ns > 0
                 assert probe.weight_bytes > 0 and probe.memory_available_bytes > 0
                 # LinkProbe frames were ACKed by the stage below; the final stage sends nothing down
                 assert (probe.link_rtt_ns > 0 and probe.link_bytes_per_s > 0) != final
@@ -59,6 +64,7 @@ def test_stages_measure_themselves_and_their_links(make_stage, gguf_path):
                 await chain.client.generate(PROMPTS[1], max_tokens=MIN_FORWARDS)
             statuses = await backend.status()
             assert [s.probe.row_ns for s in statuses] == [p.row_ns for p in probes]
+            assert all(s.probe.cpu_ns > p.cpu_ns for s, p in zip(statuses, probes))  # the clock ran on
             for status in statuses:
                 compared = status.predicted_vs_measured
                 assert compared is not None and compared["decode_rows"] == 1.0

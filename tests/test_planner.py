@@ -84,14 +84,19 @@ def test_unmeasured_links_are_the_measured_ones_mean():
     assert plan.hops_s == pytest.approx(3 * 20e-3)  # 0 -> 1 -> 2 -> back to 0, each half a round trip
 
 
-def test_a_host_under_a_cpu_quota_is_busy_at_its_rate_not_its_speed():
-    # full speed 0.1 ms a layer, but a quarter of a core kept up: 0.4 ms a layer of busy time
-    capped = HostCost("capped", 0.4e-3, 4e-3, 64, 10_000 * MB, burst_share=0.25)
+def test_a_host_under_a_cpu_quota_is_held_to_its_share_of_a_tokens_cpu():
+    # full speed 0.1 ms a layer on one thread, a quarter of a core, and 2 ms of CPU a token
+    # beside the forward (frames, TLS, the loop)
+    capped = HostCost("capped", 0.1e-3, 1e-3, 64, 10_000 * MB, cpu_layer_s=0.1e-3, cpu_share=0.25,
+                      token_cpu_s=2e-3)
     fast = host("fast", 0.1)
     equal = predict(MODEL, [fast, capped], links(2), [(0, 19), (19, 30)])
-    assert equal.token_s == pytest.approx(19 * 0.4e-3)  # the capped stage's 19 layers of work set the pace
+    assert equal.token_s == pytest.approx((19 * 0.1e-3 + 2e-3) / 0.25)  # 3.9 ms of CPU a token, at a quarter
     plan = plan_split(MODEL, [fast, capped], links(2), use_all_hosts=True)
-    # the capped stage keeps one layer and the head (9 x 0.4 = 3.6 ms busy, under the path's 3.8 + hops)
+    # the capped stage keeps one layer and the head: (0.9 + 2) ms / 0.25, still the pace, but the least one
     assert plan.ranges == ((0, 29), (29, 30))
-    assert plan.token_s == pytest.approx(29 * 0.1e-3 + 9 * 0.1e-3 + LAN.rtt_s + 1152 / LAN.bytes_per_s)
-    assert "CPU quota" not in plan.describe(["fast", "capped"]) and "CPU quota" in equal.describe(["fast", "capped"])
+    assert plan.token_s == pytest.approx((9 * 0.1e-3 + 2e-3) / 0.25)
+    assert "CPU share holds it" in plan.describe(["fast", "capped"])
+    unlimited = HostCost("fast", 0.1e-3, 1e-3, 64, 10_000 * MB, cpu_layer_s=0.2e-3, cpu_share=2.0, token_cpu_s=1e-3)
+    same = predict(MODEL, [fast, unlimited], links(2), [(0, 19), (19, 30)])
+    assert same.token_s == pytest.approx(38 * 0.1e-3 + 0.5e-3 + 1152 / LAN.bytes_per_s)  # the share never binds

@@ -677,11 +677,11 @@ def test_reply_golden_bytes():
     status = encode_reply(StageReply.of_status(StageStatusReport(1, 19, 30, 2, 8)))
     assert status[:REPLY_HEADER.size] == unhex(
         "59505253 06000000 04000000 00000000"   # StageStatus, no prediction
-        "00000000 bf000000 00000000 00000000"   # 5 status values + 2 x (83 metric + 10 probe) halves
+        "00000000 c5000000 00000000 00000000"   # 5 status values + 2 x (83 metric + 13 probe) halves
         "00000000 00000000 ffffffff 00000000")  # no draft; logprob_top -1: no logprob block
     assert status[264:284] == unhex("01000000 13000000 1e000000 02000000 08000000")
     assert status[284:284 + 8 * METRIC_VALUE_COUNT] == bytes(8 * METRIC_VALUE_COUNT)  # every metric 0, as i64 halves
-    assert status[284 + 8 * METRIC_VALUE_COUNT:] == struct.pack("<10q", *StageProbe().flat())  # nothing measured
+    assert status[284 + 8 * METRIC_VALUE_COUNT:] == struct.pack("<13q", *StageProbe().flat())  # nothing measured
 
 
 def _set_reply(wire: bytes, name: str, value: int) -> bytes:
@@ -832,7 +832,8 @@ def test_stage_metrics_travel_as_i64_halves_in_a_status_reply():
 def test_a_stage_probe_travels_after_the_metrics():
     probe = StageProbe(row_ns=3_100_000, chunk_ns=41_000_000_000, chunk_rows=64, weight_bytes=5 << 30,
                        memory_available_bytes=20 << 30, link_rtt_ns=40_123_456, link_bytes_per_s=12_500_000,
-                       row_dtype=int(ActivationDtype.f16), chunk_dtype=int(ActivationDtype.q8), row_burst_ns=2_900_000)
+                       row_dtype=int(ActivationDtype.f16), chunk_dtype=int(ActivationDtype.q8), row_cpu_ns=5_900_000,
+                       threads=2, cpu_share_milli=250, cpu_ns=12_345_678_901)
     wire = encode_reply(StageReply.of_status(StageStatusReport(1, 10, 20, 0, 4, probe=probe)))
     first = 264 + 20 + 8 * 83  # the probe's i64 halves follow the metrics'
     assert wire[first:first + 8] == struct.pack("<q", 3_100_000)

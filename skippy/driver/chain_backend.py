@@ -115,7 +115,7 @@ class ChainBackend:
         proposed, accepted = self._drafts
         probe = self.client.measurement.probe
         statuses = [dataclasses.replace(self._first, active_sessions=len(runtime.sessions), metrics=metrics,
-                                        figures=self._figures.figures(self._first.stage_id, metrics,
+                                        figures=self._figures.figures(self._first.stage_id, metrics, probe.cpu_ns,
                                             speculative_acceptance=accepted / proposed if proposed else 0.0),
                                         probe=probe, predicted_vs_measured=compare(probe, metrics))]
         for index, stage in enumerate(self._remote, start=1):
@@ -128,7 +128,7 @@ class ChainBackend:
             standbys = tuple(StandbyStatus(endpoint, "down" if r is None else "ready", _sessions(r))
                              for endpoint, r in zip(stage.standby_endpoints, reports))
             metrics = None if report is None else report.metrics
-            figures = {} if metrics is None else self._figures.figures(stage.stage_id, metrics)
+            figures = {} if metrics is None else self._figures.figures(stage.stage_id, metrics, report.probe.cpu_ns)
             probe = None if report is None else report.probe
             statuses.append(StageStatus(stage.stage_id, stage.layer_start, stage.layer_end, stage.endpoint, state,
                                         _sessions(report), restarts, last_failure, standbys, metrics,

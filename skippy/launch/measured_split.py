@@ -12,6 +12,7 @@ at full context on every lane.
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -71,32 +72,45 @@ def _weight_bytes(path: Path, args: ModelArgs) -> tuple[float, float, float]:
     return blocks / args.num_layers, embedding, head + named.get("output_norm.weight", 0)
 
 
-def host_cost(report: StageReport, model: ModelCost) -> HostCost:
-    """The host behind a stage's report, per layer."""
+def host_cost(report: StageReport, model: ModelCost, token_cpu_s: float | None = None) -> HostCost:
+    """The host behind a stage's report, per layer. `token_cpu_s`: the CPU a token cost the stage
+    in serving (two reports' cpu_ns over the tokens between them), when known. Under a CPU quota
+    smaller than its threads could use, the probe's forwards ran at the quota's pace: one
+    forward's own speed is then its CPU time over its threads."""
     p = report.probe
     layers = report.layer_end - report.layer_start
     work = layers + (model.head_layers if report.layer_end == model.num_layers else 0.0)
-    return HostCost(report.name, p.row_ns / 1e9 / work, p.chunk_ns / 1e9 / work, p.chunk_rows,
+    share = p.cpu_share_milli / 1000 if p.cpu_share_milli else math.inf
+    speed = 1.0
+    if p.threads and share < p.threads and p.row_cpu_ns:
+        speed = min(1.0, p.row_cpu_ns / p.threads / p.row_ns)  # the share of a forward's wall time it ran
+    beyond = 0.0 if token_cpu_s is None else max(0.0, token_cpu_s - p.row_cpu_ns / 1e9)
+    return HostCost(report.name, speed * p.row_ns / 1e9 / work, speed * p.chunk_ns / 1e9 / work, p.chunk_rows,
                     p.weight_bytes + MEMORY_SHARE * p.memory_available_bytes,
-                    min(1.0, p.row_burst_ns / p.row_ns) if p.row_burst_ns else 1.0)
+                    cpu_layer_s=p.row_cpu_ns / 1e9 / work, cpu_share=share, token_cpu_s=beyond)
 
 
-def chain_inputs(reports: Sequence[StageReport], model: ModelCost) -> tuple[list[HostCost], dict]:
+def chain_inputs(reports: Sequence[StageReport], model: ModelCost,
+                 token_cpu_s: Sequence[float | None] | None = None) -> tuple[list[HostCost], dict]:
     """(hosts, links) of a running chain, stage 0's host first; ValueError naming a stage
-    that has not measured itself yet."""
+    that has not measured itself yet. `token_cpu_s`: per stage, the CPU a token cost it in
+    serving, where known (host_cost)."""
     missing = [r.name for r in reports if not r.probe.row_ns]
     if missing:
         raise ValueError(f"no measurement from {', '.join(missing)} yet (a stage measures itself "
                          f"once it is up; ask again in a few seconds)")
     links = {(i, i + 1): LinkCost(r.probe.link_rtt_ns / 1e9, float(r.probe.link_bytes_per_s))
              for i, r in enumerate(reports[:-1]) if r.probe.link_rtt_ns}
-    return [host_cost(r, model) for r in reports], links
+    cpu = token_cpu_s or [None] * len(reports)
+    return [host_cost(r, model, c) for r, c in zip(reports, cpu)], links
 
 
 def drift_scaled(probe: StageProbe, drift: dict | None) -> StageProbe:
     """`probe` with its times scaled by what the stage's decode forward measured over what the
-    probe predicted (split_check.py): serving's own figure, where there is one."""
-    if not drift:
+    probe predicted (split_check.py): serving's own figure, where there is one. Not on a host
+    under a CPU quota: its served forwards wait out the quota, which its token's CPU (the
+    planner's busy term) accounts for already."""
+    if not drift or (probe.threads and probe.cpu_share_milli < 1000 * probe.threads):
         return probe
     factor = 1 + drift["off_by"]
     return replace(probe, row_ns=round(probe.row_ns * factor), chunk_ns=round(probe.chunk_ns * factor))
@@ -108,23 +122,25 @@ def reports_of(statuses: Sequence[StageStatus]) -> list[StageReport]:
                         drift_scaled(s.probe or StageProbe(), s.predicted_vs_measured)) for s in statuses]
 
 
-def reports_of_listing(stages: list[dict]) -> list[StageReport]:
-    """The same from `/v1/stages`' JSON (`skippy plan --auto --from URL`)."""
+def reports_of_listing(stages: list[dict]) -> tuple[list[StageReport], list[float | None]]:
+    """The same from `/v1/stages`' JSON (`skippy plan --auto --from URL`), and the CPU a token
+    cost each stage over the last seconds (None where it decoded nothing)."""
     reports = []
     for stage in stages:
         if not stage["measured"]:
             raise ValueError(f"{stage['id']} reports no measurements (is it up?)")
         probe = drift_scaled(StageProbe.from_figures(stage["measured"]), stage.get("predicted_vs_measured"))
         reports.append(StageReport(stage["endpoint"], stage["layer_start"], stage["layer_end"], probe))
-    return reports
+    return reports, [stage["figures"].get("cpu_ms_per_token", 0.0) / 1e3 or None for stage in stages]
 
 
 def advisor(model: ModelCost, *, use_all_hosts: bool) -> Callable[[list[StageStatus]], dict]:
     """ChainBackend's `advise`: the split the stages' measured decode forwards give."""
     def advise(statuses: list[StageStatus]) -> dict:
         reports = reports_of(statuses)
+        token_cpu = [s.figures.get("cpu_ms_per_token", 0.0) / 1e3 or None for s in statuses]
         try:
-            hosts, links = chain_inputs(reports, model)
+            hosts, links = chain_inputs(reports, model, token_cpu)
             plan = plan_split(model, hosts, links, use_all_hosts=use_all_hosts)
         except ValueError as error:
             return {"detail": str(error)}

@@ -13,11 +13,13 @@ stage's hop is its token's way back to stage 0.
 
 The second term is a host that cannot keep up its own speed: a CPU quota (a cgroup's
 cpu.max) runs a forward at full speed, then stops the process for the rest of its period
-once the quota is spent. A stage busy less than its quota's share of the time never meets
-it; one busy more is held to the quota's rate. The probe measures both (model/probe.py):
-a forward's median time (its speed) and the mean over a quarter second of back-to-back
-forwards (the rate it keeps up). On a host without a quota the two are the same, and the
-first term is the whole story.
+once the quota is spent. A stage whose token costs less CPU than its share of the token's
+time never meets it; one that costs more is held to a token every (CPU a token) / share.
+The probe measures a forward's CPU time and the share (model/probe.py); what a token costs
+around its forward (frames, TLS, the event loop: ~2 ms on a quarter core, against a 2.4 ms
+forward) only serving shows, so a plan made after serving a while (two reports' CPU clocks
+over the tokens between them) sees it, and one made from the start's probe alone does not.
+On a host without a quota the second term does not bind.
 
 A host's layer time is affine in the rows of a forward, through the probe's two points (one
 row, a prompt chunk), so a batch of 8 decode rows costs what that line says; the aggregate
@@ -57,14 +59,16 @@ class HostCost:
     """One host, as its stage measured it."""
 
     name: str
-    row_layer_s: float      # one layer's forward of one row, at the rate the host keeps up
+    row_layer_s: float      # one layer's forward of one row, at the host's full speed
     chunk_layer_s: float    # one layer's forward of a prompt chunk of `chunk_rows` rows, likewise
     chunk_rows: int
     memory_bytes: float     # what it may hold: the weights it holds now and MEMORY_SHARE of what is free
-    burst_share: float = 1.0  # a forward's own time over the rate's (< 1 under a CPU quota)
+    cpu_layer_s: float = 0.0  # the CPU time one layer's forward of one row takes (every thread's)
+    cpu_share: float = math.inf  # the cores' worth of CPU time the host gives per second
+    token_cpu_s: float = 0.0  # a token's CPU time on the stage beyond its forward (frames, TLS, the loop)
 
     def layer_s(self, rows: int) -> float:
-        """One layer's forward of `rows` rows at the rate kept up: affine through the probe's points."""
+        """One layer's forward of `rows` rows: affine through the probe's two points."""
         if self.chunk_rows <= 1:
             return self.row_layer_s * rows
         slope = (self.chunk_layer_s - self.row_layer_s) / (self.chunk_rows - 1)
@@ -121,8 +125,8 @@ class Plan:
 
     def describe(self, names: Sequence[str]) -> str:
         lines = [f"stage {i}: layers [{a}, {b}) on {names[h]}, forward {s * 1e3:.2f} ms"
-                 + (f" (its host's CPU quota holds it to one every {busy * 1e3:.2f} ms: the pace)"
-                    if busy > s * 1.05 and busy >= self.token_s * (1 - 1e-9) else "")
+                 + (f" (its host's CPU share holds it to a token every {busy * 1e3:.2f} ms: the pace)"
+                    if busy >= self.token_s * (1 - 1e-9) else "")
                  for i, (h, (a, b), s, busy) in enumerate(zip(self.hosts, self.ranges, self.stage_s, self.busy_s))]
         lines.append(f"hops {self.hops_s * 1e3:.2f} ms a token; predicted {self.tok_s:.1f} tok/s one stream, "
                      f"{self.batch_tok_s:.1f} tok/s at {BATCH_ROWS} streams")
@@ -156,13 +160,20 @@ class Chain:
             self.limits.append(min(total, math.floor(room / model.layer_bytes)) if model.layer_bytes else total)
         self.fits = min(self.limits) >= 1 and sum(self.limits) >= total >= n
 
-    def busy(self, i: int, k: int, rows: int = 1) -> float:
-        """Stage i's forward of `rows` rows with k layers, at the rate its host keeps up."""
-        head = self.model.head_layers if i == len(self.order) - 1 else 0.0
-        return (k + head) * self.hosts[self.order[i]].layer_s(rows)
+    def work(self, i: int, k: int) -> float:
+        """Stage i's layers with k of them: the head counts as head_layers more on the last."""
+        return k + (self.model.head_layers if i == len(self.order) - 1 else 0.0)
 
     def forward(self, i: int, k: int, rows: int = 1) -> float:
-        return self.busy(i, k, rows) * self.hosts[self.order[i]].burst_share
+        """Stage i's forward of `rows` rows with k layers, at its host's full speed."""
+        return self.work(i, k) * self.hosts[self.order[i]].layer_s(rows)
+
+    def busy(self, i: int, k: int, rows: int = 1) -> float:
+        """The time the host's CPU share needs for a token (of each of `rows` streams) on stage i:
+        its forward's CPU and what the token costs around it, over the share."""
+        host = self.hosts[self.order[i]]
+        cpu = self.work(i, k) * host.cpu_layer_s * host.layer_s(rows) / host.layer_s(1)
+        return (cpu + rows * host.token_cpu_s) / host.cpu_share
 
     def hop(self, i: int, k: int, rows: int = 1) -> float:
         """The hop after stage i: its rows down, or the final stage's token back to stage 0."""
@@ -173,6 +184,10 @@ class Chain:
             return self.links(self.order[i], self.order[0]).rtt_s / 2
         link = self.links(self.order[i], self.order[i + 1])
         return link.hop_s(self.model.row_bytes(rows, link, self.forward(i, k, rows)))
+
+    def load(self, i: int, k: int, rows: int) -> float:
+        """How long stage i holds a wave of `rows` streams: its forward, or its CPU share's time."""
+        return max(self.forward(i, k, rows), self.busy(i, k, rows))
 
     def token_s(self, counts: Sequence[int], rows: int = 1) -> float:
         path = sum(self.forward(i, k, rows) + self.hop(i, k, rows) for i, k in enumerate(counts))
@@ -207,14 +222,14 @@ class Chain:
         return out
 
     def best(self, batch_cap: float = math.inf) -> list[int] | None:
-        """The least T with every stage's busy time at BATCH_ROWS rows <= batch_cap. T is the
+        """The least T with every stage's load at BATCH_ROWS rows <= batch_cap. T is the
         larger of a path sum, which falls as the cap on the busiest stage rises, and that cap:
         a search for where the two cross."""
         caps = sorted({self.busy(i, k) for i in range(len(self.order)) for k in range(1, self.limits[i] + 1)})
 
         def under(cap: float) -> list[int] | None:
             return self.least_path(self.capped(lambda i, k: self.busy(i, k) <= cap
-                                               and self.busy(i, k, BATCH_ROWS) <= batch_cap))
+                                               and self.load(i, k, BATCH_ROWS) <= batch_cap))
 
         low, high = 0, len(caps) - 1
         while low < high:  # the least cap whose path sum is within it
@@ -231,12 +246,12 @@ class Chain:
 def plan_over(model: ModelCost, order: Sequence[int], hosts: Sequence[HostCost], links: Links) -> Plan | None:
     """The best split over the hosts `order` (stage order), or None when the model does not
     fit them: the least T, and among splits within TIE_SHARE of it the one whose busiest
-    stage at BATCH_ROWS rows is least busy."""
+    stage at BATCH_ROWS rows (its forward, or its CPU share's time) is least busy."""
     chain = Chain(model, order, hosts, links)
     if not chain.fits or (fastest := chain.best()) is None:
         return None
     bound = chain.token_s(fastest) * (1 + TIE_SHARE)
-    caps = sorted({chain.busy(i, k, BATCH_ROWS) for i in range(len(order)) for k in range(1, chain.limits[i] + 1)})
+    caps = sorted({chain.load(i, k, BATCH_ROWS) for i in range(len(order)) for k in range(1, chain.limits[i] + 1)})
     low, high = 0, len(caps) - 1
     while low < high:  # the least cap on the busiest stage at 8 rows that keeps T within the tie
         middle = (low + high) // 2

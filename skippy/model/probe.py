@@ -7,7 +7,7 @@ other thread opens a second OpenMP team (model/threads.py) and measures that ins
 
 from __future__ import annotations
 
-import statistics
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +18,9 @@ from .inference import inference_mode
 from .llama import Segment, StageModel
 from .loader import available_memory_bytes
 
-# The forward of one row is timed for at least this long and by its mean, not its median: a
-# host capped by a cgroup's CPU quota runs full speed for part of each period and not at all
-# for the rest, and only an average over several periods sees the rate it gives.
+# The forward of one row is timed for at least this long and by its mean: a host capped by a
+# cgroup's CPU quota runs full speed for part of each period and not at all for the rest, and
+# only an average over several periods sees the rate it gives.
 ROW_SECONDS = 0.25
 MIN_ROW_FORWARDS = 8
 CHUNK_FORWARDS = 2
@@ -32,11 +32,12 @@ class ForwardTimes:
     row_s: float    # one decode row through the stage (its logits too on the final stage): the mean
     chunk_s: float  # a prompt chunk of `chunk_rows` rows (and its last row's logits on the final stage)
     chunk_rows: int
-    # the median row: the speed of one forward, where row_s is the rate the host keeps up. They
-    # differ under a CPU quota (a cgroup's cpu.max), which lets a forward run at full speed and
-    # then stops the process for the rest of its period: a stage busy less than its quota's
-    # share of the time never meets it (planner.py)
-    row_burst_s: float = 0.0
+    # the process's CPU time per row forward (every thread's, spinning included), and the threads
+    # it ran on. A CPU quota (a cgroup's cpu.max) stops the process once a period's share is
+    # spent, so back to back the forwards run at the quota's pace: row_s is then the rate it
+    # keeps up, and row_cpu_s / threads the speed of one forward (launch/planner.py)
+    row_cpu_s: float = 0.0
+    threads: int = 1
 
 
 @inference_mode
@@ -61,20 +62,44 @@ def measure_forward(model: StageModel, chunk_rows: int = 64, *, row_seconds: flo
             torch.cuda.synchronize(model.device)
 
     forward(0, chunk_rows)  # warm: weights paged in, the thread team up
-    times, started = [], time.perf_counter()
-    while len(times) < MIN_ROW_FORWARDS or time.perf_counter() - started < row_seconds:
-        position = chunk_rows + len(times) % DECODE_POSITIONS
+    count, started, cpu = 0, time.perf_counter(), time.process_time()
+    while count < MIN_ROW_FORWARDS or time.perf_counter() - started < row_seconds:
+        position = chunk_rows + count % DECODE_POSITIONS
         cache.truncate(position)
-        began = time.perf_counter()
         forward(position, 1)
-        times.append(time.perf_counter() - began)
-    row_s = (time.perf_counter() - started) / len(times)
+        count += 1
+    row_s, row_cpu_s = (time.perf_counter() - started) / count, (time.process_time() - cpu) / count
     started = time.perf_counter()
     for _ in range(CHUNK_FORWARDS):
         cache.truncate(0)
         forward(0, chunk_rows)
-    return ForwardTimes(row_s, (time.perf_counter() - started) / CHUNK_FORWARDS, chunk_rows,
-                        min(statistics.median(times), row_s))
+    return ForwardTimes(row_s, (time.perf_counter() - started) / CHUNK_FORWARDS, chunk_rows, row_cpu_s,
+                        torch.get_num_threads())
+
+
+def cpu_share() -> float:
+    """The cores' worth of CPU time this process may use per second: the cores it may run on,
+    within its cgroup's quota (v2 cpu.max; v1 cpu.cfs_quota_us over cpu.cfs_period_us)."""
+    cores = float(len(os.sched_getaffinity(0)))
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return cores
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        try:
+            if controllers == "":
+                quota, period = (Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.max").read_text().split()
+            elif "cpu" in controllers.split(","):
+                base = Path("/sys/fs/cgroup/cpu") / path.lstrip("/")
+                quota, period = (base / "cpu.cfs_quota_us").read_text(), (base / "cpu.cfs_period_us").read_text()
+            else:
+                continue
+            if quota.strip() not in ("max", "-1"):
+                cores = min(cores, int(quota) / int(period))
+        except (OSError, ValueError):
+            continue
+    return cores
 
 
 def memory_available() -> int:

@@ -30,9 +30,16 @@ class StageProbe:
     # choice per frame under --activation-dtype auto; the configured dtype otherwise)
     row_dtype: int = -1
     chunk_dtype: int = -1
-    # one decode row's forward at full speed (the median; row_ns is the mean: the rate kept up).
-    # Below row_ns on a host whose CPU quota stops the process for part of each period
-    row_burst_ns: int = 0
+    # the CPU the host gives it: the process's CPU time per decode-row forward (all its threads'),
+    # the threads that forward ran on, and the cores' worth of CPU time it may use per second
+    # (its cores within its cgroup's quota), in thousandths. Under a quota the forwards ran at
+    # the quota's pace and row_cpu_ns / threads is one forward's own speed (launch/planner.py)
+    row_cpu_ns: int = 0
+    threads: int = 0
+    cpu_share_milli: int = 0
+    # the process's CPU time since it started, when asked: two reports give the CPU a token
+    # costs the stage in serving (its forward and everything around it: frames, TLS, the loop)
+    cpu_ns: int = 0
 
     def __post_init__(self) -> None:
         values = self.flat()
@@ -56,7 +63,8 @@ class StageProbe:
         def dtype(code: int) -> str | None:
             return None if code < 0 else ActivationDtype(code).name
 
-        return {"decode_row_ms": self.row_ns / 1e6, "decode_row_burst_ms": self.row_burst_ns / 1e6,
+        return {"decode_row_ms": self.row_ns / 1e6, "decode_row_cpu_ms": self.row_cpu_ns / 1e6,
+                "threads": self.threads, "cpu_share": self.cpu_share_milli / 1000, "cpu_s": self.cpu_ns / 1e9,
                 "prefill_chunk_ms": self.chunk_ns / 1e6,
                 "prefill_chunk_rows": self.chunk_rows, "weight_bytes": self.weight_bytes,
                 "memory_available_bytes": self.memory_available_bytes,
@@ -70,8 +78,9 @@ class StageProbe:
         def code(name: str | None) -> int:
             return -1 if name is None else int(ActivationDtype[name])
 
-        return cls(row_ns=round(figures["decode_row_ms"] * 1e6), row_burst_ns=round(figures["decode_row_burst_ms"] * 1e6),
-                   chunk_ns=round(figures["prefill_chunk_ms"] * 1e6),
+        return cls(row_ns=round(figures["decode_row_ms"] * 1e6), row_cpu_ns=round(figures["decode_row_cpu_ms"] * 1e6),
+                   threads=int(figures["threads"]), cpu_share_milli=round(figures["cpu_share"] * 1000),
+                   cpu_ns=round(figures["cpu_s"] * 1e9), chunk_ns=round(figures["prefill_chunk_ms"] * 1e6),
                    chunk_rows=int(figures["prefill_chunk_rows"]), weight_bytes=int(figures["weight_bytes"]),
                    memory_available_bytes=int(figures["memory_available_bytes"]),
                    link_rtt_ns=round(figures["link_rtt_ms"] * 1e6),

@@ -20,10 +20,11 @@ import fcntl
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..model.probe import ForwardTimes, measure_forward, memory_available
+from ..model.probe import ForwardTimes, cpu_share, measure_forward, memory_available
 from ..protocol import ActivationDtype
 from ..protocol.activation_codec import auto_dtype
 from ..protocol.stage_probe import StageProbe
@@ -65,6 +66,7 @@ class StageMeasurement:
         own, then its standbys'), None on the final stage."""
         self.runtime, self.downstream, self.auth_token = runtime, downstream, auth_token
         self.codec = LinkCodec(activation_dtype, runtime.model.args.hidden_size)
+        self._cpu_share_milli = round(cpu_share() * 1000)
         self._task: asyncio.Task | None = None
         self.done = asyncio.Event()
 
@@ -120,7 +122,9 @@ class StageMeasurement:
             row_ns=0 if forward is None else round(forward.row_s * 1e9),
             chunk_ns=0 if forward is None else round(forward.chunk_s * 1e9),
             chunk_rows=0 if forward is None else forward.chunk_rows,
-            row_burst_ns=0 if forward is None else round(forward.row_burst_s * 1e9),
+            row_cpu_ns=0 if forward is None else round(forward.row_cpu_s * 1e9),
+            threads=0 if forward is None else forward.threads, cpu_share_milli=self._cpu_share_milli,
+            cpu_ns=time.process_time_ns(),
             weight_bytes=self.runtime.model.parameter_bytes, memory_available_bytes=memory_available(),
             link_rtt_ns=0 if link is None else round(link.rtt_s * 1e9),
             link_bytes_per_s=0 if link is None else round(link.bytes_per_s),
