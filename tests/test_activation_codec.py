@@ -13,8 +13,7 @@ from skippy.protocol import ActivationDtype, FrameError, MessageKind, StageMessa
 from skippy.protocol.activation_codec import q8_decode, q8_encode
 from skippy.protocol.constants import MESSAGE_HEADER, Q8_BLOCK
 from skippy.protocol.frames import activation_fields
-from skippy.runtime.runner import rows_to_tensor, steps_to_tensor, tensor_to_rows
-from skippy.runtime.step import Step
+from skippy.runtime.runner import rows_to_tensor, tensor_to_rows
 
 
 def _block(values: list[float]) -> np.ndarray:
@@ -84,18 +83,12 @@ def test_a_q8_frame_round_trips_and_refuses_a_bad_scale():
             decode_message(forged)
 
 
-def test_runner_conversion_and_a_batch_of_mixed_dtypes():
+def test_runner_conversion():
     hidden = torch.from_numpy(np.random.default_rng(3).standard_normal((3, 64)).astype(np.float32))
     rows = tensor_to_rows(hidden, ActivationDtype.q8)
     assert np.array_equal(rows, q8_encode(hidden.numpy()))
     back = rows_to_tensor(rows, ActivationDtype.q8)
     assert back.dtype == torch.float32 and torch.equal(back, torch.from_numpy(q8_decode(rows)))
-    # a prompt chunk in q8 and a short one in f16 in one forward (a link's codec picks per frame)
-    steps = [Step(None, 0, 3, [], rows, ActivationDtype.q8),
-             Step(None, 0, 1, [], tensor_to_rows(hidden[:1], ActivationDtype.f16), ActivationDtype.f16)]
-    x = steps_to_tensor(steps)
-    assert x.shape == (4, 64) and torch.equal(x[:3], back)
-    assert torch.equal(x[3], hidden[0].half().float())
 
 
 def test_auto_takes_the_widest_dtype_the_link_moves_in_its_share_of_the_compute():
