@@ -11,9 +11,12 @@ import pytest
 from chain_support import PROMPTS, run, start_chain
 from skippy.driver.chain_backend import ChainBackend
 from skippy.driver.split_check import MIN_FORWARDS
-from skippy.launch.measured_split import StageReport, advisor, chain_inputs, model_cost
+from skippy.launch import local_chain
+from skippy.launch.local_chain import LocalChain
+from skippy.launch.measured_split import StageReport, advisor, chain_inputs, cpu_share_of, model_cost
 from skippy.launch.planner import plan_split
 from skippy.protocol import ActivationDtype, Topology, TopologyStage
+from skippy.protocol.stage_probe import StageProbe
 from skippy.stage.downstream import query_stage_status
 from skippy.stage.measure import CHUNK_ROWS
 
@@ -97,3 +100,39 @@ def test_the_codec_picks_each_frames_dtype_from_the_measurements():
     odd.forward, odd.link = codec.forward, codec.link
     assert odd.dtype_for(64) == ActivationDtype.f16
     assert LinkCodec("q8", 576).dtype_for(1) == ActivationDtype.q8  # a fixed dtype is that dtype
+
+
+@pytest.mark.slow
+def test_split_auto_starts_the_chain_again_on_the_measured_split(gguf_path, monkeypatch):
+    """LocalChain(split="auto"), serve --split auto's chain: it measures, plans, and starts again
+    on the plan's ranges. Its stages share one machine and measure alike, so the plan is often
+    the equal split it started on: the plan is moved here so that the restart happens. f32 on
+    loopback (auto's pick) keeps the greedy tokens of any split."""
+    planned, before = local_chain.plan_from_measurements, []
+
+    async def moved(client, *args, **kwargs):
+        now, plan = await planned(client, *args, **kwargs)
+        assert plan.ranges[0][0] == 0 and plan.ranges[-1][1] == 30 and len(plan.hosts) == 2  # every host: asked
+        before.append((await client.generate(PROMPTS[1], max_tokens=6)).tokens)
+        return now, dataclasses.replace(plan, ranges=((0, 7), (7, 30)))
+
+    monkeypatch.setattr(local_chain, "plan_from_measurements", moved)
+
+    async def main():
+        chain = LocalChain(gguf_path, 2, threads=1, ctx_size=256, split="auto")
+        async with chain as client:
+            assert [(s.layer_start, s.layer_end) for s in chain.topology.stages] == [(0, 7), (7, 30)]
+            assert chain.first_plan.tok_s > 0 and "predicted" in chain.plan.describe(["a", "b"])
+            assert (await client.generate(PROMPTS[1], max_tokens=6)).tokens == before[0]
+
+    run(main())
+
+
+def test_a_stage_that_cannot_read_its_quota_gets_what_its_forwards_got():
+    # bench/split.py's slow host: one thread, a quarter of a core, its cgroup unreadable from
+    # inside `ip netns exec` (cpu_share_milli 0): 6.9 ms of CPU in each 28.6 ms forward
+    capped = StageProbe(row_ns=28_600_000, row_cpu_ns=6_900_000, threads=1)
+    assert cpu_share_of(capped) == pytest.approx(0.241, abs=1e-3)
+    free = dataclasses.replace(capped, row_ns=2_450_000, row_cpu_ns=4_250_000, threads=2)  # ~1.7 of 2 threads
+    assert cpu_share_of(free) == float("inf")
+    assert cpu_share_of(dataclasses.replace(capped, cpu_share_milli=500)) == 0.5  # a quota read is the quota

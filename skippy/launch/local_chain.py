@@ -37,8 +37,7 @@ from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX, WEIGHT_DTYPES
 from ..stage import link
 from ..stage.tls import issue_certificates
 from ..telemetry import Telemetry
-from .measured_split import chain_inputs, measured_reports, model_cost
-from .planner import plan_split, predict
+from .measured_split import model_cost, plan_from_measurements
 from .supervisor import Supervisor
 
 log = logging.getLogger("skippy.launch")
@@ -273,15 +272,13 @@ class LocalChain:
         """Plan from what the stages measured of themselves; start again on that split if it
         is not this one. Every stage here shares one machine, so all of them are used (the
         plan says when fewer would be faster)."""
-        reports = await measured_reports(self.client, self.topology, self.auth_token)
         model = model_cost(self.model_path, ctx_size=self._stage_options["ctx_size"],
                            lane_count=self._stage_options["lane_count"],
                            activation_dtype=self._stage_options["activation_dtype"], args=self._model_args)
-        hosts, links = chain_inputs(reports, model)
+        self.first_plan, self.plan = await plan_from_measurements(self.client, self.topology, self.auth_token,
+                                                                  model, use_all_hosts=True)
         current = [(s.layer_start, s.layer_end) for s in self.topology.stages]
-        self.first_plan = predict(model, hosts, links, current)
-        self.plan = plan_split(model, hosts, links, use_all_hosts=True)
-        log.info("measured split: %s", self.plan.describe([f"stage {i}" for i in range(len(hosts))]))
+        log.info("measured split: %s", self.plan.describe([f"stage {i}" for i in range(self.num_stages)]))
         if list(self.plan.ranges) == current:
             return
         await self.client.close()

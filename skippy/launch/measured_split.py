@@ -27,9 +27,10 @@ from ..model.loader import model_args
 from ..protocol import Topology
 from ..protocol.stage_probe import StageProbe
 from ..stage.downstream import query_stage_status
-from .planner import MEMORY_SHARE, HostCost, LinkCost, ModelCost, plan_split, predict
+from .planner import MEMORY_SHARE, HostCost, LinkCost, ModelCost, Plan, plan_split, predict
 
 KV_BYTES = 2  # float16 keys and values (a quantized model's; float32 weights keep float32: 4)
+UNLIMITED_SHARE = 0.75  # back-to-back forwards that got this share of their threads' time had no quota
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
@@ -80,7 +81,7 @@ def host_cost(report: StageReport, model: ModelCost, token_cpu_s: float | None =
     p = report.probe
     layers = report.layer_end - report.layer_start
     work = layers + (model.head_layers if report.layer_end == model.num_layers else 0.0)
-    share = p.cpu_share_milli / 1000 if p.cpu_share_milli else math.inf
+    share = cpu_share_of(p)
     speed = 1.0
     if p.threads and share < p.threads and p.row_cpu_ns:
         speed = min(1.0, p.row_cpu_ns / p.threads / p.row_ns)  # the share of a forward's wall time it ran
@@ -88,6 +89,19 @@ def host_cost(report: StageReport, model: ModelCost, token_cpu_s: float | None =
     return HostCost(report.name, speed * p.row_ns / 1e9 / work, speed * p.chunk_ns / 1e9 / work, p.chunk_rows,
                     p.weight_bytes + MEMORY_SHARE * p.memory_available_bytes,
                     cpu_layer_s=p.row_cpu_ns / 1e9 / work, cpu_share=share, token_cpu_s=beyond)
+
+
+def cpu_share_of(probe: StageProbe) -> float:
+    """The cores' worth of CPU the host gives the stage: the quota its cgroup states, or where
+    the stage could not read it (cpu_share_milli 0), what its probe's back-to-back forwards got,
+    their CPU over their wall time, when that is well under their threads (OpenMP's serial
+    parts leave a free host's 2 threads ~1.7); inf: no limit seen."""
+    if probe.cpu_share_milli:
+        return probe.cpu_share_milli / 1000
+    if probe.row_cpu_ns and probe.row_ns and probe.threads:
+        got = probe.row_cpu_ns / probe.row_ns
+        return got if got < UNLIMITED_SHARE * probe.threads else math.inf
+    return math.inf
 
 
 def chain_inputs(reports: Sequence[StageReport], model: ModelCost,
@@ -110,7 +124,7 @@ def drift_scaled(probe: StageProbe, drift: dict | None) -> StageProbe:
     probe predicted (split_check.py): serving's own figure, where there is one. Not on a host
     under a CPU quota: its served forwards wait out the quota, which its token's CPU (the
     planner's busy term) accounts for already."""
-    if not drift or (probe.threads and probe.cpu_share_milli < 1000 * probe.threads):
+    if not drift or (probe.threads and cpu_share_of(probe) < probe.threads):
         return probe
     factor = 1 + drift["off_by"]
     return replace(probe, row_ns=round(probe.row_ns * factor), chunk_ns=round(probe.chunk_ns * factor))
@@ -173,3 +187,15 @@ async def measured_reports(client, topology: Topology, auth_token: str | None, *
         if time.monotonic() > deadline:
             raise RuntimeError(f"stages did not measure themselves within {timeout_s:g} s")
         await asyncio.sleep(0.25)
+
+
+async def plan_from_measurements(client, topology: Topology, auth_token: str | None, model: ModelCost, *,
+                                 use_all_hosts: bool) -> tuple[Plan, Plan]:
+    """A launcher's entry point (a local chain's `--split auto`; Ray's placed chain alike): once
+    every stage of the running `topology` has measured itself and its link, (what the running
+    split predicts, the measured plan). The plan's `hosts` index `topology.stages`; a launcher
+    restarts its stages on `plan.ranges` over those hosts' endpoints when they differ."""
+    reports = await measured_reports(client, topology, auth_token)
+    hosts, links = chain_inputs(reports, model)
+    current = [(r.layer_start, r.layer_end) for r in reports]
+    return predict(model, hosts, links, current), plan_split(model, hosts, links, use_all_hosts=use_all_hosts)

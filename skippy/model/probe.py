@@ -79,8 +79,12 @@ def measure_forward(model: StageModel, chunk_rows: int = 64, *, row_seconds: flo
 
 def cpu_share() -> float:
     """The cores' worth of CPU time this process may use per second: the cores it may run on,
-    within its cgroup's quota (v2 cpu.max; v1 cpu.cfs_quota_us over cpu.cfs_period_us)."""
+    within its cgroup's quota (v2 cpu.max; v1 cpu.cfs_quota_us over cpu.cfs_period_us). 0.0:
+    unknown, the process is in a cgroup whose files it cannot read (`ip netns exec` mounts a
+    sysfs of its own, without the cgroup tree); the planner then takes what the probe's
+    forwards got (launch/measured_split.py)."""
     cores = float(len(os.sched_getaffinity(0)))
+    unknown = False
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -98,8 +102,9 @@ def cpu_share() -> float:
             if quota.strip() not in ("max", "-1"):
                 cores = min(cores, int(quota) / int(period))
         except (OSError, ValueError):
+            unknown = unknown or path.strip() not in ("", "/")  # the root has no quota to read
             continue
-    return cores
+    return 0.0 if unknown else cores
 
 
 def memory_available() -> int:
