@@ -15,7 +15,7 @@ measured split (launch/planner.py, every host used), with the tok/s it predicts.
 alternate the two splits. Printed: each split's median tok/s beside its prediction (the
 measured split's made before it ever ran), and their ratio.
 
-    python bench/split.py [--cpu-share 0.25] [--rounds 3] [--decode-tokens 128]   (root)
+    python bench/split.py [--cpu-share 0.25] [--rounds 3] [--decode-tokens 128] [--model GGUF]   (root)
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ from pathlib import Path
 from skippy.model.locate import bundled_model_path  # noqa: E402
 from skippy.model.threads import spin_for_co_located_stages  # noqa: E402
 
-spin_for_co_located_stages(bundled_model_path())  # before torch loads: the "hosts" share this machine's cores
+_early = argparse.ArgumentParser(add_help=False)
+_early.add_argument("--model", default=None)
+MODEL = str(_early.parse_known_args()[0].model or bundled_model_path())  # the stages' spin depends on it
+spin_for_co_located_stages(MODEL)  # before torch loads: the "hosts" share this machine's cores
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -59,7 +62,7 @@ async def as_client(args) -> None:
     topology, stage0 = Topology.load(plan / "topology.json"), StageConfig.load(plan / "stage-0.json")
     torch.set_num_threads(args.threads)
     tls.use(stage0.tls.resolved(plan))
-    client = await connect_topology(topology, bundled_model_path(), auth_token=stage0.auth_token, ctx_size=CTX,
+    client = await connect_topology(topology, MODEL, auth_token=stage0.auth_token, ctx_size=CTX,
                                     activation_dtype=stage0.activation_dtype, concurrency=1)
     try:
         await measured_reports(client, topology, stage0.auth_token)  # every stage measured, before any load
@@ -78,7 +81,7 @@ async def as_client(args) -> None:
 
 def write_split(out: Path, hosts, ranges, name: str) -> Path:
     plan = out / name
-    topology, configs = plan_chain(bundled_model_path(), [f"{h.address}:{PORT}" for h in hosts], ranges=ranges,
+    topology, configs = plan_chain(MODEL, [f"{h.address}:{PORT}" for h in hosts], ranges=ranges,
                                    auth_token=os.urandom(16).hex(), ctx_size=CTX, lane_count=LANES,
                                    activation_dtype="auto")
     write_plan(topology, configs, plan, tls=True)
@@ -89,7 +92,7 @@ def run_round(args, hosts, cgroup: Path, plan: Path, log: Path) -> dict:
     stage = [*CLI, "stage", "--config", str(plan / "stage-1.json"), "--topology", str(plan / "topology.json"),
              "--threads", "1"]
     client = [sys.executable, __file__, "--client", str(plan), "--decode-tokens", str(args.decode_tokens),
-              "--threads", str(args.threads)]
+              "--threads", str(args.threads), "--model", MODEL]
     return run_beside((hosts[1].namespace, stage), (hosts[0].namespace, client), log_path=log, cgroup=cgroup)
 
 
@@ -100,7 +103,7 @@ def reports_of(answer: dict) -> list[StageReport]:
 def main(args: argparse.Namespace) -> None:
     if args.client:
         return asyncio.run(as_client(args))
-    model = model_cost(bundled_model_path(), ctx_size=CTX, lane_count=LANES)
+    model = model_cost(MODEL, ctx_size=CTX, lane_count=LANES)
     with (namespace_hosts(2) as hosts, cpu_limited(args.cpu_share) as cgroup,
           tempfile.TemporaryDirectory(prefix="skippy-split-") as out):
         out = Path(out)
@@ -111,7 +114,8 @@ def main(args: argparse.Namespace) -> None:
         names = [f"host {i}" for i in range(2)]
         predicted_equal = predict(model, host_costs, links, equal_ranges)
         plan = plan_split(model, host_costs, links, use_all_hosts=True)
-        print(f"stage 1 held to {args.cpu_share:g} of a core (one thread); stage 0 {args.threads} threads\n"
+        print(f"{Path(MODEL).name}: stage 1 held to {args.cpu_share:g} of a core (one thread); stage 0 "
+              f"{args.threads} threads\n"
               f"measured at the first round: {[r.probe.figures() for r in reports_of(first)]}, CPU a token "
               f"cost each stage: {[f'{c * 1e3:.2f} ms' for c in first['token_cpu_s']]}\n"
               f"equal bytes {equal_ranges}: predicted {predicted_equal.tok_s:.1f} tok/s\n"
@@ -141,5 +145,6 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=2, help="stage 0's torch threads")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each split")
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--model", default=None, help="a GGUF (default: the bundled SmolLM2-135M)")
     parser.add_argument("--client", default=None, help=argparse.SUPPRESS)
     main(parser.parse_args())
