@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,25 +86,16 @@ def cpu_share() -> float:
     forwards got (launch/measured_split.py)."""
     cores = float(len(os.sched_getaffinity(0)))
     unknown = False
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return cores
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
+    for path, base, v2 in _cgroups("cpu"):
         try:
-            if controllers == "":
-                quota, period = (Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.max").read_text().split()
-            elif "cpu" in controllers.split(","):
-                base = Path("/sys/fs/cgroup/cpu") / path.lstrip("/")
-                quota, period = (base / "cpu.cfs_quota_us").read_text(), (base / "cpu.cfs_period_us").read_text()
+            if v2:
+                quota, period = (base / "cpu.max").read_text().split()
             else:
-                continue
+                quota, period = (base / "cpu.cfs_quota_us").read_text(), (base / "cpu.cfs_period_us").read_text()
             if quota.strip() not in ("max", "-1"):
                 cores = min(cores, int(quota) / int(period))
         except (OSError, ValueError):
             unknown = unknown or path.strip() not in ("", "/")  # the root has no quota to read
-            continue
     return 0.0 if unknown else cores
 
 
@@ -117,20 +109,9 @@ def memory_available() -> int:
 
 
 def _cgroup_memory_left() -> int | None:
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2
-            base = Path("/sys/fs/cgroup") / path.lstrip("/")
-            limit, usage = base / "memory.max", base / "memory.current"
-        elif "memory" in controllers.split(","):
-            base = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-            limit, usage = base / "memory.limit_in_bytes", base / "memory.usage_in_bytes"
-        else:
-            continue
+    for _, base, v2 in _cgroups("memory"):
+        limit, usage = ((base / "memory.max", base / "memory.current") if v2
+                        else (base / "memory.limit_in_bytes", base / "memory.usage_in_bytes"))
         try:
             text = limit.read_text().strip()
             if text == "max" or int(text) >= 1 << 60:  # no limit (v1 writes a huge number)
@@ -139,3 +120,18 @@ def _cgroup_memory_left() -> int | None:
         except (OSError, ValueError):
             continue
     return None
+
+
+def _cgroups(controller: str) -> Iterator[tuple[str, Path, bool]]:
+    """(its path, its directory, whether v2) of each of this process's cgroups that may hold
+    `controller`'s files: the unified hierarchy's, and v1's of that controller."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            yield path, Path("/sys/fs/cgroup") / path.lstrip("/"), True
+        elif controller in controllers.split(","):
+            yield path, Path("/sys/fs/cgroup") / controller / path.lstrip("/"), False
