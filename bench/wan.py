@@ -23,7 +23,7 @@ compute and the wire's delay; speculation can beat the floor (several tokens a t
 Before the table, the codecs' TTFT alone (delay 0) at each of --ttft-mbps: what q8 saves a
 prompt where the wire, not the compute, is the cost.
 
-    python bench/wan.py [--delays 0,5,20] [--codecs f16,q8] [--mbps 100] [--ttft-mbps 100,10,2]   (root)
+    python bench/wan.py [--delays 0,5,20] [--codecs f16,q8] [--mbps 100] [--ttft-mbps 100,10,2] [--model GGUF]   (root)
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ from pathlib import Path
 from skippy.model.locate import bundled_model_path
 from skippy.model.threads import spin_for_co_located_stages
 
-spin_for_co_located_stages(bundled_model_path())  # before torch loads: the "hosts" share this machine's cores
+_early = argparse.ArgumentParser(add_help=False)
+_early.add_argument("--model", default=None)
+MODEL = str(_early.parse_known_args()[0].model or bundled_model_path())  # the stages' spin depends on it
+spin_for_co_located_stages(MODEL)  # before torch loads: the "hosts" share this machine's cores
 
 import numpy as np  # noqa: E402
 
@@ -75,10 +78,10 @@ async def as_client(args) -> None:
     topology, stage0 = Topology.load(plan / "topology.json"), StageConfig.load(plan / "stage-0.json")
     tls.use(stage0.tls.resolved(plan))
     link.use(LinkConditioning(delay_ms=args.delay) if args.delay else None)
-    tokenizer = Tokenizer.from_gguf(bundled_model_path())
+    tokenizer = Tokenizer.from_gguf(MODEL)
     copy = tokenizer.encode_chat([{"role": "user", "content": speculative_prompts(3)["copy-text"]}])
     long_prompt = np.random.default_rng(0).integers(100, 40000, size=args.prompt_tokens).tolist()
-    client = await connect_topology(topology, bundled_model_path(), auth_token=stage0.auth_token, ctx_size=2048,
+    client = await connect_topology(topology, MODEL, auth_token=stage0.auth_token, ctx_size=2048,
                                     activation_dtype=stage0.activation_dtype, concurrency=STREAMS,
                                     peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
     try:
@@ -108,7 +111,7 @@ async def as_client(args) -> None:
 def measure(args, hosts, out: Path, codec: str, delay: float, *extra: str) -> dict:
     plan = out / codec
     if not plan.is_dir():
-        topology, configs = plan_chain(bundled_model_path(), [f"{h.address}:{PORT}" for h in hosts],
+        topology, configs = plan_chain(MODEL, [f"{h.address}:{PORT}" for h in hosts],
                                        auth_token=os.urandom(16).hex(), ctx_size=2048, lane_count=STREAMS,
                                        activation_dtype=codec, threads=os.cpu_count(),
                                        peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
@@ -116,7 +119,7 @@ def measure(args, hosts, out: Path, codec: str, delay: float, *extra: str) -> di
     wire = ["--downstream-wire-delay-ms", str(delay)] if delay else []
     stage = [*CLI, "stage", "--config", str(plan / "stage-1.json"), "--topology", str(plan / "topology.json"), *wire]
     client = [sys.executable, __file__, "--client", str(plan), "--delay", str(delay), "--max-tokens",
-              str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens), *extra]
+              str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens), "--model", MODEL, *extra]
     return run_beside((hosts[1].namespace, stage), (hosts[0].namespace, client), log_path=out / "stage-1.log")
 
 
@@ -124,7 +127,7 @@ def main(args: argparse.Namespace) -> None:
     if args.client:
         return asyncio.run(as_client(args))
     print(f"2 stages in 2 network namespaces over mutual TLS, tc tbf {args.mbps:g} Mbit/s each way, one-way "
-          f"delay by skippy's knob; bundled SmolLM2-135M; 1 stream and {STREAMS} streams of the copy-heavy "
+          f"delay by skippy's knob; {Path(MODEL).name}; 1 stream and {STREAMS} streams of the copy-heavy "
           f"prompt to its end (up to {args.max_tokens} tokens), TTFT of {args.prompt_tokens} prompt tokens; "
           f"speculation: ngram-suffix, window 1..16", flush=True)
     cells, ttft = {}, {}
@@ -192,6 +195,7 @@ def table(args: argparse.Namespace, cells: dict) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--model", default=None, help="a GGUF (default: the bundled SmolLM2-135M)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--delays", type=lambda t: [float(x) for x in t.split(",") if x], default=[0, 5, 20],
                         help="one-way delays of the table's rows (ms); '' for no table")
