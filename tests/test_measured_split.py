@@ -136,3 +136,51 @@ def test_a_stage_that_cannot_read_its_quota_gets_what_its_forwards_got():
     free = dataclasses.replace(capped, row_ns=2_450_000, row_cpu_ns=4_250_000, threads=2)  # ~1.7 of 2 threads
     assert cpu_share_of(free) == float("inf")
     assert cpu_share_of(dataclasses.replace(capped, cpu_share_milli=500)) == 0.5  # a quota read is the quota
+
+
+def test_plan_auto_writes_the_split_a_servers_stages_measured(tmp_path, gguf_path, capsys):
+    """`skippy plan --auto --from URL`: a running server's /v1/stages (its schema, as the API
+    builds it) to a written plan. Stage 1's host is 4x slower a layer: it gets fewer layers."""
+    import http.server
+    import json
+    import threading
+
+    from skippy.api.schemas import StageInfo, StageList
+    from skippy.cli import main as cli
+
+    def probe(row_ms: float, link: bool) -> dict:
+        return StageProbe(row_ns=round(row_ms * 1e6), chunk_ns=round(row_ms * 1e7), chunk_rows=CHUNK_ROWS,
+                          weight_bytes=50 << 20, memory_available_bytes=8 << 30, row_cpu_ns=round(row_ms * 1e6),
+                          threads=1, cpu_share_milli=4000, link_rtt_ns=500_000 if link else 0,
+                          link_bytes_per_s=125_000_000 if link else 0).figures()
+
+    listing = StageList(data=[
+        StageInfo(id="stage-0", layer_start=0, layer_end=19, endpoint="10.0.0.1:9000", state="ready",
+                  active_sessions=0, measured=probe(19 * 0.1, True)),
+        StageInfo(id="stage-1", layer_start=19, layer_end=30, endpoint="10.0.0.2:9001", state="ready",
+                  active_sessions=0, measured=probe(19 * 0.4, False))]).model_dump_json().encode()
+
+    class Stages(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            assert self.path == "/v1/stages"
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(listing)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stages)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert cli(["plan", "--auto", "--all-hosts", "--from", f"http://127.0.0.1:{server.server_port}",
+                    "--model", str(gguf_path), "--out", str(tmp_path)]) == 0
+    finally:
+        server.shutdown()
+    printed = capsys.readouterr().out
+    assert "predicted" in printed and "tok/s" in printed
+    topology = json.loads((tmp_path / "topology.json").read_text())
+    ranges = [(s["layer_start"], s["layer_end"]) for s in topology["stages"]]
+    assert [s["endpoint"] for s in topology["stages"]] == ["10.0.0.1:9000", "10.0.0.2:9001"]
+    assert ranges[0][0] == 0 and ranges[-1][1] == 30 and ranges[0][1] > 19  # the slow host holds fewer
