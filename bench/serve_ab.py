@@ -29,7 +29,7 @@ import time
 import shlex
 
 import httpx
-from common import speculative_prompts, start_serve
+from common import resolve_model, speculative_prompts, start_serve
 from serve import NO_EOS, PROMPT
 from sse_client import SSEClient
 
@@ -85,6 +85,8 @@ async def run(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--model", type=resolve_model, default=None,
+                        help="GGUF file, or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -97,7 +99,7 @@ def main() -> None:
     parser.add_argument("--keep-eos", action="store_true", help="do not ban the end tokens (a reply may end early)")
     args = parser.parse_args()
     command = ["--stages", str(args.stages), "--ctx-size", "2048", "--concurrency", str(max(8, args.concurrency)),
-               "--kv-cache-mem", "0"]  # fmt: skip
+               "--kv-cache-mem", "0"] + (["--model", args.model] if args.model else [])  # fmt: skip
     servers = {}
     try:
         for side, pairs, extra in (("A", args.a, args.a_args), ("B", args.b, args.b_args)):

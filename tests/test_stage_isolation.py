@@ -437,6 +437,24 @@ def test_every_count_a_peer_sends_is_refused_past_its_bound(stage, caplog, name,
     assert wait_for(lambda: len(server.runtime.sessions) == 0)
 
 
+def test_frames_read_past_the_read_ahead_while_the_engine_is_busy_keep_their_order(stage, caplog):
+    """More frames than the read-ahead holds (128), all read at once behind a busy engine, then
+    EOF: reading pauses and resumes with the rest, and every frame is taken in order, so the
+    window past the bound is the one refused (not a frame taken twice or skipped at the end)."""
+    caplog.set_level(logging.INFO, logger="skippy")
+    server, _ = stage
+    _, frames, reason = next(case for case in LIMITS if case[0] == "open_windows")
+    assert len(frames) > 128
+    with Peer(server.endpoint) as peer, HeldWorker(stage, 0.5):
+        for frame in frames:
+            peer.send(frame)
+        replies = peer.replies_until_close()
+    [close] = closes_logged(caplog)
+    assert reason in close.getMessage() and close.levelno == logging.WARNING
+    assert all(reply.kind != ReplyKind.StageStatus for reply in replies)
+    assert wait_for(lambda: len(server.runtime.sessions) == 0)
+
+
 def test_the_largest_decode_step_is_served_in_constant_time(stage):
     """decode_step = 2^31 - 1 (the i32's largest): the sampler jumps past that many draws."""
     server, _ = stage

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ..model.grammar import GrammarCompiler
 from ..model.llama import StageModel
-from ..protocol import ActivationDtype, LinkConditioning, SamplingConfig, StageReplyStats, Timeouts, TlsConfig
+from ..protocol import LinkConditioning, SamplingConfig, StageReplyStats, Timeouts, TlsConfig
 from ..protocol.sampling_config import GrammarSpec
 from ..protocol.stage_metrics import StageMetricValues
 from ..runtime.batch_policy import BatchSettings
@@ -38,6 +38,7 @@ from ..stage.engine import Engine, EngineClosed
 from ..stage.returns import ReturnInbox, ReturnListener
 from ..stage.transport import LinkBroken, Transport
 from ..tasks import to_the_end
+from ..stage.measure import StageMeasurement
 from ..telemetry import Span, Telemetry
 from .backend import Finished, GenerationEvent, PrefillDone, Token
 from .decoder import ChainDecoder
@@ -125,8 +126,10 @@ class ChainClient:
                                     grammars=grammars)
         self.grammars = grammars
         self.ctx_size = self.runtime.ctx_size
-        self.out_dtype = ActivationDtype[activation_dtype]
         self.prefill_chunk = prefill_chunk
+        # stage 0's forward and its link to stage 1, measured once it is up (stage/measure.py)
+        self.measurement = StageMeasurement(self.runtime, activation_dtype=activation_dtype,
+                                            transport=self.transport, downstream=downstream)
         self.speculative, self.draft_model = speculative, draft_model
         self.check_speculative(speculative)
         self.return_bind = return_bind
@@ -148,7 +151,7 @@ class ChainClient:
         self.engine.start()
         self.inbox = ReturnInbox(self.engine)
         self.env = SessionEnv(SlotEnv(self.engine, self.runtime, self.prefill_chunk, self.timeouts.reply_s,
-                                      self.out_dtype), self.telemetry, self.inbox)
+                                      self.measurement.codec), self.telemetry, self.inbox)
         if self.downstream is not None:
             self.listener = ReturnListener(self.inbox, self.transport, self.return_bind)
             self.return_endpoint = await self.listener.start()
@@ -158,6 +161,7 @@ class ChainClient:
             if self.downstream is not None:
                 await self._connect(lane)
             self._lanes.put_nowait(lane)
+        self.measurement.start(self.engine.call)
 
     async def _connect(self, lane: Lane) -> None:
         sock, endpoint = await self.transport.dial(self.downstream)
@@ -391,6 +395,7 @@ class ChainClient:
             self.inbox.close_all()
 
     async def close(self) -> None:
+        await self.measurement.close()
         if self.listener is not None:
             await self.listener.close()
         if self.engine is not None:

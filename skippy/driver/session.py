@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from ..protocol import (
-    LOOKUP_ERROR, ActivationDtype, MessageKind, SamplingConfig, StageMessage, StageReply, StageReplyStats,
+    LOOKUP_ERROR, MessageKind, SamplingConfig, StageMessage, StageReply, StageReplyStats,
     lookup_observation, merge, record_observation, restore_missed_below,
 )
 from ..protocol.logprobs import TokenLogprob

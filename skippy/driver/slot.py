@@ -29,12 +29,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..protocol import (
-    ActivationDtype, MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply, StageReplyStats, merge,
+    MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply, StageReplyStats, merge,
     prefill_compute_observation, record_observation,
 )
+from ..protocol.constants import activation_dtype_of
 from ..runtime import SampleMode, Step, StepResult
 from ..runtime.stage_runtime import StageRuntime, Timed
 from ..stage.engine import Engine
+from ..stage.measure import LinkCodec
 
 log = logging.getLogger("skippy.driver")
 _I32 = np.dtype("<i4")
@@ -51,7 +53,7 @@ class SlotEnv:
     runtime: StageRuntime          # stage 0's own layers
     prefill_chunk: int             # prompt tokens per PrefillEmbd chunk (spec §6.4: 256)
     reply_s: float                 # the longest wait for any reply of the chain
-    out_dtype: ActivationDtype     # the wire dtype of the rows sent to stage 1
+    codec: LinkCodec               # the wire dtype of each frame of rows sent to stage 1 (stage/measure.py)
 
 
 Reply = StageReply | Exception
@@ -99,7 +101,7 @@ class Slot:
         samples = self.samples_here and kind != MessageKind.PrefillEmbd
         sample = SampleMode.NONE if not samples else SampleMode.ALL if window_id is not None else SampleMode.LAST
         step = Step(self.session, start, len(tokens), tokens, sample=sample,
-                    out_dtype=None if self.samples_here else self.env.out_dtype, window_id=window_id)
+                    out_dtype=None if self.samples_here else self.env.codec.dtype_for(len(tokens)), window_id=window_id)
         decode_step = self.decode_step
         is_prompt = kind in (MessageKind.PrefillEmbd, MessageKind.PrefillFinalEmbd)
 
@@ -119,7 +121,7 @@ class Slot:
             else:
                 try:
                     self.link.send_step(self._message(kind, tokens, start, decode_step, window_id), result.rows,
-                                        self.env.out_dtype, 0)
+                                        activation_dtype_of(result.rows), 0)
                 except ConnectionError as error:
                     return self.fail(ChainError(f"stage chain failed during {kind.name}: {error}"))
             if then is not None:
@@ -202,7 +204,7 @@ class Slot:
         rides along. Its ACK goes to `on_ack`; on a chain hit the final stage samples the first
         token and returns it (to `on_reply`) before the ACKs climb back."""
         self._owe(None, "TryRestorePrefillDecode (first token)", on_reply)
-        step = Step(self.session, start, 1, [token], out_dtype=self.env.out_dtype)
+        step = Step(self.session, start, 1, [token], out_dtype=self.env.codec.dtype_for(1))
 
         def done(result: StepResult | Exception, timed: Timed) -> None:
             if self.failed is not None or self._cancelled:
@@ -210,7 +212,7 @@ class Slot:
             if isinstance(result, Exception):
                 return self.fail(ChainError(f"stage 0 failed a TryRestorePrefillDecode step: {result}"), cause=result)
             try:
-                self.link.send_step(msg, result.rows, self.env.out_dtype, 0, on_ack)
+                self.link.send_step(msg, result.rows, activation_dtype_of(result.rows), 0, on_ack)
             except ConnectionError as error:
                 on_ack(error)
 

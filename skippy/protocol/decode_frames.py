@@ -25,8 +25,8 @@ import struct
 import numpy as np
 
 from .constants import (
-    MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, REPLY_FIXED_BYTES, REPLY_HEADER, REPLY_HEADER_FIELDS, MessageKind,
-    header_offset,
+    ACTIVATION_NUMPY_DTYPE, MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, REPLY_FIXED_BYTES, REPLY_HEADER,
+    REPLY_HEADER_FIELDS, MessageKind, header_offset,
 )
 from .errors import FrameError
 from .frames import (
@@ -55,6 +55,7 @@ class DecodeFrames:
         if not is_decode_frame(prototype):
             raise ValueError("a decode-frame template is a one-token DecodeEmbd without positions")
         self.prototype = prototype
+        self._dtype = ACTIVATION_NUMPY_DTYPE[prototype.activation_dtype]  # q8: one record per 32 values
         self._frame = bytearray(encode_message(prototype))  # every section checked once, here
         start = _TOKEN + 4
         self._activation = slice(start, start + prototype.activation.nbytes)
@@ -65,7 +66,8 @@ class DecodeFrames:
         p = self.prototype
         return (message.request_id == p.request_id and message.session_id == p.session_id
                 and message.trace_context == p.trace_context and message.prompt_token_count == p.prompt_token_count
-                and rows.shape == (p.activation_rows, p.activation_width) and rows.nbytes == p.activation.nbytes)
+                and rows.shape[0] == p.activation_rows and rows.dtype == self._dtype
+                and rows.nbytes == p.activation.nbytes)  # q8 rows: one record per 32 values
 
     def encode(self, pos_start: int, decode_step: int, token: int, rows: np.ndarray) -> bytes:
         """The frame of the step at `pos_start` feeding `token`, carrying `rows` (wire dtype,

@@ -29,6 +29,7 @@ from ..protocol import (
 from ..runtime import SampleMode
 from ..telemetry import Span
 from .lane import DATA_KINDS, Lane, LaneControl
+from .link_probe import on_link_probe
 
 log = logging.getLogger("skippy.stage")
 # this stage's prefix-cache counters on its summary line (stage 0's /metrics cannot see them)
@@ -192,7 +193,8 @@ async def on_stage_status(ctl: LaneControl, span: Span) -> None:
         runtime = lane.env.runtime
         return StageStatusReport(config.stage_index, config.layer_start, config.layer_end, len(runtime.sessions),
                                  config.lane_count,
-                                 runtime.metric_values(connections=len(lane.env.lanes) - 1))  # not this query
+                                 runtime.metric_values(connections=len(lane.env.lanes) - 1),  # not this query
+                                 lane.env.measurement.probe)
 
     ctl.reply(StageReply.of_status(await ctl.run(report)))
 
@@ -205,6 +207,7 @@ CONTROL_HANDLERS: dict[MessageKind, Handler] = {
     K.TryRestorePrefill:       on_prefix_cache,
     K.TryRestorePrefillDecode: on_prefix_cache,
     K.GetStageStatus:          on_stage_status,
+    K.LinkProbe:               on_link_probe,
 }
 del K
 assert set(CONTROL_HANDLERS) | DATA_KINDS == set(MessageKind) and not set(CONTROL_HANDLERS) & DATA_KINDS, \

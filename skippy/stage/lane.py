@@ -34,10 +34,11 @@ from typing import TypeVar
 from ..model.errors import ContextOverflowError, RequestError
 from ..model.grammar import GrammarError
 from ..protocol import (
-    ActivationDtype, FrameError, MessageKind, ProtocolError, StageConfig, StageMessage, StageReply,
+    FrameError, MessageKind, ProtocolError, StageConfig, StageMessage, StageReply,
     StageReplyStats, encode_reply, merge, prefill_compute_observation, prefill_edge_observation,
     record_observation,
 )
+from ..protocol.constants import activation_dtype_of
 from ..protocol.decode_frames import MessageReader, token_reply
 from ..protocol.stats import NO_STATS, is_empty
 from ..runtime import LaneLimitError, SampleMode, Session, SessionError, Step, StepResult
@@ -46,6 +47,7 @@ from ..telemetry import Span, Telemetry
 from .channel import Channel
 from .downlink import DownLink
 from .engine import Engine, EngineClosed
+from .measure import StageMeasurement
 from .returns import ReturnStreams
 from .transport import LinkBroken, Transport
 
@@ -102,14 +104,11 @@ class LaneEnv:
     telemetry: Telemetry
     returns: ReturnStreams
     transport: Transport
+    measurement: StageMeasurement               # its probe, and the dtype of each frame it sends down
     control: Callable[[LaneControl], None]     # on the event loop: run a control message's handler
     needs_link: Callable[[Lane], None]          # on the event loop: dial the lane's link, then lane.resume()
     ended: Callable[[Lane], None]               # on the engine: the lane is closed
     lanes: dict = field(default_factory=dict)   # lane id -> Lane: the stage's open lanes (the engine's)
-    out_dtype: ActivationDtype = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "out_dtype", ActivationDtype[self.config.activation_dtype])
 
 
 def _us(seconds: float) -> int:
@@ -130,6 +129,7 @@ class Lane:
         self._busy = False         # a step or a control message of this lane is under way
         self._credit_since: float | None = None  # waiting for a deferred ACK past the credit window
         self._eof = False          # the peer closed its side: end once its frames are done
+        self._pumping = False      # _pump is running: frames that arrive inside it wait for its loop
         self.channel = Channel(env.engine, sock, name=f"connection {lane_id}", parse=MessageReader(),
                                on_frame=self._arrived, on_close=self._channel_closed, on_eof=self._peer_done)
 
@@ -170,7 +170,18 @@ class Lane:
         self._pump()
 
     def _pump(self) -> None:
-        """Take the next frames while nothing of this lane is under way."""
+        """Take the next frames while nothing of this lane is under way. Not re-entered:
+        resuming reading inside the loop hands it the frames read meanwhile (`_arrived`), and
+        those must wait for the frame just taken from the front, which the loop starts next."""
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            self._take_frames()
+        finally:
+            self._pumping = False
+
+    def _take_frames(self) -> None:
         if self._eof and not self._busy and not self._backlog:
             self.channel.close("closed the connection")
             return
@@ -240,7 +251,7 @@ class Lane:
                                  f"{msg.activation_rows} x {msg.activation_width}")
             rows = msg.activation_array()
         return Step(session, msg.pos_start, msg.token_count, tokens, rows, msg.activation_dtype, sample,
-                    None if self.is_final else self.env.out_dtype, msg.seq_id if window else None)
+                    None if self.is_final else self.env.measurement.codec.dtype_for(msg.token_count), msg.seq_id if window else None)
 
     def _note_compute(self, msg: StageMessage, span: Span, timed: Timed) -> None:
         span.set("compute_ms", timed.run_s * 1e3)
@@ -275,7 +286,7 @@ class Lane:
         link = self.link
         if link is not None:
             try:
-                link.send_step(self._traced(msg, span), result.rows, self.env.out_dtype, index)
+                link.send_step(self._traced(msg, span), result.rows, activation_dtype_of(result.rows), index)
             except LinkBroken as error:
                 span.end()
                 return self.fail(error)
@@ -317,7 +328,7 @@ class Lane:
         if link is not None:
             started = time.perf_counter()
             try:
-                link.send_step(self._traced(msg, span), result.rows, self.env.out_dtype, index)
+                link.send_step(self._traced(msg, span), result.rows, activation_dtype_of(result.rows), index)
             except LinkBroken as error:
                 span.end()
                 return self.fail(error)
@@ -540,7 +551,7 @@ class LaneControl:
             elif rows is None:
                 link.send(msg, on_ack)
             else:
-                link.send_step(msg, rows, self.env.out_dtype, self.env.config.stage_index, on_ack)
+                link.send_step(msg, rows, activation_dtype_of(rows), self.env.config.stage_index, on_ack)
 
         engine.post(send)
         reply = await acked

@@ -20,6 +20,7 @@ from ..telemetry import Telemetry
 from .engine import Engine, EngineClosed
 from .handlers import run_control
 from .lane import Lane, LaneControl, LaneEnv, dial_link
+from .measure import StageMeasurement
 from .returns import ReturnStreams
 from .transport import LinkBroken, Listener, Transport
 
@@ -45,6 +46,10 @@ class StageServer:
         self.engine: Engine | None = None
         self.returns: ReturnStreams | None = None
         self.env: LaneEnv | None = None
+        # its forward and its link to the stage below, measured once it is up (measure.py)
+        self.measurement = StageMeasurement(
+            runtime, activation_dtype=config.activation_dtype, transport=self.transport,
+            downstream=None if config.downstream is None else config.downstream.endpoints)
         self._listener: Listener | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -72,13 +77,14 @@ class StageServer:
                              join_timeout_s=config.timeouts.shutdown_s)
         self.returns = ReturnStreams(self.engine, self.transport, self.driver_endpoint)
         self.env = LaneEnv(config, self.engine, self.runtime, self.telemetry, self.returns, self.transport,
-                           control=self._control, needs_link=self._needs_link, ended=self._ended)
+                           self.measurement, control=self._control, needs_link=self._needs_link, ended=self._ended)
         self.engine.on_close(self._close_lanes)
         self.engine.start()
         self._listener = await self.transport.listen(config.bind_host, config.bind_port, self._adopt,
                                                      where=f"stage {config.stage_index}", sock=sock)
         log.info("stage %d (%s) listening on %s, layers [%d, %d)", config.stage_index, config.stage_id,
                  self.endpoint, config.layer_start, config.layer_end)
+        self.measurement.start(self.engine.call)
         return self.endpoint
 
     async def serve_forever(self) -> None:
@@ -138,6 +144,7 @@ class StageServer:
         """Stop listening and end every connection (`abort`: drop them like a crash would)."""
         if self._listener is not None:
             await self._listener.close()
+        await self.measurement.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

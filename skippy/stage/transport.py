@@ -20,8 +20,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from ..protocol import (
-    AuthError, FrameError, LinkConditioning, MessageKind, ProtocolError, ReplyKind, StageMessage, StageStatusReport,
-    Timeouts, TlsConfig, encode_message, parse_endpoint,
+    AuthError, FrameError, LinkConditioning, MessageKind, ProtocolError, ReplyKind, StageMessage, StageReply,
+    StageStatusReport, Timeouts, TlsConfig, encode_message, parse_endpoint,
 )
 from ..protocol.constants import AUTH_PREFIX, READY, REPLY_FIXED_BYTES, REPLY_HEADER
 from ..protocol.frames import decode_reply_body, parse_reply_header
@@ -114,11 +114,7 @@ class Transport:
         try:
             async with asyncio.timeout(probe_s):
                 await send_all(sock, encode_message(StageMessage(MessageKind.GetStageStatus)))
-                head = await recv_exactly(sock, REPLY_HEADER.size, "reply header")
-                header = parse_reply_header(head)
-                body = await recv_exactly(sock, REPLY_FIXED_BYTES - REPLY_HEADER.size + header.body_bytes,
-                                           "reply body")
-                reply = decode_reply_body(header, body)
+                reply = await recv_reply(sock)
             return reply.status if reply.kind == ReplyKind.StageStatus else None
         except (ProtocolError, OSError, TimeoutError):
             return None
@@ -257,6 +253,13 @@ async def send_all(sock: socket.socket, data: bytes) -> None:
     while view:
         sent = await _io(sock, lambda: sock.send(view))
         view = view[sent:]
+
+
+async def recv_reply(sock: socket.socket) -> StageReply:
+    """One whole reply frame, decoded and checked (ProtocolError when it is not one)."""
+    header = parse_reply_header(await recv_exactly(sock, REPLY_HEADER.size, "reply header"))
+    return decode_reply_body(header, await recv_exactly(
+        sock, REPLY_FIXED_BYTES - REPLY_HEADER.size + header.body_bytes, "reply body"))
 
 
 async def recv_exactly(sock: socket.socket, nbytes: int, what: str) -> bytes:

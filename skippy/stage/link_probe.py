@@ -1,0 +1,103 @@
+"""The link probe: round-trip time and bandwidth to the next stage, from LinkProbe frames on a
+connection dialed as a lane's link is (the stage's Transport: its auth token, TLS off loopback,
+its link conditioning), so it sees what the chain's own frames see (docs/protocol.md, LinkProbe).
+
+The downstream stage ACKs a LinkProbe once it has read the whole frame, and forwards nothing
+(a control message of its lane: stage/handlers.py). An empty probe's round trip is the link's
+latency plus both ends' loops. The rate is that of a burst of large probes sent back to back,
+grown until the burst takes long enough that TCP's slow start and the loops' overhead are a
+small part of it. The probe runs on the event loop over the raw (plain or TLS) socket before
+any lane uses the link, so it never touches the engine's sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..protocol import MessageKind, ProtocolError, ReplyKind, StageMessage, StageReply, encode_message
+from .transport import LinkBroken, Transport, recv_reply, send_all
+
+RTT_PROBES = 7
+BURST_FRAMES = 4
+FIRST_FRAME_BYTES = 64 * 1024
+MAX_FRAME_BYTES = 1 << 20  # filler token ids (a frame may carry 4 MiB): a 4 MiB burst, 0.34 s at 100 Mbit/s
+LONG_ENOUGH_S = 0.1
+REPLY_TIMEOUT_S = 30.0
+DIAL_RETRY_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class LinkTimes:
+    rtt_s: float
+    bytes_per_s: float
+
+
+async def dial_downstream(transport: Transport, endpoints: str | Sequence[str], *,
+                          wait_s: float = 120.0) -> socket.socket:
+    """A handshaken socket to the first of `endpoints` (a stage, then its standbys) that
+    answers, dialing again for up to `wait_s` (a stage below may still be loading). LinkBroken
+    if none answers."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return (await transport.dial(endpoints))[0]
+        except LinkBroken:
+            if time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(DIAL_RETRY_S)
+
+
+async def measure_link(sock: socket.socket, transport: Transport) -> LinkTimes:
+    """Round trip and rate of the link a dialed socket (dial_downstream) goes over."""
+    conditioner = transport.conditioner()  # frames arrive as late as a lane's would (stage/link.py)
+
+    async def send(frames: list[bytes]) -> None:
+        now = time.perf_counter()
+        due = [now if conditioner is None else conditioner.deliver_at(len(f), now) for f in frames]
+        for at, frame in zip(due, frames):
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            await send_all(sock, frame)
+
+    async def acked() -> StageReply:
+        try:
+            reply = await asyncio.wait_for(recv_reply(sock), REPLY_TIMEOUT_S)
+        except (ProtocolError, OSError, TimeoutError) as error:
+            raise LinkBroken(f"link probe: {type(error).__name__}: {error}") from error
+        if reply.kind != ReplyKind.Ack:
+            raise LinkBroken(f"link probe: expected an Ack, got {reply.kind.name}")
+        return reply
+
+    async def round_trip(frames: list[bytes]) -> float:
+        started = time.perf_counter()
+        sending = asyncio.create_task(send(frames))
+        try:
+            for _ in frames:
+                await acked()
+            await sending
+        finally:
+            sending.cancel()
+        return time.perf_counter() - started
+
+    empty = encode_message(StageMessage(MessageKind.LinkProbe))
+    rtt = statistics.median([await round_trip([empty]) for _ in range(RTT_PROBES)])
+    size = FIRST_FRAME_BYTES
+    while True:
+        frame = encode_message(StageMessage(MessageKind.LinkProbe, tokens=np.zeros(size // 4, np.int32)))
+        elapsed = await round_trip([frame] * BURST_FRAMES)
+        if elapsed >= LONG_ENOUGH_S or size >= MAX_FRAME_BYTES:
+            break
+        size = min(4 * size, MAX_FRAME_BYTES)
+    nbytes = BURST_FRAMES * size
+    return LinkTimes(rtt, nbytes / max(elapsed - rtt, nbytes / 1e11))  # at most 100 GB/s
+
+
+async def on_link_probe(ctl, span) -> None:
+    """LinkProbe: read whole, so ACKed; not forwarded."""
+    ctl.reply(StageReply.ack())
