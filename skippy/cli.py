@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the stages' transport token (with --topology; default: the plan's stage-0.json)")
     serve.add_argument("--insecure", action="store_true", default=None,
                        help="with --topology: listen off loopback without a chain token or TLS anyway (warned)")
+    add_stage_wait_option(serve)
     serve.add_argument("--threads", type=int, default=None, help="torch threads in every stage (this one too)")
     serve.add_argument("--max-restarts", type=int, default=5,
                        help="restart a local stage process that dies or hangs at most this often (0 = never)")
@@ -130,6 +131,13 @@ def add_chain_options(parser: argparse.ArgumentParser) -> None:
                         help="the chain's transport token (with --topology)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads in every stage process")
     parser.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
+    add_stage_wait_option(parser)
+
+
+def add_stage_wait_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stage-wait", dest="stage_wait_s", type=float, default=None,
+                        help="with --topology: seconds to wait for the other stages to be up (still fetching or "
+                             "loading their layers) before failing (default 3600; 0 = fail at once)")
 
 
 def add_stage_commands(commands) -> None:
@@ -139,7 +147,15 @@ def add_stage_commands(commands) -> None:
     stage.add_argument("--threads", type=int, default=None, help="torch threads")
     stage.add_argument("--model", dest="model_path", default=None,
                        help="this host's copy of the model (default: the config's model_path); it must be the file "
-                            "the chain was planned for")
+                            "the chain was planned for. With no file there, the stage fetches its layers from a "
+                            "holder (stage 0) into --model-cache once")
+    stage.add_argument("--model-cache", default=None, metavar="DIR",
+                       help="where this stage keeps the slice of the model it fetched "
+                            "(default: ~/.cache/skippy/models/<fingerprint>/)")
+    stage.add_argument("--fetch-from", dest="model_sources", default=None, metavar="HOST:PORT[,HOST:PORT]",
+                       type=lambda text: [e.strip() for e in text.split(",") if e.strip()],
+                       help="stages holding the model file to fetch this stage's layers from, in order "
+                            "(default: stage 0's endpoint in --topology)")
     stage.add_argument("--otlp-endpoint", default=None, help="export spans over OTLP, e.g. http://127.0.0.1:4318")
     stage.add_argument("--otlp-protocol", default=None, choices=["http", "grpc"],
                        help="OTLP over HTTP/protobuf or gRPC (overrides the config; default http)")
@@ -267,6 +283,9 @@ def stage_config(args: argparse.Namespace):
     config = StageConfig.load(args.config)
     given = {name: value for name, value in vars(args).items()
              if name in StageConfig.model_fields and value is not None}
+    if args.model_path is not None and not Path(args.model_path).exists():  # a typo, not a wish to fetch
+        raise ValueError(f"--model {args.model_path}: no such file. Fix: leave --model out to fetch this stage's "
+                         f"layers from a holder of the file (docs/operations.md).")
     if config.tls is not None:  # its files sit beside the config (the plan's tls/)
         given["tls"] = config.tls.resolved(Path(args.config).parent)
     wire = {field: getattr(args, f"wire_{field}") for field in LinkConditioning.model_fields}

@@ -20,7 +20,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..model.grammar import GrammarCompiler
@@ -33,6 +33,7 @@ from ..runtime.scheduler import PEER_WAIT_FORWARDS
 from ..runtime.speculation import SpeculativeSettings
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.downstream import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, DownstreamLink, LinkBroken
+from ..stage.holder import TensorHolder
 from ..stage.prediction_return import PredictionHub, ReturnListener
 from ..telemetry import Span, Telemetry
 from .backend import Finished, GenerationEvent, PrefillDone, Token
@@ -81,14 +82,18 @@ class ChainClient:
                  speculative: SpeculativeSettings = SpeculativeSettings(),
                  draft_model: StageModel | None = None,
                  recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, holder: TensorHolder | None = None,
+                 wait_for_chain: Callable[[], Awaitable[None]] | None = None):
         """`prefix_cache`: stage 0's prefix KV cache; with it a prompt first tries a chain
         restore (session.ChainSession.prefill). `speculative`: the default speculative
         decoding of a request (decoder.py); `draft_model`: the whole small model the
         "draft" proposer runs in this process (shared by every request, each with its own KV).
         `grammars`: the grammar engine for response_format: stage 0 compiles each grammar
         before its request runs (`check_grammar`), and samples with it when it holds the
-        head; the final stage compiles its own. None: requests with a grammar are refused."""
+        head; the final stage compiles its own. None: requests with a grammar are refused.
+        `holder`: serves this process's model file to stages that fetch their layers, on the
+        return listener's port (stage/holder.py). `wait_for_chain`: awaited once the listener
+        is up and before the lanes dial, so stages still fetching or loading are waited for."""
         if not model.layers.is_first:
             raise ValueError(f"Expected the first stage's layers [0, k), got {model.layers}")
         if (downstream is None) != model.layers.is_last:
@@ -117,7 +122,8 @@ class ChainClient:
         self.speculative, self.draft_model = speculative, draft_model
         self.check_speculative(speculative)
         self.hub = PredictionHub()
-        self.listener = ReturnListener(self.hub, return_bind, auth_token=auth_token)
+        self.listener = ReturnListener(self.hub, return_bind, auth_token=auth_token, holder=holder)
+        self.wait_for_chain = wait_for_chain
         self.return_endpoint: str | None = None
         self._lanes: asyncio.Queue[Lane] = asyncio.Queue()
         self.num_lanes = concurrency  # the one bound on requests at once: the API's admission is checked against it
@@ -127,6 +133,8 @@ class ChainClient:
         """Open the return listener and preconnect the lane pool (spec §3.2)."""
         if self.downstream is not None:
             self.return_endpoint = await self.listener.start()
+            if self.wait_for_chain is not None:
+                await self.wait_for_chain()
         for lane_id in range(1, self.num_lanes + 1):
             lane = Lane(lane_id, NoStagesBelow() if self.downstream is None else None)
             if self.downstream is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -35,8 +36,10 @@ from ..runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX, WEIGHT_DTYPES
 from ..stage import link
+from ..stage.holder import TensorHolder
 from ..stage.tls import issue_certificates
 from ..telemetry import Telemetry
+from .stage_wait import wait_for_stages
 from .supervisor import Supervisor
 
 log = logging.getLogger("skippy.launch")
@@ -133,14 +136,19 @@ def stage_kv_cache(kv_cache: KvCacheConfig, stage_index: int) -> KvCacheConfig:
 
 
 async def connect_topology(topology: Topology, model_path: str | Path, *,
-                           auth_token: str | None = None, **options) -> ChainClient:
+                           auth_token: str | None = None, stage_wait_s: float = 0.0, **options) -> ChainClient:
     """Stage 0 for a running chain: load layers [0, k), listen on the topology's stage-0
-    endpoint for the direct return, connect the lanes to stage 1."""
+    endpoint for the direct return (and serve the model's tensors to stages that have no
+    copy: stage/holder.py), wait up to `stage_wait_s` for the other stages to be up
+    (stage_wait.py), connect the lanes to stage 1."""
     check_model(model_path, topology.model_fingerprint, "stage 0")
     first = topology.stages[0]
     downstream = topology.stages[1].endpoints if len(topology.stages) > 1 else None
+    holder = TensorHolder(model_path, topology, where="stage 0")
+    wait = functools.partial(wait_for_stages, topology, auth_token, stage_wait_s) if stage_wait_s > 0 else None
     return await start_stage0(model_path, (first.layer_start, first.layer_end), downstream=downstream,
-                              auth_token=auth_token, return_bind=first.endpoint, **options)
+                              auth_token=auth_token, return_bind=first.endpoint, holder=holder,
+                              wait_for_chain=wait, **options)
 
 
 async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = None, *,

@@ -51,6 +51,7 @@ class ServeConfig(BaseModel):
     auth_token: str | None = Field(None, repr=False)  # API bearer token
     chain_auth_token: str | None = Field(None, repr=False)  # the stages' transport token (with --topology)
     insecure: bool = False  # with --topology: listen off loopback without a chain token or TLS (warned)
+    stage_wait_s: float = Field(3600.0, ge=0)  # with --topology: wait this long for stages still fetching or loading
     dtype: str = "auto"
     device: str = "auto"
     repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
@@ -146,7 +147,7 @@ async def build_backend(config: ServeConfig):
         tls.check_exposure("stage 0's return listener", parse_endpoint(topology.driver_endpoint)[0],
                            auth_token=token, tls=tls_files, insecure=config.insecure)
         tls.use(tls_files)
-        client = await connect_topology(topology, config.model, auth_token=token,
+        client = await connect_topology(topology, config.model, auth_token=token, stage_wait_s=config.stage_wait_s,
                                         kv_cache=config.kv_cache(1), **every_stage, **options)
         return ChainBackend(client, topology, auth_token=token)
     if config.num_stages == 1:

@@ -18,16 +18,18 @@ It is used by middle stages and by the stage-0 driver alike.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from . import link, tls
 from .shared_writer import SharedWriter
 from ..protocol import (
-    MessageKind, ProtocolError, ReplyKind, StageMessage, StageReply, StageReplyStats, StageStatusReport,
-    client_handshake, merge, parse_endpoint, prefill_edge_observation, read_reply, write_message,
+    HandshakeTimeout, MessageKind, ProtocolError, ReplyKind, StageMessage, StageReply, StageReplyStats,
+    StageStatusReport, client_handshake, merge, parse_endpoint, prefill_edge_observation, read_reply, write_message,
 )
 
 log = logging.getLogger("skippy.stage")
@@ -44,9 +46,11 @@ class LinkBroken(ConnectionError):
 
 
 async def open_connection(endpoint: str, *, auth_token: str | None,
-                          timeout_s: float = CONNECT_TIMEOUT_S, handshake_timeout_s: float | None = None):
+                          timeout_s: float = CONNECT_TIMEOUT_S, handshake_timeout_s: float | None = None,
+                          tensors: bool = False):
     """Dial `endpoint`, handshake (auth + READY), return (reader, writer) with TCP_NODELAY.
-    The READY wait defaults to at least 5 s (a stage busy loading answers late)."""
+    The READY wait defaults to at least 5 s (a stage busy loading answers late).
+    `tensors`: open the tensor side channel (holder.py) instead of a lane."""
     host, port = parse_endpoint(endpoint)
     context = tls.client_context(host)
     try:
@@ -59,12 +63,22 @@ async def open_connection(endpoint: str, *, auth_token: str | None,
     if sock is not None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
-        await client_handshake(reader, writer, auth_token,
+        await client_handshake(reader, writer, auth_token, tensors=tensors,
                                timeout=max(timeout_s, 5.0) if handshake_timeout_s is None else handshake_timeout_s)
     except (ProtocolError, OSError) as error:
         writer.close()
         raise LinkBroken(f"handshake with stage at {endpoint} failed: {error}") from error
     return reader, link.conditioned(writer)  # as is, unless a test conditions this process's links
+
+
+def answers_later(error: LinkBroken) -> bool:
+    """Whether a failed dial may succeed if tried again later: nothing listens there yet, or a
+    stage listens but is still loading (no READY yet). A refused token or certificate will not."""
+    cause = error.__cause__
+    if isinstance(cause, ssl.SSLError):
+        return False
+    return (isinstance(cause, (ConnectionRefusedError, TimeoutError, HandshakeTimeout))
+            or isinstance(cause, OSError) and cause.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH))
 
 
 async def query_stage_status(endpoint: str, auth_token: str | None) -> StageStatusReport | None:

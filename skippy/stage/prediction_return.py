@@ -22,6 +22,7 @@ from ..protocol import (
 )
 from . import tls
 from .downstream import CONNECT_TIMEOUT_S, LinkBroken, open_connection
+from .holder import TensorHolder, serve_tensors
 from .shared_writer import SharedWriter
 from .stream_loan import StreamLoan, has_unread_bytes
 
@@ -67,8 +68,10 @@ class ReturnListener:
     """Stage 0's endpoint for prediction-return streams."""
 
     def __init__(self, hub: PredictionHub, bind_addr: str = "127.0.0.1:0", *,
-                 auth_token: str | None = None):
+                 auth_token: str | None = None, holder: TensorHolder | None = None):
+        """`holder`: serves stage 0's model file to stages that fetch their layers (holder.py)."""
         self.hub = hub
+        self.holder = holder
         self.bind_addr = bind_addr
         self.auth_token = auth_token
         self.num_streams = 0
@@ -85,7 +88,9 @@ class ReturnListener:
         self._tasks.add(asyncio.current_task())
         key = None
         try:
-            await server_handshake(reader, writer, self.auth_token)
+            if await server_handshake(reader, writer, self.auth_token):  # the tensor side channel
+                await serve_tensors(self.holder, reader, writer, "stage 0")
+                return
             opening = await asyncio.wait_for(read_message(reader), OPEN_TIMEOUT_S)
             if opening is None or opening.kind != MessageKind.PredictionReturnOpen:
                 got = "EOF" if opening is None else opening.kind.name
@@ -117,6 +122,8 @@ class ReturnListener:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.holder is not None:
+            self.holder.close()
 
 
 class ReturnStreams:

@@ -11,7 +11,6 @@ import sys
 
 import torch
 
-from ..model.fingerprint import check_model
 from ..model.grammar import GrammarCompiler
 from ..model.loader import load_stage
 from ..protocol import StageConfig, Topology
@@ -19,6 +18,7 @@ from ..runtime.engine import StageRuntime
 from ..runtime.stage_cache import StagePrefixCache
 from ..telemetry import Telemetry
 from . import link, tls
+from .fetch import provide_model
 from .server import StageServer
 
 log = logging.getLogger("skippy.stage")
@@ -71,7 +71,7 @@ async def serve_stage(config: StageConfig, topology: Topology | None = None) -> 
                        tls=config.tls, insecure=config.insecure)
     tls.use(config.tls)
     link.use(config.link_conditioning)
-    check_model(config.model_path, config.model_fingerprint, f"stage {config.stage_index}")
+    config = await provide_model(config, topology)  # its file, or its slice: cached or fetched (fetch.py)
     sock = bind_listener(config)
     telemetry = Telemetry(f"skippy-stage{config.stage_index}", config.otlp_endpoint,
                           otlp_protocol=config.otlp_protocol)

@@ -8,6 +8,7 @@ a malformed frame later on closes that connection only (spec §2.1, §2.11).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import socket
@@ -18,6 +19,7 @@ from ..telemetry import Telemetry
 from . import tls
 from .connection import StageConnection
 from .downstream import REPLY_TIMEOUT_S
+from .holder import TensorHolder, serve_tensors
 from .prediction_return import ReturnStreams
 
 log = logging.getLogger("skippy.stage")
@@ -37,6 +39,9 @@ class StageServer:
         self.telemetry = telemetry or runtime.telemetry
         self.reply_timeout_s = reply_timeout_s
         self.returns = ReturnStreams(driver_endpoint, auth_token=config.auth_token)
+        # serves the tensors of the model file it loaded to stages that have none (holder.py)
+        self.holder = None if topology is None else TensorHolder(config.model_path, topology,
+                                                                  where=f"stage {config.stage_index}")
         self.connections: dict[int, StageConnection] = {}
         self.refusals: list[str] = []      # handshake refusals, newest last (also logged)
         self._server: asyncio.Server | None = None
@@ -74,13 +79,18 @@ class StageServer:
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            await server_handshake(reader, writer, self.config.auth_token)
+            tensors = await server_handshake(reader, writer, self.config.auth_token)
         except (ProtocolError, ConnectionError, OSError) as error:
             reason = f"{type(error).__name__}: {error}"
             self.refusals.append(reason)
             log.warning("stage %d: refused connection %d from %s: %s", self.config.stage_index,
                         conn_id, peer, reason)
             writer.close()
+            self._tasks.discard(task)
+            return
+        if tensors:  # the side channel: a stage fetching its layers, not a lane (holder.py)
+            with contextlib.suppress(asyncio.CancelledError):  # the server is closing
+                await serve_tensors(self.holder, reader, writer, f"stage {self.config.stage_index}")
             self._tasks.discard(task)
             return
         connection = self.connections[conn_id] = StageConnection(self, conn_id, reader, writer)
@@ -103,4 +113,6 @@ class StageServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.returns.close_all()
+        if self.holder is not None:
+            self.holder.close()
         self.runtime.close()
