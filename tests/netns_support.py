@@ -73,10 +73,20 @@ def run_in(namespace: str, *command: str, **options) -> subprocess.CompletedProc
 def start_in(namespace: str, *command: str, log_path) -> subprocess.Popen:
     """`command` in `namespace`, once it prints a line with "ready" (stderr to `log_path`);
     its stdout is drained from then on. The caller terminates it."""
-    process = subprocess.Popen(["ip", "netns", "exec", namespace, *command], stdout=subprocess.PIPE,
-                               stderr=open(log_path, "w"), text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return wait_ready(spawn_in(namespace, *command, log_path=log_path), log_path)
+
+
+def spawn_in(namespace: str, *command: str, log_path, env: dict | None = None) -> subprocess.Popen:
+    """`command` in `namespace`, not waited for (stderr to `log_path`; `wait_ready` reads its stdout)."""
+    return subprocess.Popen(["ip", "netns", "exec", namespace, *command], stdout=subprocess.PIPE,
+                            stderr=open(log_path, "w"), text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def wait_ready(process: subprocess.Popen, log_path) -> subprocess.Popen:
+    """`process` once it prints a line with "ready"; its stdout is drained from then on."""
     for line in process.stdout:
         if "ready" in line:
             threading.Thread(target=process.stdout.read, daemon=True).start()
             return process
-    raise AssertionError(f"{' '.join(command)} exited with {process.wait()}; see {log_path}")
+    raise AssertionError(f"{' '.join(process.args)} exited with {process.wait()}; see {log_path}")
