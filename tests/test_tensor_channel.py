@@ -91,9 +91,11 @@ def test_a_stage_fetches_exactly_its_slice_once_and_then_starts_from_its_cache(m
     async def main():
         async with Holder(model) as holder:
             with caplog.at_level(logging.INFO, logger="skippy.holder"):
-                config = await provide_model(holder.config(2, tmp_path), holder.topology)
+                config = (await provide_model(holder.config(2, tmp_path), holder.topology)).config
                 assert config.model_path == str(tmp_path / slice_file_name(2, 3))
                 again = await provide_model(holder.config(2, tmp_path), holder.topology)  # cached: nothing fetched
+                await again.checked()
+                again = again.config
             return config, again
 
     config, again = run(main())
@@ -174,7 +176,7 @@ def test_a_cut_transfer_resumes_where_it_stopped(model, tmp_path, caplog, monkey
     async def main():
         async with Holder(model, holder_class=CuttingHolder) as holder:
             with caplog.at_level(logging.INFO, logger="skippy.holder"):
-                return await provide_model(holder.config(1, tmp_path), holder.topology)
+                return (await provide_model(holder.config(1, tmp_path), holder.topology)).config
 
     config = run(main())
     source = SourceModel.open(model)

@@ -186,7 +186,7 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
-        index = GGUFIndex.parse(self.data, str(self.path))
+        self.index = index = GGUFIndex.parse(self.data, str(self.path))
         self.fields: dict[str, Any] = index.fields
         self.header_bytes = index.data_start  # metadata and tensor index: what the model fingerprint hashes
         self.tensors = [self._tensor(index.data_start, info) for info in index.tensors]

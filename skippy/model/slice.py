@@ -15,14 +15,14 @@ not match. Any GGUF reader loads it; skippy loads it as it loads any file.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelLoadError
 from .fingerprint import header_fingerprint
-from .gguf_file import ARRAY, PREAMBLE, STRING, GGUFFormatError, GGUFIndex, align
+from .gguf_file import ARRAY, PREAMBLE, STRING, GGUFFile, GGUFFormatError, GGUFIndex, align
+from .gguf_loader import open_gguf
 from .source import DIGEST, DIGEST_BYTES, digest_spans, layer_keys, num_layers_of, slice_tensor_names
 
 UINT32 = 4
@@ -94,38 +94,52 @@ def plan_slice(source_header: bytes, source_size: int, source_fingerprint: str, 
 def verify_slice(path: Path, source_fingerprint: str, layer_start: int, layer_end: int) -> None:
     """ModelLoadError unless `path` is an intact slice of layers [start, end) of the planned
     model: its metadata and every tensor match their digests (the first that does not is named)."""
-    fix = f"Fix: delete {path}; the stage then fetches its layers again."
+    check_slice_tensors(check_slice_header(path, source_fingerprint, layer_start, layer_end))
+
+
+def check_slice_header(path: Path, source_fingerprint: str, layer_start: int, layer_end: int) -> GGUFFile:
+    """The slice at `path`, once its metadata, tensor table and size are checked (cheap: no
+    tensor is read). Its parse is the one the loader reuses (gguf_loader.open_gguf)."""
     try:
-        with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            ours = lambda key: key.startswith("skippy.slice.") or layer_keys(key)  # noqa: E731
-            index = GGUFIndex.parse(data, str(path), keep=ours)
-            fields = index.fields
-            if not {SOURCE_KEY, LAYERS_KEY, DIGESTS_KEY, METADATA_KEY} <= fields.keys():
-                raise ModelLoadError(f"{path} is not a slice skippy wrote (no skippy.slice.* metadata). {fix}")
-            if fields[SOURCE_KEY] != source_fingerprint:
-                raise ModelLoadError(f"{path} is a slice of another model (fingerprint {fields[SOURCE_KEY]}, "
-                                     f"the plan's is {source_fingerprint}). {fix}")
-            if list(fields[LAYERS_KEY]) != [layer_start, layer_end]:
-                raise ModelLoadError(f"{path} holds layers {fields[LAYERS_KEY]}, not [{layer_start}, {layer_end}). "
-                                     f"{fix}")
-            table_start = min(index.offsets[key] for key in (SOURCE_KEY, LAYERS_KEY, DIGESTS_KEY, METADATA_KEY))
-            metadata = hashlib.new(DIGEST, data[PREAMBLE.size : table_start] + data[index.kv_end : index.table_end])
-            if metadata.hexdigest() != fields[METADATA_KEY]:
-                raise ModelLoadError(f"{path}: its metadata or tensor table does not match its digest: the file is "
-                                     f"corrupt. {fix}")
-            end = max((index.data_start + t.offset + t.n_bytes for t in index.tensors), default=index.data_start)
-            if len(data) != end or len(fields[DIGESTS_KEY]) != len(index.tensors):
-                raise ModelLoadError(f"{path} is {len(data)} bytes, its tensor table says {end}: the file is "
-                                     f"truncated or corrupt. {fix}")
-            found = digest_spans(data, [(index.data_start + t.offset, t.n_bytes) for t in index.tensors])
-            for tensor, expected, digest in zip(index.tensors, fields[DIGESTS_KEY], found):
-                if digest.hex() != expected:
-                    raise ModelLoadError(f"{path}: tensor {tensor.name} does not match its digest ({DIGEST} "
-                                         f"{expected[:16]}..., found {digest.hex()[:16]}...): the file is corrupt. "
-                                         f"{fix}")
-            num_layers_of(index)  # a slice names the model's depth, as its source does
+        reader = open_gguf(path)
+        index, fields, data = reader.index, reader.fields, reader.data
+        if not {SOURCE_KEY, LAYERS_KEY, DIGESTS_KEY, METADATA_KEY} <= fields.keys():
+            raise ModelLoadError(f"{path} is not a slice skippy wrote (no skippy.slice.* metadata). {_fix(path)}")
+        if fields[SOURCE_KEY] != source_fingerprint:
+            raise ModelLoadError(f"{path} is a slice of another model (fingerprint {fields[SOURCE_KEY]}, "
+                                 f"the plan's is {source_fingerprint}). {_fix(path)}")
+        if list(fields[LAYERS_KEY]) != [layer_start, layer_end]:
+            raise ModelLoadError(f"{path} holds layers {fields[LAYERS_KEY]}, not [{layer_start}, {layer_end}). "
+                                 f"{_fix(path)}")
+        table_start = min(index.offsets[key] for key in (SOURCE_KEY, LAYERS_KEY, DIGESTS_KEY, METADATA_KEY))
+        metadata = hashlib.new(DIGEST, data[PREAMBLE.size : table_start].tobytes()
+                               + data[index.kv_end : index.table_end].tobytes())
+        if metadata.hexdigest() != fields[METADATA_KEY]:
+            raise ModelLoadError(f"{path}: its metadata or tensor table does not match its digest: the file is "
+                                 f"corrupt. {_fix(path)}")
+        end = max((index.data_start + t.offset + t.n_bytes for t in index.tensors), default=index.data_start)
+        if len(data) != end or len(fields[DIGESTS_KEY]) != len(index.tensors):
+            raise ModelLoadError(f"{path} is {len(data)} bytes, its tensor table says {end}: the file is "
+                                 f"truncated or corrupt. {_fix(path)}")
+        return reader
     except (OSError, GGUFFormatError, ValueError) as error:
-        raise ModelLoadError(f"{path} cannot be read as a slice: {error}. {fix}") from error
+        raise ModelLoadError(f"{path} cannot be read as a slice: {error}. {_fix(path)}") from error
+
+
+def check_slice_tensors(reader: GGUFFile) -> None:
+    """Every tensor of a slice whose header checked against its digest: the first that does
+    not match is named. Runs on every core (source.digest_spans)."""
+    index = reader.index
+    found = digest_spans(reader.data, [(index.data_start + t.offset, t.n_bytes) for t in index.tensors])
+    for tensor, expected, digest in zip(index.tensors, reader.fields[DIGESTS_KEY], found):
+        if digest.hex() != expected:
+            raise ModelLoadError(f"{reader.path}: tensor {tensor.name} does not match its digest ({DIGEST} "
+                                 f"{expected[:16]}..., found {digest.hex()[:16]}...): the file is corrupt. "
+                                 f"{_fix(reader.path)}")
+
+
+def _fix(path: Path) -> str:
+    return f"Fix: delete {path}; the stage then fetches its layers again."
 
 
 def _string(text: str) -> bytes:

@@ -3,8 +3,9 @@
 `provide_model` runs before the model loads. A file at the config's `model_path` is used as
 it is (checked against the plan's fingerprint, nothing fetched). Without one, the stage's
 slice (model/slice.py) lives in its cache directory (`model_cache`, by default
-`cache_root()/models/<fingerprint>/`): a cached slice is verified, tensor by tensor, and
-loaded; a missing one is fetched from a holder (holder.py: stage 0 unless the config names
+`cache_root()/models/<fingerprint>/`): a cached slice is loaded while its tensors are
+checked against their digests (a corrupt one stops the stage before it serves, naming the
+tensor); a missing one is fetched from a holder (holder.py: stage 0 unless the config names
 others), over the chain's own authenticated link, into a partial file that a later start
 resumes (model/partial_slice.py). A holder not answering yet is waited for; a refusal, a
 model that is not the planned one, or a tensor that arrives corrupt stops the stage with
@@ -24,7 +25,7 @@ from ..model.errors import ModelLoadError
 from ..model.fingerprint import check_model
 from ..model.locate import cache_root
 from ..model.partial_slice import PartialSlice, SliceIntegrityError
-from ..model.slice import SliceLayout, plan_slice, slice_file_name, verify_slice
+from ..model.slice import SliceLayout, check_slice_header, check_slice_tensors, plan_slice, slice_file_name
 from ..protocol import (
     FrameError, ProtocolError, StageConfig, Topology, TensorRefused, read_tensor_frame, write_tensor_frame,
 )
@@ -40,33 +41,51 @@ CHUNK_TIMEOUT_S = 60.0     # silence mid-transfer this long: the link is cut; re
 MIB = 1 << 20
 
 
-async def provide_model(config: StageConfig, topology: Topology | None) -> StageConfig:
-    """`config` with `model_path` naming the file this stage loads (see the module's doc)."""
+@dataclass
+class ProvidedModel:
+    """What a stage loads (`config.model_path`), and for a cached slice the check of its
+    tensors' digests, which runs on other threads while the model loads (`checked`)."""
+
+    config: StageConfig
+    checking: asyncio.Future | None = None
+
+    async def checked(self) -> None:
+        """ModelLoadError (naming the tensor) if the cached slice it loaded is corrupt."""
+        if self.checking is not None:
+            started = time.perf_counter()
+            await self.checking
+            log.info("stage %d: its cached slice's tensors checked (waited %.2f s after the load)",
+                     self.config.stage_index, time.perf_counter() - started)
+
+
+async def provide_model(config: StageConfig, topology: Topology | None) -> ProvidedModel:
+    """The model this stage loads (see the module's doc). A stage must await `checked()` after
+    loading it and before it serves."""
     who = f"stage {config.stage_index}"
     if Path(config.model_path).exists():
         check_model(config.model_path, config.model_fingerprint, who)
-        return config
+        return ProvidedModel(config)
     fingerprint = config.model_fingerprint
     if fingerprint is None:
         raise ModelLoadError(f"{who}: there is no model at {config.model_path}, and the config names no model "
                              f"fingerprint to fetch its layers by. Fix: --model PATH, or a config from `skippy plan`.")
     cache = Path(config.model_cache).expanduser() if config.model_cache else cache_root() / "models" / fingerprint
     target = cache / slice_file_name(config.layer_start, config.layer_end)
-    if target.exists():
-        started = time.perf_counter()
-        await asyncio.to_thread(verify_slice, target, fingerprint, config.layer_start, config.layer_end)
-        log.info("%s: its cached slice %s checked in %.2f s", who, target, time.perf_counter() - started)
-    else:
-        holders = list(config.model_sources) or ([topology.driver_endpoint] if topology is not None else [])
-        if not holders:
-            raise ModelLoadError(f"{who}: there is no model at {config.model_path} and no holder to fetch its "
-                                 f"layers from. Fix: --topology (stage 0 serves them), --fetch-from HOST:PORT, or "
-                                 f"--model PATH.")
-        if config.auth_token is None:
-            raise ModelLoadError(f"{who}: a holder serves tensors only to a stage with the chain's auth token, and "
-                                 f"this config has none. Fix: a config from `skippy plan`, or --model PATH.")
-        await SliceFetch(config, target, holders).run()
-    return config.model_copy(update={"model_path": str(target)})
+    provided = ProvidedModel(config.model_copy(update={"model_path": str(target)}))
+    if target.exists():  # its metadata now; its tensors (hashing them all) while the model loads
+        reader = check_slice_header(target, fingerprint, config.layer_start, config.layer_end)
+        provided.checking = asyncio.get_running_loop().run_in_executor(None, check_slice_tensors, reader)
+        return provided
+    holders = list(config.model_sources) or ([topology.driver_endpoint] if topology is not None else [])
+    if not holders:
+        raise ModelLoadError(f"{who}: there is no model at {config.model_path} and no holder to fetch its "
+                             f"layers from. Fix: --topology (stage 0 serves them), --fetch-from HOST:PORT, or "
+                             f"--model PATH.")
+    if config.auth_token is None:
+        raise ModelLoadError(f"{who}: a holder serves tensors only to a stage with the chain's auth token, and "
+                             f"this config has none. Fix: a config from `skippy plan`, or --model PATH.")
+    await SliceFetch(config, target, holders).run()  # every tensor checked as it arrived
+    return provided
 
 
 @dataclass

@@ -71,11 +71,13 @@ async def serve_stage(config: StageConfig, topology: Topology | None = None) -> 
                        tls=config.tls, insecure=config.insecure)
     tls.use(config.tls)
     link.use(config.link_conditioning)
-    config = await provide_model(config, topology)  # its file, or its slice: cached or fetched (fetch.py)
+    model = await provide_model(config, topology)  # its file, or its slice: cached or fetched (fetch.py)
+    config = model.config
     sock = bind_listener(config)
     telemetry = Telemetry(f"skippy-stage{config.stage_index}", config.otlp_endpoint,
                           otlp_protocol=config.otlp_protocol)
     runtime = load_stage_runtime(config, telemetry)
+    await model.checked()  # a cached slice's tensors, hashed while it loaded: a corrupt one stops it here
     runtime.log_settings(config.stage_index)
     server = StageServer(config, runtime, topology=topology, telemetry=telemetry)
     endpoint = await server.start(sock)
