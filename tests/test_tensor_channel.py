@@ -5,10 +5,12 @@ over mutual TLS."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
+import socket
+import struct
+import threading
 
 import pytest
 
@@ -23,7 +25,7 @@ from skippy.protocol.tensor_frames import (
     MAX_BODY, TENSOR_HEADER, TENSORS_MAGIC, TENSORS_VERSION, Chunk, Done, FetchRequest, Manifest, ManifestRequest,
     Refused, TensorFrameKind, decode_tensor_body, encode_tensor_frame, parse_tensor_header,
 )
-from skippy.stage import fetch
+from skippy.stage import fetch, pace
 from skippy.stage.downstream import LinkBroken, answers_later, open_connection
 from skippy.stage.fetch import provide_model
 from skippy.stage.holder import TensorHolder
@@ -207,3 +209,33 @@ def test_a_tensor_that_arrives_corrupt_is_refused_naming_it(model, tmp_path):
     with pytest.raises(ModelLoadError, match=f"tensor {re.escape(name)} arrived corrupt"):
         run(main())
     assert not (tmp_path / "cache" / slice_file_name(1, 2)).exists()  # nothing partial under the final name
+
+
+def test_a_fetch_is_paced_a_little_below_what_its_link_delivered(monkeypatch):
+    """stage/pace.py on a real socket: a probe, then the kernel paces at HEADROOM of what it saw, then a probe."""
+    monkeypatch.setattr(pace, "PROBE_S", 0.1)
+    monkeypatch.setattr(pace, "CRUISE_S", 0.1)
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    drain = threading.Thread(target=lambda: [None for _ in iter(lambda: peer.recv(1 << 20), b"")], daemon=True)
+    drain.start()
+
+    def max_pacing_rate() -> int:  # tcpi_max_pacing_rate, before tcpi_bytes_acked
+        return struct.unpack_from("<Q", client.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232), 112)[0]
+
+    paced = pace.Pace(client)
+    unlimited = (pace.UNPACED, (1 << 64) - 1)  # the kernel widens a 32-bit ~0 to 64 bits
+    assert paced.works and paced.probing and max_pacing_rate() in unlimited
+    while paced.probing:
+        client.sendall(bytes(1 << 16))
+        paced.tick()
+    assert paced.rate > 1e6 and max_pacing_rate() == int(pace.HEADROOM * paced.rate)
+    while not paced.probing:
+        client.sendall(bytes(1 << 16))
+        paced.tick()
+    assert max_pacing_rate() in unlimited
+    client.close()
+    drain.join(timeout=10)  # the peer reads to the end
+    peer.close()
+    server.close()

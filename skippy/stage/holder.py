@@ -8,8 +8,10 @@ certificate names another stage. The handshake before it has checked the chain's
 TLS the chain's CA), so an unauthenticated peer never gets here.
 
 The holder keeps decoding while it serves: file reads run on one thread of their own at the
-lowest CPU priority (nice 19), one chunk ahead of the socket, and the event loop only hands
-1 MiB chunks to the transport. One log line per fetch says who got what, how fast.
+lowest CPU priority (nice 19), one chunk ahead of the socket, the event loop only hands
+1 MiB chunks to the transport, and the kernel paces the socket a little below what the link
+delivers, so the holder's own frames find no queue of tensors ahead of them (pace.py). One
+log line per fetch says who got what, how fast.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..protocol import ProtocolError, Topology, TopologyStage, read_tensor_frame
 from ..protocol.tensor_frames import (
     Done, FetchRequest, Manifest, ManifestRequest, Refused, TensorFrameKind, chunk_prefix,
 )
+from .pace import Pace
 
 log = logging.getLogger("skippy.holder")
 log.setLevel(logging.INFO)  # a fetch is rare and an operator wants its line without --log-level INFO
@@ -104,6 +107,8 @@ class TensorHolder:
         except (ProtocolError, TimeoutError, ConnectionError, OSError, asyncio.IncompleteReadError) as error:
             log.info("%s: the fetch by %s broke after %d bytes (%.1f MiB) of %d in %.1f s: %s", self.where, asker,
                      sent, sent / MIB, total, time.monotonic() - started, f"{type(error).__name__}: {error}")
+        except Exception:  # a bug of ours: this fetch ends, the holder and its stage go on
+            log.exception("%s: the fetch by %s failed after %d bytes", self.where, asker, sent)
         finally:
             writer.close()
 
@@ -143,6 +148,8 @@ class TensorHolder:
         if not pieces:
             return
         loop = asyncio.get_running_loop()
+        sock = writer.get_extra_info("socket")
+        pace = Pace(sock) if sock is not None else None  # behind the holder's own frames (pace.py)
         fd = os.open(source.path, os.O_RDONLY)
         read = lambda piece: loop.run_in_executor(self.pool, os.pread, fd, piece[2], piece[3])  # noqa: E731
         pending = read(pieces[0])
@@ -155,6 +162,8 @@ class TensorHolder:
                 writer.write(chunk_prefix(index, at, length))
                 writer.write(data)
                 await writer.drain()
+                if pace is not None:
+                    pace.tick()
                 yield length
         finally:
             if pending is not None:
