@@ -126,11 +126,12 @@ def check_slice_header(path: Path, source_fingerprint: str, layer_start: int, la
         raise ModelLoadError(f"{path} cannot be read as a slice: {error}. {_fix(path)}") from error
 
 
-def check_slice_tensors(reader: GGUFFile) -> None:
+def check_slice_tensors(reader: GGUFFile, *, background: bool = False) -> None:
     """Every tensor of a slice whose header checked against its digest: the first that does
-    not match is named. Runs on every core (source.digest_spans)."""
+    not match is named. `background`: beside the model's load (source.digest_spans)."""
     index = reader.index
-    found = digest_spans(reader.data, [(index.data_start + t.offset, t.n_bytes) for t in index.tensors])
+    found = digest_spans(reader.data, [(index.data_start + t.offset, t.n_bytes) for t in index.tensors],
+                         background=background)
     for tensor, expected, digest in zip(index.tensors, reader.fields[DIGESTS_KEY], found):
         if digest.hex() != expected:
             raise ModelLoadError(f"{reader.path}: tensor {tensor.name} does not match its digest ({DIGEST} "

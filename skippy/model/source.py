@@ -22,6 +22,7 @@ from .args import LayerRange
 from .fingerprint import header_fingerprint
 from .gguf_file import GGUFIndex, TensorInfo
 from .locate import cache_root
+from .threads import lower_priority
 from .weights import needed_tensor_names
 
 DIGEST = "sha256"
@@ -98,9 +99,12 @@ class SourceModel:
         return [i for i, t in enumerate(self.index.tensors) if t.name in names]
 
 
-def digest_spans(data, spans: Sequence[tuple[int, int]]) -> list[bytes]:
-    """sha256 of each (offset, length) of `data` (a memory map), on every core."""
+def digest_spans(data, spans: Sequence[tuple[int, int]], *, background: bool = False) -> list[bytes]:
+    """sha256 of each (offset, length) of `data` (a memory map), on every core; `background`:
+    on every core but one, at the lowest priority (while a model loads beside it)."""
     view = memoryview(data)
+    cores = os.cpu_count() or 1
+    workers, start = (max(1, cores - 1), lower_priority) if background else (cores, None)
 
     def one(span: tuple[int, int]) -> bytes:
         offset, length = span
@@ -111,7 +115,7 @@ def digest_spans(data, spans: Sequence[tuple[int, int]]) -> list[bytes]:
         return digest.digest()
 
     try:
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        with ThreadPoolExecutor(max_workers=workers, initializer=start) as pool:
             return list(pool.map(one, spans))
     finally:
         view.release()

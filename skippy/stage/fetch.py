@@ -15,6 +15,7 @@ the reason.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import time
@@ -74,7 +75,8 @@ async def provide_model(config: StageConfig, topology: Topology | None) -> Provi
     provided = ProvidedModel(config.model_copy(update={"model_path": str(target)}))
     if target.exists():  # its metadata now; its tensors (hashing them all) while the model loads
         reader = check_slice_header(target, fingerprint, config.layer_start, config.layer_end)
-        provided.checking = asyncio.get_running_loop().run_in_executor(None, check_slice_tensors, reader)
+        provided.checking = asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(check_slice_tensors, reader, background=True))
         return provided
     holders = list(config.model_sources) or ([topology.driver_endpoint] if topology is not None else [])
     if not holders:

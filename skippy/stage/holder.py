@@ -20,12 +20,12 @@ import asyncio
 import contextlib
 import logging
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..model.source import SourceModel
+from ..model.threads import lower_priority
 from ..protocol import ProtocolError, Topology, TopologyStage, read_tensor_frame, write_tensor_frame
 from ..protocol.tensor_frames import (
     Done, FetchRequest, Manifest, ManifestRequest, Refused, TensorFrameKind, chunk_prefix,
@@ -44,11 +44,6 @@ class Refusal(Exception):
     """A request this holder will not serve; the reason goes to the dialer and the log."""
 
 
-def _lower_priority() -> None:
-    with contextlib.suppress(OSError):  # not permitted somewhere: then at the process's priority
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
 class TensorHolder:
     def __init__(self, model_path: str | Path, topology: Topology, *, where: str):
         """`where` names this process in log lines ("stage 0"). Nothing is read until a stage asks."""
@@ -59,7 +54,7 @@ class TensorHolder:
     @property
     def pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="skippy-holder", initializer=_lower_priority)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="skippy-holder", initializer=lower_priority)
         return self._pool
 
     async def source(self) -> SourceModel:
