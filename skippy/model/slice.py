@@ -8,8 +8,9 @@ source stores them, and four keys that make the file check itself:
     skippy.slice.metadata  sha256 of the source's metadata bytes and this tensor table
 
 Every byte of the file is then covered by a digest or checked against the plan: a stage
-verifies its cached slice before loading it (`verify_slice`) and names the tensor that does
-not match. Any GGUF reader loads it; skippy loads it as it loads any file.
+checks its cached slice's header before loading it (`check_slice_header`) and its tensors
+while it loads (`check_slice_tensors`), and names the tensor that does not match
+(`verify_slice` does both at once). Any GGUF reader loads it; skippy loads it as any file.
 """
 
 from __future__ import annotations
