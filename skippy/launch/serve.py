@@ -55,7 +55,9 @@ class ServeConfig(BaseModel):
     dtype: str = "auto"
     device: str = "auto"
     repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
-    activation_dtype: Literal["f32", "f16", "bf16"] = "f32"
+    # what stage rows cross links as; auto: per link and frame, from the measured bandwidth (f32, f16 or q8)
+    activation_dtype: Literal["f32", "f16", "bf16", "q8", "auto"] = "auto"
+    split: Literal["equal", "auto"] = "equal"  # --stages N: layers by weight bytes, or by measured time
     threads: int | None = Field(None, ge=1)  # torch threads in every stage process, this one included
     max_restarts: int = Field(5, ge=0)  # restarts in a row of a local stage that dies or hangs (0: none)
     recovery_timeout_s: float = Field(30.0, ge=0)  # a request waits this long for a broken chain (0: none)
@@ -148,21 +150,34 @@ async def build_backend(config: ServeConfig):
         tls.use(tls_files)
         client = await connect_topology(topology, config.model, auth_token=token, stage_wait_s=config.stage_wait_s,
                                         kv_cache=config.kv_cache(1), **every_stage, **options)
-        return ChainBackend(client, topology, auth_token=token)
+        return ChainBackend(client, topology, auth_token=token, advise=_advisor(config, ctx_size, False))
     if config.num_stages == 1:
         set_one_process_threads(config)
         client = await start_stage0(config.model, kv_cache=config.kv_cache(1), **every_stage, **options)
         return ChainBackend(client, None)
     chain = LocalChain(config.model, config.num_stages, threads=config.threads, lane_count=config.num_lanes,
                        log_level=config.log_level, kv_cache=config.kv_cache(config.num_stages),
-                       max_restarts=config.max_restarts,
+                       max_restarts=config.max_restarts, split=config.split,
                        **every_stage, **options)  # fmt: skip
     description = f"Starting {config.num_stages} stages of {Path(config.model).name}"
     with progress_bar(description, config.num_stages) as advance:
         client = await chain.start(on_stage_ready=advance)
         advance()  # stage 0, here, loads last
+    if chain.plan is not None:
+        names = [f"stage {i}" for i in range(config.num_stages)]
+        print(f"skippy: measured split (equal bytes predicted {chain.first_plan.tok_s:.1f} tok/s):\n"
+              + chain.plan.describe(names), flush=True)
     return ChainBackend(client, chain.topology, auth_token=chain.auth_token, on_close=chain.close,
-                        health=chain.supervisor.health)  # fmt: skip
+                        health=chain.supervisor.health, advise=_advisor(config, ctx_size, True))  # fmt: skip
+
+
+def _advisor(config: ServeConfig, ctx_size: int, use_all_hosts: bool):
+    """The split the stages' measured times give, for `/v1/stages` when they drift (measured_split.py)."""
+    from .measured_split import advisor, model_cost
+
+    model = model_cost(config.model, ctx_size=ctx_size, lane_count=config.num_lanes,
+                       activation_dtype=config.activation_dtype)
+    return advisor(model, use_all_hosts=use_all_hosts)
 
 
 async def generate_once(config: ServeConfig, prompt_ids, **options):
