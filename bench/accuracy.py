@@ -38,6 +38,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from common import resolve_model  # noqa: E402
 from skippy.model.llama import Segment  # noqa: E402
 from skippy.model.loader import load_stage, model_args  # noqa: E402
 from skippy.model.locate import bundled_model_path  # noqa: E402
@@ -154,7 +155,8 @@ def perplexity(engine, ids: list[int]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="GGUF file (default: the bundled SmolLM2-135M Q4_1)")
+    parser.add_argument("--model", type=resolve_model,
+                        help="GGUF file or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2-135M Q4_1)")
     parser.add_argument("--tokens", type=int, default=128, help="greedy tokens per prompt")
     parser.add_argument("--ppl-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
