@@ -57,7 +57,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[float] | None = None,
                args: ModelArgs | None = None, standbys: dict[int, list[str]] | None = None,
-               **stage_options) -> tuple[Topology, list[StageConfig]]:
+               topology_id: str | None = None, **stage_options) -> tuple[Topology, list[StageConfig]]:
     """Topology and stage configs for one stage per endpoint; endpoint 0 is the driver's
     return listener, the others are where stages 1..N-1 listen (their bind address).
     The split counts the output head's weights as layers of the last stage, so every
@@ -74,7 +74,7 @@ def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[fl
                             standby_endpoints=standbys.get(i, []))
               for i, (endpoint, (start, end)) in enumerate(zip(endpoints, ranges))]
     fingerprint = model_fingerprint(model_path)
-    topology = Topology(topology_id=f"chain-{secrets.token_hex(4)}", model_id=Path(model_path).stem, stages=stages,
+    topology = Topology(topology_id=topology_id or f"chain-{secrets.token_hex(4)}", model_id=Path(model_path).stem, stages=stages,
                         model_fingerprint=fingerprint)
 
     def peer(i: int) -> PeerEndpoint | None:
@@ -197,7 +197,7 @@ class LocalChain:
         self.auth_token = secrets.token_hex(16)  # loopback, but still not open to anyone
         self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
                                    ctx_size=ctx_size, lane_count=lane_count,
-                                   weight_dtype=_WEIGHT_NAMES[dtype], repack_weights=repack, device=device,
+                                   weight_dtype=WEIGHT_NAMES[dtype], repack_weights=repack, device=device,
                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS,
                                    decode_waves=num_stages, threads=threads,
                                    otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
@@ -289,4 +289,4 @@ class LocalChain:
         await self.close()
 
 
-_WEIGHT_NAMES = {name: short for short, name in WEIGHT_DTYPES.items()}  # --dtype -> StageConfig.weight_dtype
+WEIGHT_NAMES = {name: short for short, name in WEIGHT_DTYPES.items()}  # --dtype -> StageConfig.weight_dtype

@@ -8,6 +8,7 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -63,8 +64,11 @@ def load_stage_runtime(config: StageConfig, telemetry: Telemetry) -> StageRuntim
     return runtime
 
 
-async def serve_stage(config: StageConfig, topology: Topology | None = None) -> None:
-    """Load this stage's layers, listen, print the ready line, serve until SIGINT/SIGTERM."""
+async def serve_stage(config: StageConfig, topology: Topology | None = None,
+                      reload: Callable[[], StageConfig] | None = None) -> None:
+    """Load this stage's layers, listen, print the ready line, serve until SIGINT/SIGTERM.
+    SIGHUP: read the config again (`reload`) and dial its downstream from now on (the next
+    stage moved to another host; whoever moved it rewrote the file)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     tls.check_exposure(f"stage {config.stage_index}", config.bind_host, auth_token=config.auth_token,
@@ -83,6 +87,8 @@ async def serve_stage(config: StageConfig, topology: Topology | None = None) -> 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: _repoint(server, reload))
     print(f"{READY_PREFIX} {config.stage_id} index {config.stage_index} layers "
           f"[{config.layer_start}, {config.layer_end}) on {endpoint}", flush=True)
     try:
@@ -90,3 +96,10 @@ async def serve_stage(config: StageConfig, topology: Topology | None = None) -> 
     finally:
         await server.close()
         telemetry.shutdown()
+
+
+def _repoint(server: StageServer, reload: Callable[[], StageConfig]) -> None:
+    try:
+        server.repoint(reload().downstream)
+    except (OSError, ValueError) as error:  # a bad file: keep serving as before, and say why
+        log.error("stage %d: SIGHUP: config not reloaded: %s", server.config.stage_index, error)

@@ -1,0 +1,136 @@
+"""A Ray cluster of network-namespace hosts on this machine, for tests/test_ray_chain.py and
+bench/ray_recovery.py. Each node is `ray start` in its own namespace with its own address
+(netns_support.py), so Ray sees several machines: it would replace a loopback node address
+with the machine's own. Nodes are stopped by the pids in their namespace, never with
+`ray stop` (which stops every Ray process on the machine). Needs root, iproute2 and Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from netns_support import Host, namespace_hosts
+
+RAY = str(Path(sys.executable).parent / "ray")
+GCS_PORT = 6379
+# the head notices a lost node within ~2 s instead of Ray's default ~15 s (docs/operations.md)
+FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3",
+                      "RAY_health_check_timeout_ms": "500"}
+
+
+@dataclass
+class RayCluster:
+    hosts: list[Host]          # hosts[0] is the head
+    temp: Path                 # each node's Ray session under temp/<index> (short: Ray's socket paths)
+    token: str | None          # the cluster's auth token; None: no token authentication
+    started: list[Host] = field(default_factory=list)
+
+    @property
+    def head(self) -> Host:
+        return self.hosts[0]
+
+    @property
+    def address(self) -> str:
+        return f"{self.head.address}:{GCS_PORT}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a process that uses this cluster (a node, a driver)."""
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", **extra}
+        for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+            env.pop(name, None)
+        if self.token is not None:
+            env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
+        return env
+
+    def start_node(self, index: int, num_cpus: int = 1) -> None:
+        """`ray start` on host `index` (the head when 0); returns once the node has joined."""
+        host = self.hosts[index]
+        command = ["ip", "netns", "exec", host.namespace, RAY, "start", "--node-ip-address", host.address,
+                   "--temp-dir", str(self.temp / str(index)), "--disable-usage-stats", "--num-cpus", str(num_cpus)]
+        if index == 0:
+            command += ["--head", "--port", str(GCS_PORT), "--include-dashboard=false"]
+        else:
+            command += ["--address", self.address]
+        env = self.env(**FAST_HEALTH_CHECKS) if index == 0 else self.env()
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise AssertionError(f"ray start on {host.address} failed:\n{done.stdout}\n{done.stderr}")
+        self.started.append(host)
+
+    def kill_host(self, host: Host, sig: int = signal.SIGKILL) -> list[int]:
+        """Signal every process in `host`'s namespace (a lost machine: raylet, agents, actors)."""
+        pids = namespace_pids(host)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return pids
+
+    def stop(self) -> None:
+        for host in self.started:
+            self.kill_host(host, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while any(namespace_pids(host) for host in self.started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for host in self.started:
+            self.kill_host(host)
+
+
+def namespace_pids(host: Host) -> list[int]:
+    listed = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True)
+    return [int(pid) for pid in listed.stdout.split()]
+
+
+def process_in(host: Host, marker: str) -> int | None:
+    """The pid of the process in `host`'s namespace whose command line contains `marker`."""
+    for pid in namespace_pids(host):
+        with contextlib.suppress(OSError):
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                return pid
+    return None
+
+
+@contextlib.contextmanager
+def ray_cluster(num_hosts: int, num_nodes: int, *, token: str | None, head_cpus: int = 0) -> Iterator[RayCluster]:
+    """`num_hosts` namespaces; Ray on the first `num_nodes` (the head first, with `head_cpus`
+    CPUs; 1 CPU per worker); the rest are for nodes started later (`start_node`). Every Ray
+    process is stopped and the namespaces removed afterwards."""
+    temp = Path(tempfile.mkdtemp(prefix="skr"))
+    with namespace_hosts(num_hosts) as hosts:
+        cluster = RayCluster(hosts, temp, token)
+        try:
+            cluster.start_node(0, num_cpus=head_cpus)
+            for index in range(1, num_nodes):
+                cluster.start_node(index)
+            yield cluster
+        finally:
+            cluster.stop()
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+DRIVER_CHECK = """
+import json, ray
+from ray.util.placement_group import placement_group_table
+ray.init(address=__import__("sys").argv[1], namespace="skippy", logging_level="ERROR")
+actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+groups = [g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED"]
+print(json.dumps({"actors": actors, "groups": groups}))
+"""
+
+
+def skippy_left_on(cluster: RayCluster) -> dict:
+    """Named actors alive and placement groups not removed, as a new driver on the head sees them."""
+    done = subprocess.run(["ip", "netns", "exec", cluster.head.namespace, sys.executable, "-c", DRIVER_CHECK,
+                           cluster.address], env=cluster.env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
