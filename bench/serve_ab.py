@@ -3,7 +3,7 @@
 Both servers run at once (same arguments); each round streams the same greedy chat
 request to A, then to B, at the given concurrency, so a noisy neighbour hurts both
 alike. Prints each side's median (decode tok/s per stream at c=1, aggregate tok/s
-above) and B/A per round pair. This is how docs/architecture.md's spin figures were
+above) and B/A per round pair. This is how docs/decisions.md's spin figures were
 measured, e.g.:
 
     python bench/serve_ab.py --b GOMP_SPINCOUNT=1000                  # 2 stages, c=1

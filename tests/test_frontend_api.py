@@ -340,7 +340,7 @@ def envelope(response: httpx.Response) -> dict:
     "body, param",
     [
         (b"{not json", None),  # bad JSON
-        (b'{"messages": [{"role": "user", "content": "x"}]}', "model"),  # missing field
+        (b'{"model": "M"}', "messages"),  # missing field
         (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": -1}', "temperature"),
         (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
         (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1024}', "max_tokens"),
@@ -501,6 +501,25 @@ def test_504_on_backend_timeout(stack):
     assert wait_until(lambda: active_sessions(stack["main"]) == 0)
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": QUESTION}]}),
+    ("/v1/completions", {"prompt": "The capital of France is"}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_model_may_be_left_out(stack, path, body, stream):
+    """One model is served, so a request without `model` gets it (as llama.cpp's server and vLLM do)."""
+    request = {**body, "max_tokens": 4, "temperature": 0, "stream": stream}
+    response = httpx.post(stack["main"] + path, json=request, timeout=120)
+    assert response.status_code == 200, response.text
+    replies = sse_events(response)[:-1] if stream else [response.json()]
+    assert replies and all(reply["model"] == stack["model"] for reply in replies)
+    if stream:
+        assert sse_events(response)[-1] == "[DONE]"
+    pieces = [choice.get("text") or (choice.get("message") or choice.get("delta") or {}).get("content")
+              for reply in replies for choice in reply["choices"]]
+    assert "".join(piece or "" for piece in pieces).strip()
+
+
 def test_served_model_names_and_cors(stack):
     url, auth = stack["aliased"], {"Authorization": "Bearer s3cret"}
     assert [m["id"] for m in httpx.get(url + "/v1/models", headers=auth).json()["data"]] == ["smol", "gpt-4o-mini"]
@@ -508,6 +527,9 @@ def test_served_model_names_and_cors(stack):
     answer = client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=3)
     assert answer.model == "gpt-4o-mini"  # the name the request used
+    unnamed = httpx.post(url + "/v1/chat/completions", headers=auth, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert unnamed.status_code == 200 and unnamed.json()["model"] == "smol"  # no `model`: the served id
     with pytest.raises(openai.NotFoundError, match="'smol' or 'gpt-4o-mini'"):
         client.chat.completions.create(model=stack["model"], messages=[{"role": "user", "content": "hi"}])
     # a browser's preflight needs no API key; only the allowed origin is let in

@@ -161,7 +161,6 @@ def error_for(model, body: str):
 @pytest.mark.parametrize(
     "body, param, fragment",
     [
-        ('{"messages": [{"role": "user", "content": "hi"}]}', "model", "Missing required field"),  # missing model
         ('{"model": "m"}', "messages", "Missing required field"),  # missing messages
         ('{"model": "m", "messages": []}', "messages", "at least 1"),  # empty conversation
         ('{"model": "m", "messages": [{"role": "robot", "content": "x"}]}', "messages[0].role", "Invalid"),
@@ -188,6 +187,11 @@ def test_chat_validation_errors_name_the_field(body, param, fragment):
 def test_invalid_json_is_a_400():
     error = error_for(CompletionRequest, "{not json")
     assert error.status == 400 and "JSON" in error.message
+
+
+def test_model_is_optional():
+    assert ChatCompletionRequest.model_validate_json('{"messages": [{"role": "user", "content": "hi"}]}').model is None
+    assert CompletionRequest.model_validate_json('{"prompt": "hi"}').model is None
 
 
 def test_requests_accept_what_clients_send():

@@ -75,6 +75,14 @@ def test_message_list_input_and_max_output_tokens(url):
     assert response.usage.output_tokens == 3
 
 
+def test_model_may_be_left_out(url):
+    response = httpx.post(url + "/v1/responses", json={"input": "Hi!", "max_output_tokens": 3}, timeout=300)
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == MODEL  # the one model served
+    unknown = httpx.post(url + "/v1/responses", json={"model": "gpt-4o", "input": "Hi!"}, timeout=300)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
 def test_a_function_tool_round_trip(url):
     client = sdk(url)
     first = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],

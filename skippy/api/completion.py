@@ -85,7 +85,7 @@ async def prepare_text(ctx: ServeContext, body: CompletionRequest, request_id: s
 
 
 def _check_common(ctx: ServeContext, body: GenerationParams) -> None:
-    if body.model not in ctx.model_names:
+    if body.model is not None and body.model not in ctx.model_names:
         raise ApiError(
             404, f"The model {body.model!r} does not exist; this server serves "
                  f"{' or '.join(map(repr, ctx.model_names))}",
@@ -138,8 +138,8 @@ def _job(ctx, kind, body: GenerationParams, request_id, received_at, prompt_ids,
                                 body.prompt_cache_key, _speculative(ctx, body))
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     return Job(
-        kind=kind, id=prefix + request_id, created=int(time.time()), model=body.model, received_at=received_at,
-        request=request, stop=tuple(body.stop or ()), is_stream=body.stream,
+        kind=kind, id=prefix + request_id, created=int(time.time()), model=body.model or ctx.model_names[0],
+        received_at=received_at, request=request, stop=tuple(body.stop or ()), is_stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         return_token_ids=body.return_token_ids, echo=echo, shape=shape,
     )  # fmt: skip

@@ -33,7 +33,7 @@ MAX_STORED_RESPONSES = 256
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # None: the one model served (as on chat and completions)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
@@ -126,7 +126,7 @@ class ResponseRun:
         text_format = (body.text or {}).get("format") or {"type": "text"}
         response = {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "model": body.model, "output": output, "error": None, "incomplete_details": incomplete,
+            "model": self.job.model, "output": output, "error": None, "incomplete_details": incomplete,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "store": body.store,

@@ -75,7 +75,8 @@ class GenerationParams(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    # optional, as llama.cpp's server and vLLM have it: one model is served, so None means it
+    model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

@@ -129,9 +129,8 @@ def model_id_for(path: Path) -> str:
 def set_one_process_threads(config: ServeConfig) -> None:
     """torch threads when the whole model shares this process with the HTTP server:
     --threads, else every core. Sharing cores with the event loop costs little once the
-    model loads on a thread of its own (model/threads.py): `bench/serve.py --stages 1`
-    on 2 cores streamed 148.6 tok/s with 2 threads against 149.3 direct; before that
-    fix 2 threads lost to 1 (the loading thread's OpenMP team throttled the runtime's)."""
+    model loads on a thread of its own (model/threads.py; `bench/serve.py --stages 1`
+    compares streamed with direct decoding)."""
     import torch
 
     torch.set_num_threads(config.threads or os.cpu_count() or 1)

@@ -1,6 +1,6 @@
 """Constrained decoding: a request's grammar (JSON mode, a JSON Schema, a lark grammar) as a token mask.
 
-The engine is llguidance (docs/architecture.md, "Structured outputs", says why). A
+The engine is llguidance (docs/decisions.md says why, with xgrammar measured beside it). A
 `GrammarCompiler` belongs to one tokenizer and keeps an LRU of compiled grammars keyed
 by their text; a `GrammarState` is one request's grammar on the stage that samples it.
 The state follows the request's committed output (the session's token ledger, which

@@ -2,7 +2,7 @@
 
 The runtime runs each forward inside inference mode already, and a decode step calls
 `forward` and then `compute_logits`: entering the mode again each time costs ~3 us hot,
-several times that where a step's Python runs cold (docs/architecture.md).
+several times that where a step's Python runs cold.
 """
 
 from __future__ import annotations

@@ -39,10 +39,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def decode_layout(weight: torch.Tensor) -> torch.Tensor:
     """The same [out, in] weight, in the memory order that one-row matmuls stream fastest.
 
-    Measured on CPU with one input row: MKL's float32 kernels run 1.3 to 1.9x
-    faster on a column-major weight when out > in (qkv, gate_up, the head), and
-    slower when out < in (down). torch's own float16/bfloat16 kernel reads rows,
-    and runs ~10x slower on a column-major weight, so those stay row-major.
+    On CPU with one input row, MKL's float32 kernels run faster on a column-major
+    weight when out > in (qkv, gate_up, the head), and slower when out < in (down).
+    torch's own float16/bfloat16 kernel reads rows, and runs far slower on a
+    column-major weight, so those stay row-major (docs/decisions.md).
     """
     out_features, in_features = weight.shape
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and out_features > in_features:
@@ -50,8 +50,7 @@ def decode_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-# The batch size oneDNN picks its weight layout for; the layouts it picks for 2 to 64
-# measured alike on 1 to 8 rows.
+# The batch size oneDNN picks its weight layout for (the layouts for 2 to 64 ran alike).
 REPACK_BATCH_HINT = 4
 
 
@@ -61,11 +60,9 @@ class Linear:
 
     `weight` is in decode_layout, for one-row steps. `batched` (after `repack`) is a
     second copy, prepacked by oneDNN, for calls with several rows: on CPU, MKL's
-    float32 GEMM runs small batches far below the memory bound (4 rows cost ~3x
-    one row; through the prepacked copy ~2x). `python bench/matmul.py` (1 thread,
-    SmolLM2 stage matmuls, MKL time / repacked time): layers [0, 15) 0.98x at 2
-    rows, 1.46x at 4, 1.43x at 8, 1.13x at 256; layers [19, 30) + head 2.08x at 4,
-    1.85x at 8, 1.52x at 64. One row stays on MKL, where oneDNN takes ~1.5x as long.
+    float32 GEMM runs small batches far below the memory bound. One row stays on
+    MKL, where oneDNN is slower. `python bench/matmul.py` compares the two;
+    docs/decisions.md has its figures.
     """
 
     weight: torch.Tensor

@@ -130,9 +130,8 @@ class StageModel:
             ffn_norm=w[p + "ffn_norm.weight"],
             w_gate_up=build_linear([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]], self.device, arena=arena),
             # the down projection's input, act(gate) * up, is heavy-tailed: one outlier sets a group's
-            # int8 step for 31 small values. Two levels there, one elsewhere (SmolLM2 Q4_1, bench/
-            # accuracy.py: argmax agreement with transformers 98.44% vs 97.97% with one level
-            # everywhere, llama.cpp 98.12%; two everywhere 99.84%, for 1.6x the kernel time at 8 rows)
+            # int8 step for 31 small values. Two levels there, one elsewhere: most of two levels'
+            # accuracy for little of their cost (bench/accuracy.py; docs/decisions.md)
             w_down=build_linear([w[p + "ffn_down.weight"]], self.device, activation_levels=2, arena=arena),
             rope=1 if window and len(self.rope_tables) > 1 else 0,
             window=window,

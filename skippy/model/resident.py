@@ -7,8 +7,7 @@ Importing torch executes and reads ~60 MiB of its shared libraries (static
 initializers registering every operator, Python bindings); those pages stay
 resident although a decode step runs a small part of them. They are clean file
 pages, so dropping them costs nothing but a minor fault for a page that is needed
-again: on the bundled model, one process went from 360 to 282 MiB (295 MiB after
-64 more decode steps, at the same speed). Only mappings that hold no private
+again, and a decode step touches few of them (docs/decisions.md). Only mappings that hold no private
 (written) page are touched: dropping one of those would lose what was written,
 relocations for instance.
 """

@@ -3,10 +3,8 @@
 libgomp (torch's OpenMP and our kernels alike) gives every thread that opens a parallel
 region a team of worker threads of its own, kept until that thread exits. Once a process
 holds more such threads than it has cores, libgomp stops letting idle workers spin (100
-spins instead of ~300,000) and every one of a decode step's ~150 parallel regions pays a
-futex wake-up. Measured on 2 cores with the bundled model: 150 tok/s with load and decode
-on one thread, 53 tok/s with the model loaded on one thread and decoded on another (138
-with loading on a passing thread, as below).
+spins instead of ~300,000) and every parallel region of a decode step pays a futex
+wake-up: decoding then ran at about a third of its speed (docs/decisions.md).
 
 So a process runs its model on one long-lived thread (the runtime's scheduler, see
 runtime/scheduler.py), and one-off parallel work, loading above all, runs on a thread that
@@ -48,15 +46,12 @@ def on_passing_thread(fn: Callable[..., T], /, *args, **kwargs) -> T:
 
 # libgomp's idle workers spin ~300,000 pauses (milliseconds here) before they sleep. Stages
 # that share one machine's cores take turns on a single stream, so a stage that has
-# finished its forward must let the next one have the cores soon: on 2 cores, a 2-stage
-# chain with every core per stage decoded 77 tok/s at libgomp's default, 108 at 10,000
-# spins, 61 at 1,000 (a step's own gaps outlast that: Python between its kernels). One
-# process alone keeps the default: 10,000 cost it 10% (149 -> 135 tok/s).
+# finished its forward must let the next one have the cores soon; but a spin shorter than
+# the gaps between a step's own kernels (Python between them) puts the team to sleep
+# mid-step. One process alone keeps the default. The figures: docs/decisions.md.
 CO_LOCATED_SPIN_COUNT = "10000"
 # A model whose decode steps run in one kernel call (qkernel.DecodeLayers) has no Python
-# between a step's parallel regions, so its workers can give the cores up sooner: served
-# 2 stages at one stream 1.04-1.26x with 1,000 against 10,000 (bench/serve_ab.py, three
-# runs), 8 streams 0.90-1.02x (batched steps still have some Python between kernels).
+# between a step's parallel regions, so its workers can give the cores up sooner.
 ONE_CALL_SPIN_COUNT = "1000"
 
 
