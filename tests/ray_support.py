@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -134,3 +135,87 @@ def skippy_left_on(cluster: RayCluster) -> dict:
                            cluster.address], env=cluster.env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# A client inside a namespace host (the API listens on that host's loopback): one JSON line per
+# streamed piece, with its arrival time on the machine-wide monotonic clock the test shares.
+STREAM = r"""
+import httpx, json, sys, time
+body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": sys.argv[2], "max_tokens": int(sys.argv[3]),
+        "temperature": 0, "logit_bias": {"0": -100, "2": -100}, "stream": True}
+with httpx.stream("POST", sys.argv[1] + "/v1/completions", json=body, timeout=300) as response:
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            event = json.loads(line[6:])
+            text = "".join(choice["text"] for choice in event.get("choices", []))
+            print(json.dumps({"t": time.monotonic(), "text": text, "error": event.get("error")}), flush=True)
+"""
+GET = """
+import httpx, json, sys
+print(json.dumps(httpx.get(sys.argv[1] + sys.argv[2], timeout=60).json()))
+"""
+STORY = "Once upon a time, in a village by the sea,"
+
+
+class ServedOnRay:
+    """`skippy serve --ray` in `host`'s namespace, on this cluster; the API on that host's loopback."""
+
+    def __init__(self, cluster: RayCluster, host: Host, args: list[str], log_path, port: int = 9337):
+        self.cluster, self.host, self.url = cluster, host, f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        command = ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "skippy.cli", "--log-level", "INFO",
+                   "serve", "--ray", cluster.address, "--port", str(port), *args]
+        started = time.monotonic()
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
+                                        env=cluster.env())
+        for line in self.process.stdout:
+            if line.startswith("skippy: ready:"):
+                self.ready_s = time.monotonic() - started
+                self.ready_line = line
+                threading.Thread(target=self.process.stdout.read, daemon=True).start()
+                return
+        raise AssertionError(f"skippy serve --ray exited with {self.process.wait()}:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return Path(self.log_path).read_text(errors="replace")
+
+    def get(self, path: str):
+        done = subprocess.run(["ip", "netns", "exec", self.host.namespace, sys.executable, "-c", GET, self.url, path],
+                              capture_output=True, text=True, timeout=120, env=self.cluster.env())
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    def stages(self) -> list[dict]:
+        return self.get("/v1/stages")["data"]
+
+    def host_of(self, stage_index: int) -> Host:
+        node_ip = self.stages()[stage_index]["node_ip"]
+        return next(host for host in self.cluster.hosts if host.address == node_ip)
+
+    def stream(self, action=None, at: int = 15, prompt: str = STORY, max_tokens: int = 120) -> tuple[str, float | None]:
+        """The streamed text, with `action` run once `at` pieces have arrived; and the time from
+        the action to the next piece (None without an action)."""
+        client = subprocess.Popen(["ip", "netns", "exec", self.host.namespace, sys.executable, "-c", STREAM,
+                                   self.url, prompt, str(max_tokens)],
+                                  stdout=subprocess.PIPE, text=True, env=self.cluster.env())
+        pieces, times, acted_at = [], [], None
+        for line in client.stdout:
+            event = json.loads(line)
+            assert event["error"] is None, event  # a pause, never an error event
+            pieces.append(event["text"])
+            times.append(event["t"])
+            if action is not None and len(pieces) == at:
+                acted_at = time.monotonic()
+                action()
+        assert client.wait(timeout=300) == 0
+        gap = None if acted_at is None else next(t for t in times if t > acted_at) - acted_at
+        return "".join(pieces), gap
+
+    def stop(self, sig: int = signal.SIGINT) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()

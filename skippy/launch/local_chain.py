@@ -34,7 +34,7 @@ from ..runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.process import WEIGHT_DTYPES
 from ..stage import link
-from ..stage.tls import issue_certificates
+from ..stage.certificates import issue_certificates
 from ..telemetry import Telemetry
 from .placement import LocalProcesses, PortTaken
 from .supervisor import Supervisor

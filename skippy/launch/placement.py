@@ -17,10 +17,12 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from ..protocol import StageConfig
-from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX
+from ..stage.lifecycle import EXIT_ADDRESS_IN_USE, READY_PREFIX
+
+if TYPE_CHECKING:  # only a type here: the Ray actor imports this module and stays light
+    from ..protocol import StageConfig
 
 STARTUP_TIMEOUT_S = 600.0
 

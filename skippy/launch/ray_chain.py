@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..driver.client import ChainClient
 from ..protocol import KvCacheConfig, PeerEndpoint, StageConfig, Topology, is_loopback, parse_endpoint
 from ..runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS
-from ..stage import tls
+from ..stage import certificates, tls
 from .local_chain import WEIGHT_NAMES, connect_topology, plan_chain, stage_kv_cache
 from .placement import STARTUP_TIMEOUT_S
 from .supervisor import Supervisor
@@ -193,7 +193,7 @@ class RayChain:
             stage_kv = self.kv_cache or KvCacheConfig(mode="disabled")
             configs = [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)}) for c in configs]
             ca_dir = Path(self._dir.name) / "tls"
-            stage0_tls = tls.issue_certificates(ca_dir, {"stage-0": driver_ip})["stage-0"]
+            stage0_tls = certificates.issue_certificates(ca_dir, {"stage-0": driver_ip})["stage-0"]
             tls.use(stage0_tls.resolved(Path(self._dir.name)))
             threads = [self.threads or max(1, int(bundle.get("CPU", 1))) for bundle in bundles]
             torch.set_num_threads(threads[0])  # stage 0, here
@@ -344,7 +344,7 @@ class RayActors:
         info = await self._describe(index)
         moved = info["endpoint"] != self.endpoints[index]
         self.endpoints[index], self.node_ips[index] = info["endpoint"], info["node_ip"]
-        cert = tls.sign_certificate(self.ca_dir, f"stage-{index}", info["node_ip"], info["public_key"])
+        cert = certificates.sign_certificate(self.ca_dir, f"stage-{index}", info["node_ip"], info["public_key"])
         try:
             started = await self.actors[index].start.remote(
                 self._config(index).model_dump_json(), self.topology.model_dump_json(), cert,
@@ -367,11 +367,15 @@ class RayActors:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             try:
-                return await self.actors[index].describe.remote()
+                info = await self.actors[index].describe.remote()
+                if not info["down"]:
+                    return info
             except RayActorError as error:
-                if _is_gone_for_good(error) or time.monotonic() > deadline:
+                if _is_gone_for_good(error):
                     raise RuntimeError(f"stage {index}'s Ray actor is gone: {_cause(error)}") from None
-                await asyncio.sleep(RETRY_S)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"stage {index}'s Ray actor did not come back within {STARTUP_TIMEOUT_S:g} s")
+            await asyncio.sleep(RETRY_S)
 
     def _config(self, index: int) -> StageConfig:
         """Stage `index`'s config for where every stage is now."""
@@ -402,7 +406,7 @@ class RayActors:
         try:
             return await self._sentinels[index]
         except RayActorError as error:
-            return f"its Ray actor died ({_cause(error)})"
+            return f"its Ray actor died ({_actor_death(error)})"
 
     async def kill(self, index: int) -> None:
         import ray
@@ -465,8 +469,20 @@ def _cause(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
+def _actor_death(error: BaseException) -> str:
+    """Why Ray says an actor is gone, in one line."""
+    from ray.exceptions import ActorUnavailableError
+
+    if isinstance(error, ActorUnavailableError):
+        return "its process or node stopped answering"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and not line.startswith("\t")]
+    return lines[-1] if lines else type(error).__name__
+
+
 def _is_gone_for_good(error: BaseException) -> bool:
+    """An actor whose constructor raised (skippy missing on its node, say): Ray does not
+    restart those. Any other death of an actor with max_restarts=-1 is a restart under way."""
     from ray.exceptions import ActorDiedError
 
-    return isinstance(error, ActorDiedError) and "restart" not in str(error).lower()
+    return isinstance(error, ActorDiedError) and error.actor_init_failed
 

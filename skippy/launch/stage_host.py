@@ -7,6 +7,9 @@ a fresh TLS key here; only its public half leaves the node, for the driver to si
 address the actor landed on. Nothing secret is a constructor argument (Ray keeps those to
 replay restarts, and shows them to anyone who can list actors): the config, its chain token
 and the certificate arrive by `start`, which the driver calls again after every restart.
+
+It imports no torch, nor even the protocol's models (the config stays JSON here): Ray starts
+this process again when a stage dies, and that start is part of the stream's pause.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ import sys
 import tempfile
 import threading
 import time
+import json
 from pathlib import Path
 
-from ..protocol import PeerEndpoint, StageConfig, TlsConfig
-from ..stage.process import READY_PREFIX
-from ..stage.tls import new_key_pair, write_private
+from ..stage.certificates import new_key_pair, write_private
+from ..stage.lifecycle import READY_PREFIX
 from .placement import STARTUP_TIMEOUT_S, describe_exit, stage_command
 
 PR_SET_PDEATHSIG = 1
@@ -53,9 +56,10 @@ class StageHost:
         self._stderr: collections.deque[str] = collections.deque(maxlen=ERROR_LINES)
 
     def describe(self) -> dict:
-        """Where this actor runs, and the public key its certificate must name."""
+        """Where this actor runs, and the public key its certificate must name. `down`: its
+        stage has exited and the actor is about to (a restart must wait for the next one)."""
         return {"node_ip": self.node_ip, "node_id": self.node_id, "endpoint": self.endpoint,
-                "public_key": self._public_pem, "pid": os.getpid(),
+                "public_key": self._public_pem, "pid": os.getpid(), "down": self._down.is_set(),
                 "stage_pid": self._child.pid if self._child else None}
 
     @property
@@ -67,18 +71,17 @@ class StageHost:
         """Write the stage's files (owner-only), start `skippy stage`, return once it is ready."""
         if self._child is not None and self._child.poll() is None:
             raise RuntimeError(f"stage {self.stage_index} is already running on {self.node_ip}")
-        config = StageConfig.model_validate_json(config_json)
-        if not Path(config.model_path).is_file():
-            raise FileNotFoundError(f"stage {self.stage_index}: the model {config.model_path} is not on node "
+        config = json.loads(config_json)  # a StageConfig, validated by the stage itself
+        if not Path(config["model_path"]).is_file():
+            raise FileNotFoundError(f"stage {self.stage_index}: the model {config['model_path']} is not on node "
                                     f"{self.node_ip}. Fix: give every node the file at that path")
         tls = self.directory / "tls"
         tls.mkdir(mode=0o700, exist_ok=True)
         write_private(tls / "ca.pem", ca_pem)
         write_private(tls / "stage.pem", cert_pem)
         write_private(tls / "stage.key", self._key_pem)
-        config = config.model_copy(update={"tls": TlsConfig(ca_file="tls/ca.pem", cert_file="tls/stage.pem",
-                                                            key_file="tls/stage.key")})
-        write_private(self.config_path, config.model_dump_json().encode())
+        config["tls"] = {"ca_file": "tls/ca.pem", "cert_file": "tls/stage.pem", "key_file": "tls/stage.key"}
+        write_private(self.config_path, json.dumps(config).encode())
         write_private(self.directory / "topology.json", topology_json.encode())
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
         command = [*stage_command(self.config_path, self.directory / "topology.json", self.log_level),
@@ -138,9 +141,9 @@ class StageHost:
 
     def repoint(self, downstream_json: str | None) -> None:
         """The next stage moved: rewrite this stage's config and tell it (SIGHUP)."""
-        config = StageConfig.model_validate_json(self.config_path.read_text())
-        downstream = None if downstream_json is None else PeerEndpoint.model_validate_json(downstream_json)
-        write_private(self.config_path, config.model_copy(update={"downstream": downstream}).model_dump_json().encode())
+        config = json.loads(self.config_path.read_text())
+        config["downstream"] = None if downstream_json is None else json.loads(downstream_json)
+        write_private(self.config_path, json.dumps(config).encode())
         if self._child is not None and self._child.poll() is None:
             self._child.send_signal(signal.SIGHUP)
 

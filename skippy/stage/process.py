@@ -20,13 +20,12 @@ from ..runtime.engine import StageRuntime
 from ..runtime.stage_cache import StagePrefixCache
 from ..telemetry import Telemetry
 from . import link, tls
+from .lifecycle import EXIT_ADDRESS_IN_USE, READY_PREFIX
 from .server import StageServer
 
 log = logging.getLogger("skippy.stage")
 
 WEIGHT_DTYPES = {"auto": "auto", "f32": "float32", "f16": "float16", "bf16": "bfloat16", "int4": "int4", "int8": "int8"}
-READY_PREFIX = "skippy: stage ready:"   # launchers wait for this line on stdout
-EXIT_ADDRESS_IN_USE = 98                 # exit status when the bind address is taken
 
 
 def bind_listener(config: StageConfig) -> socket.socket:
