@@ -95,9 +95,9 @@ def test_a_killed_stage_process_then_a_killed_actor_keep_the_text(served, expect
 
 def test_a_placement_the_cluster_cannot_hold_fails_naming_it(served, cluster):
     done = run_in(served.host.namespace, *CLI, "serve", "--ray", cluster.address, "--stages", "6", "--port", "9400",
-                  "--ray-placement-timeout", "2", env=cluster.env())
+                  "--ray-placement-timeout", "3", env=cluster.env())
     assert done.returncode == 2
-    assert "Ray could not place the chain's 6 stages within 2 s (STRICT_SPREAD: 6 nodes with {CPU: 1} each" \
+    assert "Ray could not place the chain's 6 stages within 3 s (STRICT_SPREAD: 6 nodes with {CPU: 1} each" \
         in done.stderr, done.stderr
     assert "waiting for Ray to place 6 stage bundles" in done.stderr  # its progress, while it waited
     left = skippy_left_on(cluster)  # the serving chain's group only: the refused one's is removed

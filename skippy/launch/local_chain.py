@@ -254,7 +254,7 @@ class LocalChain:
             raise
         if self.max_restarts is not None:
             self.supervisor = Supervisor(self.placement, self.num_stages, self.auth_token,
-                                         max_restarts=self.max_restarts)
+                                         max_restarts=self.max_restarts, on_back=self.client.chain_changed)
             self.supervisor.start()
             self.client.can_recover = self.supervisor.can_heal
         return self.client

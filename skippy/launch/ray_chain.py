@@ -49,7 +49,7 @@ from .supervisor import Supervisor
 
 log = logging.getLogger("skippy.launch")
 NAMESPACE = "skippy"  # the Ray namespace of every actor and placement group skippy makes
-RETRY_S = 0.2         # between calls to an actor that Ray is restarting
+RETRY_S = 0.05        # between calls to an actor about to exit (Ray then restarts it)
 
 
 class RaySettings(BaseModel):
@@ -208,7 +208,7 @@ class RayChain:
             raise
         # Ray restarts an actor at once and that takes a second or more: no backoff on top
         self.supervisor = Supervisor(self.placement, self.num_stages, self.auth_token,
-                                     max_restarts=self.max_restarts, backoff_s=0.0)
+                                     max_restarts=self.max_restarts, backoff_s=0.0, on_back=self.client.chain_changed)
         self.supervisor.start()
         self.client.can_recover = self.supervisor.can_heal
         return self.client
@@ -341,7 +341,9 @@ class RayActors:
         return parse_endpoint(self.topology.stages[index].endpoint)[1]
 
     async def _start(self, index: int) -> str:
+        asked = time.monotonic()
         info = await self._describe(index)
+        back = time.monotonic()
         moved = info["endpoint"] != self.endpoints[index]
         self.endpoints[index], self.node_ips[index] = info["endpoint"], info["node_ip"]
         cert = certificates.sign_certificate(self.ca_dir, f"stage-{index}", info["node_ip"], info["public_key"])
@@ -353,8 +355,8 @@ class RayActors:
             self._sentinels[index], self._failures[index] = None, f"could not start: {_cause(error)}"
             raise RuntimeError(f"stage {index} on {info['node_ip']}: {_cause(error)}") from None
         self._sentinels[index] = self.actors[index].wait.remote()
-        log.info("stage %d ready on %s in %.1f s (stage pid %d)", index, info["endpoint"], started["ready_s"],
-                 started["stage_pid"])
+        log.info("stage %d ready on %s (its actor answered in %.2f s, the stage was ready %.2f s later; "
+                 "stage pid %d)", index, info["endpoint"], back - asked, time.monotonic() - back, started["stage_pid"])
         if moved:
             await self._repoint(index - 1)
         return info["endpoint"]

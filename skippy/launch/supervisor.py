@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..protocol import parse_endpoint
@@ -50,8 +51,10 @@ class Supervisor:
     def __init__(self, placement: Placement, num_stages: int, auth_token: str | None, *,
                  max_restarts: int = MAX_RESTARTS, probe_interval_s: float = PROBE_INTERVAL_S,
                  probe_failures: int = PROBE_FAILURES, backoff_s: float = BACKOFF_S,
-                 max_backoff_s: float = MAX_BACKOFF_S):
+                 max_backoff_s: float = MAX_BACKOFF_S, on_back: Callable[[], None] = lambda: None):
+        """`on_back`: called when a stage is back (stage 0's waiting requests try the chain at once)."""
         self.placement, self.num_stages, self.auth_token = placement, num_stages, auth_token
+        self.on_back = on_back
         self.max_restarts = max_restarts
         self.probe_interval_s, self.probe_failures = probe_interval_s, probe_failures
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
@@ -103,6 +106,7 @@ class Supervisor:
             health.moves += moved
             health.endpoint, health.node_ip = endpoint, self.placement.node_ip(index)
             health.state = "ready"
+            self.on_back()
             log.warning("stage %d is back (restart %d)%s", index, health.restarts, f" on {endpoint}" * moved)
 
     async def _failure(self, index: int) -> str:
