@@ -346,17 +346,23 @@ class RayActors:
         back = time.monotonic()
         moved = info["endpoint"] != self.endpoints[index]
         self.endpoints[index], self.node_ips[index] = info["endpoint"], info["node_ip"]
-        cert = certificates.sign_certificate(self.ca_dir, f"stage-{index}", info["node_ip"], info["public_key"])
         try:
-            started = await self.actors[index].start.remote(
-                self._config(index).model_dump_json(), self.topology.model_dump_json(), cert,
-                (self.ca_dir / "ca.pem").read_bytes(), self.threads[index])
+            if info["starting"]:  # restarted on its node, it restarted the stage from its own files
+                started = await self.actors[index].wait_ready.remote()
+            else:
+                cert = certificates.sign_certificate(self.ca_dir, f"stage-{index}", info["node_ip"],
+                                                     info["public_key"])
+                started = await self.actors[index].start.remote(
+                    self._config(index).model_dump_json(), self.topology.model_dump_json(), cert,
+                    (self.ca_dir / "ca.pem").read_bytes(), self.threads[index])
         except Exception as error:
             self._sentinels[index], self._failures[index] = None, f"could not start: {_cause(error)}"
             raise RuntimeError(f"stage {index} on {info['node_ip']}: {_cause(error)}") from None
         self._sentinels[index] = self.actors[index].wait.remote()
         log.info("stage %d ready on %s (its actor answered in %.2f s, the stage was ready %.2f s later; "
                  "stage pid %d)", index, info["endpoint"], back - asked, time.monotonic() - back, started["stage_pid"])
+        if info["starting"] and index + 1 < len(self.configs):
+            await self._repoint(index)  # its kept config may predate a move of the next stage
         if moved:
             await self._repoint(index - 1)
         return info["endpoint"]

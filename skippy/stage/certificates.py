@@ -49,6 +49,14 @@ def new_key_pair() -> tuple[bytes, bytes]:
     return _pem_key(key), public
 
 
+def public_key_of(key_pem: bytes) -> bytes:
+    """The public key (PEM) of a private key made by `new_key_pair`."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
 def sign_certificate(ca_dir: Path, name: str, host: str, public_key_pem: bytes, *, days: int = 825) -> bytes:
     """A certificate (PEM) from the chain CA in `ca_dir` (ca.pem, ca.key) for `name` at `host`,
     for the holder of `public_key_pem`'s private key."""
