@@ -21,6 +21,7 @@ from skippy.model.llama import Segment
 from skippy.model.gguf_types import LEGACY_BLOCK_BYTES
 from skippy.model.quant import (REQUANTIZED, SUPPORTED, FloatWeight, GroupAffine, QuantizedTensor, QuantLinear, deinterleave,
                                 from_gguf_blocks, interleave)
+from skippy.model.errors import RequestError
 from skippy.model.sampling import RequestSampler
 from skippy.protocol.sampling_config import SamplingConfig
 
@@ -506,11 +507,16 @@ def test_kernel_greedy_pick_is_the_samplers(n, kind, bias, seed):
         row[rng.integers(0, n, 3)] = -0.0
     bias = {token: value for token, value in bias if token < n}
     sampler = RequestSampler(SamplingConfig(temperature=0.0, logit_bias=bias))
-    expected = sampler.sample(torch.from_numpy(row.copy()), ())
     ids, values = sampler.greedy_bias(n)
     x = torch.from_numpy(row.copy())
-    assert qkernel.greedy_pick(x, ids, values) == expected
+    pick = qkernel.greedy_pick(x, ids, values)
     assert np.array_equal(x.numpy(), row, equal_nan=True)
+    try:
+        expected = sampler.sample(torch.from_numpy(row.copy()), ())
+    except RequestError:  # every token banned: the sampler refuses, and the runner refuses the pick
+        assert row[pick] + bias.get(pick, 0.0) == -math.inf
+        return
+    assert pick == expected
 
 
 def test_decode_step_picks_are_the_samplers(quant_model):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from numerics import sampling_slack
 from skippy.model.sampling import (
+    Draws,
     RequestSampler,
     apply_penalties,
     draw_token,
@@ -18,6 +19,7 @@ from skippy.model.sampling import (
     greedy,
     penalty_window,
 )
+from skippy.model.errors import RequestError
 from skippy.protocol.sampling_config import SamplingConfig
 
 NUM_VOCAB = 49152
@@ -200,8 +202,9 @@ def test_top_p_on_full_vocab_matches_oracle(scale, top_p):
     ],
 )
 def test_draw_token_never_picks_zero_probability(probs, expected):
-    gen = torch.Generator().manual_seed(0)
-    assert {draw_token(torch.tensor(probs), gen) for _ in range(300)} == expected
+    draws = Draws(0)
+    uniforms = [draws.next() for _ in range(300)] + [0.0, 1.0 - 2.0**-53]  # and both ends of [0, 1)
+    assert {draw_token(torch.tensor(probs), u) for u in uniforms} == expected
 
 
 @pytest.mark.parametrize(
@@ -385,3 +388,40 @@ def test_skipping_draws_resumes_the_seeded_stream():
     resumed.skip_draws(12)
     assert draw_many(resumed, logits, 18) == uninterrupted[12:]
     assert draw_many(RequestSampler(config), logits, 18) != uninterrupted[12:]  # not by chance
+
+
+# --- what a peer may send that the API never does (issue 43) ---------------------
+
+
+def test_a_plus_inf_bias_forces_its_token_at_any_temperature():
+    logits = random_logits(2, NUM_VOCAB, scale=1.0)
+    forced = {11: math.inf, 4000: math.inf}
+    for config in (SamplingConfig(temperature=1.3, top_p=0.9, min_p=0.1, seed=1, logit_bias=forced),
+                   SamplingConfig(temperature=0.7, top_k=40, seed=2, logit_bias=forced)):
+        assert set(draw_many(RequestSampler(config), logits, 60)) == {11, 4000}  # each as likely
+    assert RequestSampler(SamplingConfig(logit_bias=forced)).sample(logits, []) == 11  # greedy: the first
+
+
+def test_a_row_with_nothing_to_draw_fails_with_its_reason():
+    nan = random_logits(3, NUM_VOCAB)
+    nan[100] = math.nan
+    with pytest.raises(RequestError, match="Expected finite logits, got NaN"):
+        RequestSampler(SamplingConfig(temperature=0.8, seed=1)).sample(nan, [])
+    with pytest.raises(RequestError, match="Expected logit_bias token ids < 49152"):
+        RequestSampler(SamplingConfig(logit_bias={NUM_VOCAB: 1.0}), vocab_size=NUM_VOCAB)
+
+
+def test_skipping_any_count_of_draws_is_a_jump():
+    """decode_step is an i32 a peer sends: 2^31 - 1 skipped draws cost what a few do (Draws)."""
+    config = SamplingConfig(temperature=1.0, seed=9)
+    far = RequestSampler(config)
+    far.skip_draws(2**31 - 1)
+    stepped = Draws(9)
+    stepped.skip(2**31 - 3)
+    stepped.skip(2)
+    assert far._draws.next() == stepped.next()
+    reference = Draws(9)
+    first = [reference.next() for _ in range(5)]
+    resumed = Draws(9)
+    resumed.skip(3)
+    assert [resumed.next(), resumed.next()] == first[3:]

@@ -14,11 +14,14 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from skippy.protocol.logprobs import TokenLogprob
 from skippy.protocol.sampling_config import SamplingConfig
+
+from .errors import RequestError
 
 if TYPE_CHECKING:
     from .grammar import GrammarState
@@ -140,22 +143,41 @@ def _nucleus_head(
     return logits.sort(descending=True)
 
 
-def draw_token(probs: Tensor, generator: torch.Generator) -> int:
-    """One token from [V] probabilities (need not sum to 1), by inverse CDF.
-
-    One uniform per draw, like llama.cpp's dist sampler; torch.multinomial costs
-    ~5x more on CPU. float64 keeps the running sum exact enough over 49k tokens.
-    """
+def draw_token(probs: Tensor, u: float) -> int:
+    """One token from [V] probabilities (need not sum to 1), by inverse CDF at the uniform
+    `u` in [0, 1) (one per draw, like llama.cpp's dist sampler; torch.multinomial costs ~5x
+    more on CPU). float64 keeps the running sum exact enough over 49k tokens."""
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[-1:]
     if not float(total) > 0.0:  # also catches NaN
-        raise ValueError(f"Expected some token with probability > 0, got total {float(total)}; "
-                         "did logit_bias ban every token?")
-    u = torch.rand(1, dtype=torch.float64, device=probs.device, generator=generator)
-    token = torch.searchsorted(cdf, u * total, right=True)
+        raise RequestError(f"Expected some token with probability > 0, got total {float(total)}; "
+                           "did logit_bias (and the grammar) ban every token?")
+    token = torch.searchsorted(cdf, total * u, right=True)
     # u * total can round up to total; never step past the last token with p > 0.
     last_possible = torch.searchsorted(cdf, total)
     return int(torch.minimum(token, last_possible))
+
+
+class Draws:
+    """A request's uniforms, one per sampled row, derivable from (seed, index) without
+    making the ones before: draw i is the i-th 64-bit output of PCG64(seed), its top 53 bits
+    as a double in [0, 1) (numpy's `random()`). A replayed request skips the draws its
+    earlier session made (ConfigureGeneration's decode_step, a peer's i32, up to 2^31 - 1)
+    with PCG64's jump-ahead, in O(log n) time and no memory, where making them would hold the
+    runtime's worker and ask for 8 bytes a draw (torch's Mersenne Twister has no jump;
+    docs/decisions.md)."""
+
+    __slots__ = ("_bits",)
+
+    def __init__(self, seed: int) -> None:
+        self._bits = np.random.PCG64(seed & (2**64 - 1))  # an i64 seed, as its u64 pattern
+
+    def skip(self, num_draws: int) -> None:
+        if num_draws > 0:
+            self._bits.advance(num_draws)
+
+    def next(self) -> float:
+        return (self._bits.random_raw() >> 11) * 2.0**-53
 
 
 def _min_p(logits: Tensor, min_p: float) -> Tensor:
@@ -166,17 +188,19 @@ def _min_p(logits: Tensor, min_p: float) -> Tensor:
 
 
 class RequestSampler:
-    """One request's sampler, with its own generator on the logits' device.
+    """One request's sampler, with its own stream of draws (Draws).
 
-    The private generator means concurrent requests never consume each other's
+    The private stream means concurrent requests never consume each other's
     random numbers: a seeded request gives the same tokens however it is batched
     or interleaved with others.
     """
 
     def __init__(self, config: SamplingConfig, device: torch.device | str = "cpu",
-                 grammar: GrammarState | None = None) -> None:
+                 grammar: GrammarState | None = None, vocab_size: int | None = None) -> None:
         """`grammar`: the request's grammar state (GrammarCompiler.state), exactly when
-        `config.grammar` is set: every row is then masked to the tokens it allows."""
+        `config.grammar` is set: every row is then masked to the tokens it allows.
+        `vocab_size`: the head's width, when known here: a logit_bias id past it is refused
+        now, when the request is configured, not in the middle of a batched step."""
         if (config.grammar is None) != (grammar is None):
             raise ValueError(f"Expected a grammar state exactly when the config has a grammar, got "
                              f"{config.grammar!r} and {grammar!r}")
@@ -185,16 +209,18 @@ class RequestSampler:
         self.device = _resolve(torch.device(device))
         bad = [t for t in config.logit_bias if t < 0]
         if bad:
-            raise ValueError(f"Expected logit_bias token ids >= 0, got {bad[0]}")
+            raise RequestError(f"Expected logit_bias token ids >= 0, got {bad[0]}")
+        self._max_bias_id = max(config.logit_bias, default=-1)
+        if vocab_size is not None and self._max_bias_id >= vocab_size:
+            raise RequestError(f"Expected logit_bias token ids < {vocab_size} (the vocabulary), "
+                               f"got {self._max_bias_id}")
         # A random seed is still recorded, so a run can be replayed from the logs.
         self.seed = config.seed if config.seed is not None else secrets.randbits(63)
-        self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(self.seed)
+        self._draws = Draws(self.seed)
         self._bias_ids = torch.tensor(list(config.logit_bias), dtype=torch.long, device=self.device)
         self._bias_values = torch.tensor(
             list(config.logit_bias.values()), dtype=torch.float32, device=self.device
         )
-        self._max_bias_id = max(config.logit_bias, default=-1)
 
     @property
     def uses_history(self) -> bool:
@@ -212,10 +238,10 @@ class RequestSampler:
         return list(cfg.logit_bias), list(cfg.logit_bias.values())
 
     def skip_draws(self, num_draws: int) -> None:
-        """Advance the generator past `num_draws` draws (one uniform each, see draw_token): a
-        request replayed onto a fresh chain continues its seeded stream where it was cut."""
-        if num_draws > 0:
-            torch.rand(num_draws, dtype=torch.float64, device=self.device, generator=self._generator)
+        """Skip `num_draws` draws (one uniform each, see draw_token) in constant time and
+        memory (Draws): a request replayed onto a fresh chain continues its seeded stream
+        where it was cut."""
+        self._draws.skip(num_draws)
 
     def sample(
         self,
@@ -232,7 +258,7 @@ class RequestSampler:
         For [N, V] (a VerifyWindow with input tokens [c, d1, ..., d(N-1)]),
         `row_tokens` must be the drafts d1..d(N-1): the input tokens of rows 1..N-1.
         Row i is sampled as if history were `history + row_tokens[:i]`, so penalties
-        (and a grammar) see the drafts the model saw, and rows draw from the generator
+        (and a grammar) see the drafts the model saw, and rows draw from the stream
         in order, which gives the same tokens as N one-row calls.
         """
         if not _same_device(logits.device, self.device):
@@ -244,7 +270,7 @@ class RequestSampler:
         if len(row_tokens) != num_rows - 1:
             raise ValueError(f"Expected {num_rows - 1} row_tokens for {num_rows} rows, got {len(row_tokens)}")
         if self._max_bias_id >= logits.shape[-1]:
-            raise ValueError(f"Expected logit_bias token ids < {logits.shape[-1]}, got {self._max_bias_id}")
+            raise RequestError(f"Expected logit_bias token ids < {logits.shape[-1]}, got {self._max_bias_id}")
 
         cfg = self.config
         if self.grammar is not None:  # before the filters: top_k, top_p and min_p keep allowed tokens only
@@ -273,10 +299,33 @@ class RequestSampler:
                 frequency_penalty=cfg.frequency_penalty,
             )
         if cfg.is_greedy:
-            return greedy(logits)
-        logits = filter_logits(logits, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
-        probs = torch.softmax(logits / cfg.temperature, dim=-1)
-        return draw_token(probs, self._generator)
+            token = greedy(logits)
+            if logits[token] == -math.inf:
+                raise RequestError("Expected some token the sampling settings allow, got none: logit_bias "
+                                   "and the grammar ban every token")
+            return token
+        u = self._draws.next()  # one per sampled row, whatever happens next (the stream's count)
+        probs = torch.softmax(filter_logits(logits, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+                              / cfg.temperature, dim=-1)
+        try:
+            return draw_token(probs, u)
+        except RequestError:
+            forced = _forced(logits)
+            if forced is None:
+                raise
+        return draw_token(forced, u)
+
+
+def _forced(logits: Tensor) -> Tensor | None:
+    """[V] probabilities uniform over the +inf logits (a +inf logit_bias forces its token,
+    docs/protocol.md §3.4: among several, each is as likely), or None when there are none
+    or a logit is NaN (the row's activations overflowed: RequestError, that request fails).
+    Only after the softmax found no finite total, so an ordinary row never pays for it."""
+    if bool(logits.isnan().any()):
+        raise RequestError("Expected finite logits, got NaN (the row's activations overflowed, or a "
+                           "+inf logit_bias fell on a token its grammar excludes)")
+    forced = logits == math.inf
+    return forced.double() if bool(forced.any()) else None
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

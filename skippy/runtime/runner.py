@@ -5,16 +5,19 @@ Called from the scheduler's worker thread only, so nothing here locks.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
-from ..model.errors import ContextOverflowError
+from ..model.errors import ContextOverflowError, RequestError
 from ..model.grammar import GrammarCompiler
 from ..model.llama import Segment, StageModel
 from ..model.sampling import RequestSampler, token_logprobs
 from ..protocol.constants import ActivationDtype
 from ..protocol.sampling_config import SamplingConfig
-from .session import Session, SessionError, VerifyCheckpoint
+from .session import MAX_OPEN_WINDOWS, Session, SessionError, VerifyCheckpoint
+from .speculation import MAX_WINDOW_TOKENS
 from .step import SampleMode, Step, StepResult
 
 
@@ -27,6 +30,13 @@ from .step import SampleMode, Step, StepResult
 # lock, and a served stream ran 9-12% slower (three interleaved A/Bs). On an Intel Xeon: 0.82x,
 # and 0.99x once a team's threads claimed each other's matmul blocks (docs/architecture.md).
 PICK_MIN_STEPS = 2
+
+# Rows a frame may ask logits of (docs/protocol.md §8.1): a verify window's (stage 0's windows
+# carry at most MAX_WINDOW_TOKENS drafts and the current token) and a prompt chunk's with
+# prompt logprobs (stage 0 cuts prompts into 256-row chunks). Each row's logits take 4 bytes
+# a token of the vocabulary (192 KiB for SmolLM2): a context-long window would ask for GBs.
+MAX_WINDOW_ROWS = MAX_WINDOW_TOKENS + 1
+MAX_PROMPT_LOGPROB_ROWS = 1024
 
 
 def rows_to_tensor(rows: np.ndarray, dtype: ActivationDtype) -> torch.Tensor:
@@ -45,6 +55,27 @@ def tensor_to_rows(hidden: torch.Tensor, dtype: ActivationDtype) -> np.ndarray:
         return hidden.to(torch.float16).contiguous().numpy()
     # round-to-nearest-even to bf16, then the raw bits
     return hidden.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def _check_picks(logits: torch.Tensor, tokens: list[int], bias: dict[int, float]) -> None:
+    """Each picked token's logit plus its bias must be a number above -inf. A greedy pick
+    lands on a NaN whenever its row holds one (NaN counts as the largest, in the sampler and
+    the forward's picks alike), and on a -inf only when every token is banned: either way the
+    row has no token to give, and its request fails (RequestError) instead of reading on with
+    a token that means nothing. A sampled row met its case in the sampler already. One value
+    read a row (through numpy: a torch gather's call costs more than the read)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        values = logits.numpy()
+        picked = [float(values[i, token]) for i, token in enumerate(tokens)]
+    else:
+        index = torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None]
+        picked = logits.gather(1, index)[:, 0].tolist()
+    for value, token in zip(picked, tokens):
+        value += bias.get(token, 0.0)
+        if not value > -math.inf:
+            raise RequestError("Expected finite logits, got NaN (the row's activations overflowed)"
+                               if value != value else "Expected some token the sampling settings allow, "
+                               "got none: logit_bias and the grammar ban every token")
 
 
 class Runner:
@@ -76,11 +107,17 @@ class Runner:
 
     # -- iterations ---------------------------------------------------------------
     def run_batch(self, steps: list[Step]) -> list[StepResult | Exception]:
-        """One forward over every step that passes its checks; per-step errors are returned."""
+        """One forward over every step that passes its checks; per-step errors are returned.
+
+        One session's step never fails another's: its inputs are checked before its rows
+        join the forward (`_check_inputs`), and what can still go wrong for one row after
+        the forward (its logits, its sampler, its grammar) fails that step alone (`_sample`).
+        """
         results: list[StepResult | Exception | None] = [None] * len(steps)
         ready, aligned = [], {}
         for i, step in enumerate(steps):
             try:
+                self._check_inputs(step)
                 aligned[i] = self._prepare(step)
                 ready.append(i)
             except (SessionError, ContextOverflowError, ValueError) as error:
@@ -91,6 +128,41 @@ class Runner:
                               results)
         return results  # type: ignore[return-value]
 
+    def _check_inputs(self, step: Step) -> None:
+        """What a step's frame carries, checked before it touches the session or a forward:
+        token ids inside the vocabulary (the first stage embeds them; the final stage's
+        penalties, grammar and prompt logprobs index with them), and, on later stages, one
+        finite activation row per compute row. Non-finite rows are refused, not computed:
+        one NaN row would give its session NaN logits, and a sampler nothing to draw from
+        (docs/protocol.md §7.1)."""
+        if step.window_id is not None:
+            if step.num_rows > MAX_WINDOW_ROWS:
+                raise RequestError(f"Expected a verify window of at most {MAX_WINDOW_ROWS} rows, got "
+                                   f"{step.num_rows}")
+            windows = step.session.verify_windows
+            if step.window_id not in windows and len(windows) >= MAX_OPEN_WINDOWS:
+                raise RequestError(f"Expected at most {MAX_OPEN_WINDOWS} verify windows open in a session "
+                                   "(RetireVerifyWindow frees them), got one more")
+        elif step.num_rows > MAX_PROMPT_LOGPROB_ROWS and self._wants_prompt_logprobs(step):
+            raise RequestError(f"Expected a prompt chunk of at most {MAX_PROMPT_LOGPROB_ROWS} rows with "
+                               f"prompt logprobs, got {step.num_rows}")
+        tokens, vocab = step.tokens, self.model.args.vocab_size
+        if tokens and not (0 <= min(tokens) and max(tokens) < vocab):
+            bad = next(t for t in tokens if not 0 <= t < vocab)
+            raise RequestError(f"Expected token ids in [0, {vocab}) (the vocabulary), got {bad} "
+                               f"at row {tokens.index(bad)}")
+        if self.is_first:
+            return
+        rows = step.rows
+        if rows is None or rows.shape[0] != step.num_rows:
+            raise RequestError(f"Expected {step.num_rows} activation rows, got "
+                               f"{'none' if rows is None else rows.shape[0]}")
+        finite = (rows & 0x7F80) != 0x7F80 if step.rows_dtype == ActivationDtype.bf16 else np.isfinite(rows)
+        if not finite.all():
+            row = int(np.argwhere(~finite)[0][0])
+            raise RequestError(f"Expected finite activations, got a NaN or infinity in row {row} "
+                               f"of {step.num_rows}")
+
     def _prepare(self, step: Step) -> int | None:
         session = step.session
         session.check_active()
@@ -98,7 +170,7 @@ class Runner:
             session.cache = self.model.new_cache(self.ctx_size)
         cache = session.cache
         if step.num_rows < 1:
-            raise ValueError(f"Expected at least one row, got {step.num_rows}")
+            raise RequestError(f"Expected at least one row, got {step.num_rows}")
         if step.start > cache.length:
             raise SessionError(f"position {step.start} is past the session's {cache.length} "
                                "positions (a chunk or step was lost)")
@@ -124,11 +196,10 @@ class Runner:
             if len(ids) != sum(s.num_rows for s in steps):
                 raise ValueError("the first stage needs a token id for every row")
             x = torch.tensor(ids, dtype=torch.long)
-        else:
-            dtype = steps[0].rows_dtype
-            if any(s.rows is None or s.rows_dtype != dtype for s in steps):
-                raise ValueError("later stages need input rows of one dtype for every step")
-            x = rows_to_tensor(np.concatenate([s.rows for s in steps]), dtype)  # a writable copy
+        elif all(s.rows_dtype == steps[0].rows_dtype for s in steps):
+            x = rows_to_tensor(np.concatenate([s.rows for s in steps]), steps[0].rows_dtype)  # a writable copy
+        else:  # sessions whose upstreams send different dtypes share the wave all the same
+            x = torch.cat([rows_to_tensor(s.rows.copy(), s.rows_dtype) for s in steps])
         greedy = [self._greedy_bias(s) for s in steps] if self.is_last and len(steps) >= PICK_MIN_STEPS else None
         hidden = model.forward(x, [Segment(s.session.cache, s.start, s.num_rows) for s in steps], greedy)
 
@@ -137,8 +208,11 @@ class Runner:
             offsets.append(row)
             row += s.num_rows
         sampled = self._sample(steps, offsets, hidden)
-        for step, offset, index, aligned_from, (tokens, logprobs, prompt_logprobs) in zip(
-                steps, offsets, indices, aligned, sampled):
+        for step, offset, index, aligned_from, outcome in zip(steps, offsets, indices, aligned, sampled):
+            if isinstance(outcome, Exception):
+                results[index] = outcome
+                continue
+            tokens, logprobs, prompt_logprobs = outcome
             rows = None
             if step.out_dtype is not None:
                 rows = tensor_to_rows(hidden[offset:offset + step.num_rows], step.out_dtype)
@@ -148,7 +222,10 @@ class Runner:
         """The logit_bias of a decode step's greedy pick the forward may make (StageModel.forward)."""
         if step.sample is not SampleMode.LAST or step.num_rows != 1 or self._wants_prompt_logprobs(step):
             return None
-        sampler = step.session.sampler or self._new_sampler(step.session)
+        try:
+            sampler = step.session.sampler or self._new_sampler(step.session)
+        except Exception:  # noqa: BLE001 - no pick in the forward; the step's own sampling fails alone
+            return None
         return sampler.greedy_bias(self.model.args.vocab_size)
 
     def _wants_prompt_logprobs(self, step: Step) -> bool:
@@ -158,7 +235,8 @@ class Runner:
                 and step.window_id is None and step.start < step.session.prompt_token_count)
 
     def _sample(self, steps: list[Step], offsets: list[int], hidden: torch.Tensor) -> list:
-        """(tokens, logprobs, prompt logprobs) per step; (None, None, None) where it samples nothing."""
+        """(tokens, logprobs, prompt logprobs) per step; (None, None, None) where it samples
+        nothing, and the exception where that step's sampling failed (that step only)."""
         picks: list[int] = []  # hidden rows whose logits are needed
         every_row = [self._wants_prompt_logprobs(step) for step in steps]
         for step, offset, is_every in zip(steps, offsets, every_row):
@@ -174,35 +252,45 @@ class Runner:
         logits = self.model.compute_logits(hidden[picks] if len(picks) < hidden.shape[0] else hidden)
         out, row = [], 0
         for step, offset, is_every in zip(steps, offsets, every_row):
-            session = step.session
-            prompt_logprobs = None
-            if is_every:
-                prompt_logprobs = self._prompt_logprobs(step, logits[row:row + step.num_rows])
-                row += step.num_rows - (step.sample is SampleMode.LAST)  # the last row samples
-            if step.sample is SampleMode.NONE:
-                out.append((None, None, None))
-                continue
-            sampler = session.sampler or self._new_sampler(session)
-            if step.sample is SampleMode.LAST:
-                mine = logits[row:row + 1]
-                if picked is not None and picked[offset] is not None:
-                    tokens = [picked[offset]]  # the sampler's own greedy pick, made in the forward
-                else:
-                    history = session.history(step.start + step.num_rows) if sampler.uses_history else ()
-                    tokens = [sampler.sample(mine[0], history)]
-                row += 1
-            else:
-                mine = logits[row:row + step.num_rows]
-                drafts = session.ledger[step.start + 1:step.start + step.num_rows]
-                history = session.history(step.start + 1) if sampler.uses_history else ()
-                tokens = list(sampler.sample(mine, history, drafts))
-                row += step.num_rows
-            num_top = session.sampling.logprobs if session.sampling is not None else None
-            logprobs = None if num_top is None else token_logprobs(mine, tokens, num_top)
-            out.append((tokens, logprobs, prompt_logprobs))
-            if self.record_logits:
-                self.last_logits[session.key] = (mine[0] if step.sample is SampleMode.LAST else mine).clone()
+            num_logit_rows = (step.num_rows if step.sample is SampleMode.ALL or is_every
+                              else int(step.sample is SampleMode.LAST))
+            try:
+                out.append(self._sample_step(step, offset, is_every, logits[row:row + num_logit_rows],
+                                             picked))
+            except Exception as error:  # noqa: BLE001 - this row's fault (or ours) fails its step only
+                out.append(error)
+            row += num_logit_rows
         return out
+
+    def _sample_step(self, step: Step, offset: int, is_every: bool, logits: torch.Tensor,
+                     picked: list[int | None] | None) -> tuple:
+        """One step's (tokens, logprobs, prompt logprobs) from its rows' logits."""
+        session = step.session
+        prompt_logprobs = None
+        if is_every:
+            prompt_logprobs = self._prompt_logprobs(step, logits)
+            logits = logits[step.num_rows - 1:]  # the last row samples
+        if step.sample is SampleMode.NONE:
+            return None, None, None
+        sampler = session.sampler or self._new_sampler(session)
+        if step.sample is SampleMode.LAST:
+            mine = logits[:1]
+            if picked is not None and picked[offset] is not None:
+                tokens = [picked[offset]]  # the sampler's own greedy pick, made in the forward
+            else:
+                history = session.history(step.start + step.num_rows) if sampler.uses_history else ()
+                tokens = [sampler.sample(mine[0], history)]
+        else:
+            mine = logits
+            drafts = session.ledger[step.start + 1:step.start + step.num_rows]
+            history = session.history(step.start + 1) if sampler.uses_history else ()
+            tokens = list(sampler.sample(mine, history, drafts))
+        _check_picks(mine, tokens, sampler.config.logit_bias)
+        num_top = session.sampling.logprobs if session.sampling is not None else None
+        logprobs = None if num_top is None else token_logprobs(mine, tokens, num_top)
+        if self.record_logits:
+            self.last_logits[session.key] = (mine[0] if step.sample is SampleMode.LAST else mine).clone()
+        return tokens, logprobs, prompt_logprobs
 
     @staticmethod
     def _prompt_logprobs(step: Step, logits: torch.Tensor) -> list | None:
@@ -233,7 +321,13 @@ class Runner:
 
     # -- session operations ---------------------------------------------------------
     def configure(self, session: Session, sampling: SamplingConfig | None, skip_draws: int = 0) -> None:
-        """`skip_draws`: the draws a replayed request's sampler already made (final stage)."""
+        """`skip_draws`: the draws a replayed request's sampler already made (final stage; any
+        count up to 2^31 - 1 skips in constant time and memory: sampling.Draws)."""
+        if skip_draws < 0:
+            raise RequestError(f"Expected decode_step >= 0 (the draws a request already made), got {skip_draws}")
+        if session.prompt_token_count > self.ctx_size:
+            raise RequestError(f"Expected prompt_token_count <= {self.ctx_size} (the context size), got "
+                               f"{session.prompt_token_count}")
         session.sampling = sampling
         session.sampler = self._new_sampler(session) if self.is_last else None
         if session.sampler is not None:
@@ -243,11 +337,11 @@ class Runner:
         sampling, grammar = session.sampling or SamplingConfig(), None
         if sampling.grammar is not None:
             if self.grammars is None:
-                raise ValueError(f"stage {self.model.layers} has no grammar engine for a request "
+                raise RequestError(f"stage {self.model.layers} has no grammar engine for a request "
                                  "with a response_format grammar")
             # the output starts after the prompt; the state follows the ledger from there
             grammar = self.grammars.state(sampling.grammar, session.prompt_token_count)
-        session.sampler = RequestSampler(sampling, self.model.device, grammar)
+        session.sampler = RequestSampler(sampling, self.model.device, grammar, self.model.args.vocab_size)
         return session.sampler
 
     @staticmethod

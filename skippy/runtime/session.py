@@ -9,6 +9,7 @@ session even if they reuse a session id.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -16,6 +17,14 @@ from typing import Any
 from ..protocol.sampling_config import SamplingConfig
 
 SessionKey = tuple[int, int]  # (lane id, session id)
+
+# What one session may hold that its peer's frames add to (docs/protocol.md §8.1). Stage 0
+# keeps at most 64 windows in flight (speculation.MAX_PIPELINE_DEPTH) and retires each as it
+# resolves, so twice that is never reached by a well-behaved peer.
+MAX_OPEN_WINDOWS = 128
+# A DiscardStaleWindows range matters only to windows already queued when it arrives (the
+# read-ahead holds at most 128 messages): the session keeps its newest 128 ranges.
+MAX_DISCARD_RANGES = 128
 
 
 class SessionError(RuntimeError):
@@ -56,7 +65,8 @@ class Session:
     # the cache, so after auto-align or a trim it is still the session's true history.
     ledger: list[int] = field(default_factory=list)
     verify_windows: dict[int, VerifyCheckpoint] = field(default_factory=dict)
-    discarded_windows: list[tuple[int, int]] = field(default_factory=list)  # [min, max] ranges
+    discarded_windows: deque[tuple[int, int]] = field(  # [min, max] ranges, the newest
+        default_factory=lambda: deque(maxlen=MAX_DISCARD_RANGES))
     num_auto_aligns: int = 0
     is_new: bool = True  # not yet counted as opened (stage metrics)
     # prompt logprobs (final stage): the entries so far, and the last chunk's last row's logits,

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..model.errors import ContextOverflowError
+from ..model.errors import ContextOverflowError, RequestError
+from ..model.grammar import GrammarError
 from ..protocol import (
     ActivationDtype, FrameError, MessageKind, ProtocolError, StageMessage, StageReply,
     NO_STATS, StageReplyStats, merge, read_message_body, read_message_header, write_reply,
@@ -29,9 +30,13 @@ from .handlers import HANDLERS, StageError, deliver_step
 from .lane_loan import LaneLoan
 from .stream_loan import StreamLoan, has_unread_bytes
 
-# Errors a message causes by itself (malformed, out of order, for no such session, past the
-# context or the lanes): the connection closes with a warning, the stage is fine.
-UPSTREAM_FAULTS = (ProtocolError, StageError, SessionError, LaneLimitError, ContextOverflowError)
+# A peer's faults: what a message causes by itself (malformed, out of order, for no such
+# session, past the context or the lanes, inputs the model cannot take, a grammar that does not
+# compile) and a peer gone (a reset, a broken or timed-out link). The connection closes with
+# one WARNING line naming the reason; the stage is fine, so no traceback. Anything else is ours:
+# an ERROR with its traceback.
+UPSTREAM_FAULTS = (ProtocolError, StageError, SessionError, LaneLimitError, ContextOverflowError, RequestError,
+                   GrammarError, ConnectionError, asyncio.IncompleteReadError, TimeoutError)
 
 if TYPE_CHECKING:
     from .server import StageServer
@@ -81,7 +86,15 @@ class StageConnection:
         return (self.conn_id, session_id)
 
     def open_session(self, msg: StageMessage) -> Session:
-        return self.runtime.open_session(self.key(msg.session_id), msg.request_id)
+        """The message's session; a new request on a session id replaces the session, and what
+        the old request held here goes with it (its KV, sampler, grammar state and checkpoints
+        in the runtime; its return stream and summary here)."""
+        key = self.key(msg.session_id)
+        sessions = self.runtime.sessions
+        if key in sessions and sessions.get(key).request_id != msg.request_id:
+            self.server.returns.close(key)
+            self.summaries.pop(msg.session_id, None)
+        return self.runtime.open_session(key, msg.request_id)
 
     def step(self, session: Session, msg: StageMessage, sample: SampleMode, *,
              window: bool = False) -> Step:
@@ -134,7 +147,7 @@ class StageConnection:
 
     async def return_prediction(self, msg: StageMessage, reply: StageReply) -> None:
         """Final stage: straight to stage 0 when the return stream is open, else upstream."""
-        if not await self.server.returns.send((msg.request_id, msg.session_id), reply):
+        if not await self.server.returns.send(self.key(msg.session_id), msg.request_id, reply):
             await self.reply(reply)
 
     # -- the connection's life --------------------------------------------------------------
@@ -237,8 +250,7 @@ class StageConnection:
         if self.link is not None:
             await self.link.close()
         orphans = self.runtime.reclaim_lane(self.conn_id)
-        for session in orphans:
-            self.server.returns.close((session.request_id, session.key[1]))
+        self.server.returns.close_lane(self.conn_id)
         if orphans:
             log.info("stage %d: connection %d ended without Stop; reclaimed %d session(s)",
                      self.config.stage_index, self.conn_id, len(orphans))

@@ -162,7 +162,7 @@ def worker_send(conn: StageConnection, msg: StageMessage,
         if writer is None:
             return None, None
         return WorkerSend(writer, lambda result: encode_message(conn.forwarded(msg, result.rows))), None
-    writer = conn.server.returns.writer((msg.request_id, msg.session_id))
+    writer = conn.server.returns.writer(conn.key(msg.session_id), msg.request_id)
     if writer is None:
         return None, None
     stats = conn.take_stats()
@@ -205,7 +205,7 @@ async def on_stop(conn: StageConnection, msg: StageMessage, span: Span) -> None:
         stats = merge(stats, conn.take_stats())
         timed = await conn.runtime.drop(key)
         span.set("runtime_lock_wait_ms", timed.wait_s * 1e3)
-    conn.server.returns.close((msg.request_id, msg.session_id))
+    conn.server.returns.close(key)
     summary = conn.summaries.pop(msg.session_id, None)
     if summary is not None:
         kv = conn.runtime.prefix_cache
@@ -233,10 +233,9 @@ async def on_control(conn: StageConnection, msg: StageMessage, span: Span) -> No
         conn.open_session(msg).cache_namespace = msg.cache_namespace
         # decode_step of a ConfigureGeneration: the draws a replayed request already made
         timed = await conn.runtime.configure(key, msg.sampling, msg.prompt_token_count,
-                                             skip_draws=max(0, msg.decode_step))
+                                             skip_draws=msg.decode_step)
         if link is None:  # the final stage opens the direct return stream (spec §2.7)
-            span.set("direct_return", await conn.server.returns.open((msg.request_id,
-                                                                        msg.session_id)))
+            span.set("direct_return", await conn.server.returns.open(key, msg.request_id))
     span.set("runtime_lock_wait_ms", timed.wait_s * 1e3)
     if link is not None:
         started = time.perf_counter()

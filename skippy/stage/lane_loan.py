@@ -52,7 +52,7 @@ class LaneLoan:
         session = runtime.session(key)
         if conn.is_final:
             sampling = session.sampling
-            if (conn.server.returns.writer((msg.request_id, msg.session_id)) is None
+            if (conn.server.returns.writer(key, msg.request_id) is None
                     or not is_empty(conn.pending_stats)
                     or (sampling is not None and (sampling.logprobs is not None or sampling.prompt_logprobs))):
                 return None
@@ -75,7 +75,8 @@ class LaneLoan:
                 header = parse_message_header(buffer)
             except ProtocolError:
                 return None
-            if header.kind != MessageKind.DecodeEmbd or header.session_id != self.session_id:
+            if (header.kind != MessageKind.DecodeEmbd or header.session_id != self.session_id
+                    or header.request_id != self.session.request_id):  # a new request: the loop replaces the session
                 return None
             size = MESSAGE_HEADER.size + header.body_bytes
             if len(buffer) < size:

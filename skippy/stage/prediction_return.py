@@ -7,7 +7,8 @@
   After that only replies flow on the stream, final -> stage 0.
 * If the stream cannot be opened, the final stage replies upstream instead, and
   every middle stage relays the reply (the hop-by-hop fallback).
-* The stream is closed on Stop, or when the session's connection ends.
+* The stream is the session's (`ReturnStreams`): it is closed on Stop, when a new request
+  replaces the session, or when the session's connection ends.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..protocol import (
     MessageKind, ProtocolError, StageMessage, StageReply, parse_endpoint, read_message, read_reply,
     server_handshake, write_message, write_reply,
 )
+from ..runtime.session import SessionKey
 from . import tls
 from .downstream import CONNECT_TIMEOUT_S, LinkBroken, open_connection
 from .shared_writer import SharedWriter
@@ -120,41 +122,56 @@ class ReturnListener:
 
 
 class ReturnStreams:
-    """The final stage's open streams back to stage 0."""
+    """The final stage's open streams back to stage 0: one per session, keyed as the runtime
+    keys it, (connection id, session id), and held for the request it was opened for.
+
+    Keyed by the session, not by the (request_id, session_id) stage 0 reads on the stream, so
+    a connection owns its streams: no other connection's frames reach or close them, and
+    whatever ends or replaces the session ends its stream (a new request on the session id,
+    Stop, the connection's end).
+    """
 
     def __init__(self, driver_endpoint: str | None, *, auth_token: str | None = None):
         self.driver_endpoint = driver_endpoint
         self.auth_token = auth_token
-        self._writers: dict[ReturnKey, SharedWriter | asyncio.StreamWriter] = {}
+        self._streams: dict[SessionKey, tuple[int, SharedWriter | asyncio.StreamWriter]] = {}
 
-    def __contains__(self, key: ReturnKey) -> bool:
-        return key in self._writers
+    def __len__(self) -> int:
+        return len(self._streams)
 
-    async def open(self, key: ReturnKey) -> bool:
-        """Dial stage 0 for `key`; False (and the fallback path) if that is not possible."""
-        if key in self._writers:
+    async def open(self, key: SessionKey, request_id: int) -> bool:
+        """Dial stage 0 for the session's request; False (and the fallback path) if that is
+        not possible. A stream the session holds for an earlier request is closed first."""
+        held = self._streams.get(key)
+        if held is not None and held[0] == request_id:
             return True
+        self.close(key)
         if self.driver_endpoint is None:
             return False
         try:
             _, writer = await open_connection(self.driver_endpoint, auth_token=self.auth_token,
                                               timeout_s=CONNECT_TIMEOUT_S)
             await write_message(writer, StageMessage(MessageKind.PredictionReturnOpen,
-                                                     request_id=key[0], session_id=key[1]))
+                                                     request_id=request_id, session_id=key[1]))
         except (LinkBroken, ConnectionError, OSError) as error:
             log.warning("direct prediction return unavailable, relaying upstream: %s", error)
             return False
-        self._writers[key] = SharedWriter.wrap(writer)
+        self._streams[key] = (request_id, SharedWriter.wrap(writer))
         return True
 
-    def writer(self, key: ReturnKey) -> SharedWriter | None:
-        """The key's stream, when a worker may send on it (plain TCP)."""
-        writer = self._writers.get(key)
+    def _writer(self, key: SessionKey, request_id: int):
+        held = self._streams.get(key)
+        return held[1] if held is not None and held[0] == request_id else None
+
+    def writer(self, key: SessionKey, request_id: int) -> SharedWriter | None:
+        """The session's stream for `request_id`, when a worker may send on it (plain TCP)."""
+        writer = self._writer(key, request_id)
         return writer if isinstance(writer, SharedWriter) else None
 
-    async def send(self, key: ReturnKey, reply: StageReply) -> bool:
-        """Write a prediction on the key's stream; False if there is none (or it broke)."""
-        writer = self._writers.get(key)
+    async def send(self, key: SessionKey, request_id: int, reply: StageReply) -> bool:
+        """Write a prediction on the session's stream; False if it has none for `request_id`
+        (or it broke)."""
+        writer = self._writer(key, request_id)
         if writer is None:
             return False
         try:
@@ -165,11 +182,22 @@ class ReturnStreams:
             self.close(key)
             return False
 
-    def close(self, key: ReturnKey) -> None:
-        writer = self._writers.pop(key, None)
-        if writer is not None:
-            writer.close()
+    def release_other(self, key: SessionKey, request_id: int) -> None:
+        """Close the session's stream unless it is `request_id`'s (a new request replaces it)."""
+        held = self._streams.get(key)
+        if held is not None and held[0] != request_id:
+            self.close(key)
+
+    def close(self, key: SessionKey) -> None:
+        held = self._streams.pop(key, None)
+        if held is not None:
+            held[1].close()
+
+    def close_lane(self, lane_id: int) -> None:
+        """Close every stream of one connection's sessions (the connection ended)."""
+        for key in [key for key in self._streams if key[0] == lane_id]:
+            self.close(key)
 
     def close_all(self) -> None:
-        for key in list(self._writers):
+        for key in list(self._streams):
             self.close(key)
