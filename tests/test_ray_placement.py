@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 import pytest
 
 from skippy.cli import build_parser, ray_settings, serve_config
-from skippy.launch.ray_chain import RaySettings, check_cluster_security, split_weights
+from skippy.launch.ray_chain import RayChain, RaySettings, check_cluster_security, split_weights
+from skippy.model.locate import bundled_model_path
 from skippy.launch.supervisor import Supervisor
 
 
@@ -128,3 +130,9 @@ def test_past_its_budget_the_placement_is_told_to_give_up():
     assert (supervisor.health[1].state, supervisor.health[1].restarts) == ("failed", 2)
     assert supervisor.health[1].moves == 0  # the same node every time
     assert placement.gave_up == [1] and not supervisor.can_heal()
+
+
+def test_without_ray_serve_ray_says_how_to_get_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    with pytest.raises(RuntimeError, match=r"needs Ray .* pip install 'skippy\[ray\]'"):
+        asyncio.run(RayChain(bundled_model_path(), 3, RaySettings()).start())

@@ -215,7 +215,11 @@ class RayChain:
 
     def _connect(self) -> str:
         """Join the cluster and check it is safe to use; this node's address."""
-        import ray
+        try:
+            import ray
+        except ImportError:
+            raise RuntimeError("skippy serve --ray needs Ray on this node and every other: "
+                               "pip install 'skippy[ray]'") from None
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # never report to Ray's servers
         sigterm = signal.getsignal(signal.SIGTERM)
