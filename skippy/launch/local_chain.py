@@ -36,7 +36,7 @@ from ..stage.process import WEIGHT_DTYPES
 from ..stage import link
 from ..stage.certificates import issue_certificates
 from ..telemetry import Telemetry
-from .placement import LocalProcesses, PortTaken
+from .placement import LocalProcesses, PortTaken, stop_chain
 from .supervisor import Supervisor
 
 log = logging.getLogger("skippy.launch")
@@ -273,12 +273,8 @@ class LocalChain:
         await self.placement.start(on_ready)
 
     async def close(self) -> None:
-        if self.supervisor is not None:
-            await self.supervisor.close()  # first: a stage stopped below is not a failure
-        if self.client is not None:
-            await self.client.close()
-            self.client = None
-        await self.placement.stop()
+        await stop_chain(self.supervisor, self.client, self.placement)
+        self.client = None
         self._dir.cleanup()
         link.use(None)
 

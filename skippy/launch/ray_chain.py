@@ -44,7 +44,7 @@ from ..protocol import KvCacheConfig, PeerEndpoint, StageConfig, Topology, is_lo
 from ..runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS
 from ..stage import certificates, tls
 from .local_chain import WEIGHT_NAMES, connect_topology, plan_chain, stage_kv_cache
-from .placement import STARTUP_TIMEOUT_S
+from .placement import STARTUP_TIMEOUT_S, stop_chain
 from .supervisor import Supervisor
 
 log = logging.getLogger("skippy.launch")
@@ -270,19 +270,12 @@ class RayChain:
         return [by_node[placed[i]] for i in range(self.num_stages)]
 
     async def close(self) -> None:
-        if self.supervisor is not None:
-            await self.supervisor.close()  # first: a stage stopped below is not a failure
-        if self.client is not None:
-            await self.client.close()
-            self.client = None
-        if self.placement is not None:
-            await self.placement.stop()  # its stages, its actors, the placement group
-            self.placement = None
-        elif self.group is not None:
+        await stop_chain(self.supervisor, self.client, self.placement)  # the placement: actors, group
+        if self.placement is None and self.group is not None:  # placed, no actor yet
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.group)
-        self.group = None
+        self.client = self.placement = self.group = None
         tls.use(None)
         self._dir.cleanup()
         if self._connected:
