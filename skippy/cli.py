@@ -124,7 +124,7 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
                         help='each stage\'s Ray resources, e.g. \'{"CPU": 8, "memory": 34e9}\' (default 1 CPU), or '
                              "a JSON list with one per stage (the layer split then follows their CPUs)")
     parser.add_argument("--ray-port", type=int, default=7200, help="stage i listens on this port + i (default 7200)")
-    parser.add_argument("--ray-placement-timeout", type=float, default=120.0,
+    parser.add_argument("--ray-placement-timeout", dest="ray_placement_timeout_s", type=float, default=120.0,
                         help="seconds to wait for the cluster to have room for every stage (default 120)")
     parser.add_argument("--weights", type=lambda text: [float(w) for w in text.split(",")], default=None,
                         help="with --ray: each stage's relative share of the layers, comma-separated")
@@ -275,14 +275,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def ray_settings(args: argparse.Namespace):
-    """serve's --ray options, or None without --ray."""
+    """serve's --ray options, or None without --ray: --ray is RaySettings' address, and each
+    --ray-X option its field X (by name, as serve_config's, so none is lost)."""
     if args.ray is None:
         return None
     from .launch.ray_chain import RaySettings
 
-    resources = {} if args.ray_stage_resources is None else {"stage_resources": args.ray_stage_resources}
-    return RaySettings(address=args.ray, placement=args.ray_placement, port=args.ray_port,
-                       placement_timeout_s=args.ray_placement_timeout, **resources)
+    given = {name.removeprefix("ray_"): value for name, value in vars(args).items()
+             if name.startswith("ray_") and name.removeprefix("ray_") in RaySettings.model_fields
+             and value is not None}
+    return RaySettings(address=args.ray, **given)
 
 
 def run_stage(args: argparse.Namespace) -> int:
