@@ -35,6 +35,9 @@ class RayCluster:
     hosts: list[Host]          # hosts[0] is the head
     temp: Path                 # each node's Ray session under temp/<index> (short: Ray's socket paths)
     token: str | None          # the cluster's auth token; None: no token authentication
+    # a directory the worker nodes do not see (an empty tmpfs over it in their mount namespace):
+    # a model file there is on the head only, as on machines that do not share a disk
+    hidden_on_workers: Path | None = None
     started: list[Host] = field(default_factory=list)
 
     @property
@@ -63,6 +66,11 @@ class RayCluster:
             command += ["--head", "--port", str(GCS_PORT), "--include-dashboard=false"]
         else:
             command += ["--address", self.address]
+        if index > 0 and self.hidden_on_workers is not None:
+            # `ip netns exec` gives the command its own mount namespace; the node's raylet and
+            # everything it starts (actors, stages) inherit it
+            command[4:4] = ["sh", "-c", 'mount -t tmpfs -o size=64k,mode=0755 skippy-hidden "$1" && shift && '
+                            'exec "$@"', "sh", str(self.hidden_on_workers)]
         env = self.env(**FAST_HEALTH_CHECKS) if index == 0 else self.env()
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
@@ -102,13 +110,15 @@ def process_in(host: Host, marker: str) -> int | None:
 
 
 @contextlib.contextmanager
-def ray_cluster(num_hosts: int, num_nodes: int, *, token: str | None, head_cpus: int = 0) -> Iterator[RayCluster]:
+def ray_cluster(num_hosts: int, num_nodes: int, *, token: str | None, head_cpus: int = 0,
+                hidden_on_workers: Path | None = None) -> Iterator[RayCluster]:
     """`num_hosts` namespaces; Ray on the first `num_nodes` (the head first, with `head_cpus`
     CPUs; 1 CPU per worker); the rest are for nodes started later (`start_node`). Every Ray
-    process is stopped and the namespaces removed afterwards."""
+    process is stopped and the namespaces removed afterwards. `hidden_on_workers`: a directory
+    only the head sees."""
     temp = Path(tempfile.mkdtemp(prefix="skr"))
     with namespace_hosts(num_hosts) as hosts:
-        cluster = RayCluster(hosts, temp, token)
+        cluster = RayCluster(hosts, temp, token, hidden_on_workers)
         try:
             cluster.start_node(0, num_cpus=head_cpus)
             for index in range(1, num_nodes):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ pytest.importorskip("ray", reason="Ray is optional: pip install 'skippy[ray]' (C
 
 from netns_support import run_in  # noqa: E402
 from ray_support import ServedOnRay, process_in, ray_cluster, skippy_left_on  # noqa: E402
+from skippy.model.locate import bundled_model_path  # noqa: E402
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "skippy.cli"]
@@ -133,6 +135,22 @@ def test_a_cluster_without_token_auth_is_refused_off_loopback():
         assert done.returncode == 2
         assert "runs without token authentication" in done.stderr and "RAY_AUTH_MODE=token" in done.stderr
         assert skippy_left_on(open_cluster) == {"actors": [], "groups": []}  # refused before placing anything
+
+
+def test_a_node_without_the_model_file_fails_the_start_naming_it(tmp_path):
+    """The worker sees no model file (its mount namespace hides the directory): its stage's
+    start fails with the node and the fix, and nothing is left on the cluster. (Once a stage
+    fetches its layers from stage 0, this node must serve instead.)"""
+    model = tmp_path / "model" / bundled_model_path().name
+    model.parent.mkdir()
+    shutil.copyfile(bundled_model_path(), model)
+    with ray_cluster(2, 2, token=secrets.token_hex(16), head_cpus=1, hidden_on_workers=model.parent) as small:
+        done = run_in(small.head.namespace, *CLI, "serve", "--ray", small.address, "--stages", "2",
+                      "--model", str(model), "--port", "9401", env=small.env())
+        assert done.returncode == 2, done.stderr
+        assert f"the model {model} is not on node {small.hosts[1].address}" in done.stderr, done.stderr
+        assert "Fix: give every node the file at that path" in done.stderr
+        assert skippy_left_on(small) == {"actors": [], "groups": []}
 
 
 POST = """
