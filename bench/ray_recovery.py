@@ -1,11 +1,11 @@
 """How long a stream pauses when a stage of `skippy serve --ray` dies under it, and whether it
-still says the same: the kill-to-next-token time.
+still says the same: the time from the kill to the stream's next token after its pause.
 
 A Ray cluster of network-namespace hosts (tests/ray_support.py: a head, three worker nodes,
 token authentication on, the head's health checks at 500 ms) runs a 3-stage chain over mutual
 TLS. Each round streams one greedy completion and, after --kill-at pieces, SIGKILLs a stage's
-`skippy stage` process or its Ray actor (stages 1 and 2 in turn); the time from the kill to the
-next piece is the gap. Every round's text is compared with an uninterrupted stream's. Last, a
+`skippy stage` process or its Ray actor (stages 1 and 2 in turn); the gap is the time from the
+kill to the piece that ends the pause (a piece already past the killed stage may arrive first). Every round's text is compared with an uninterrupted stream's. Last, a
 spare node joins and stage 2's whole node is killed (raylet and everything in its namespace):
 the stage comes back on the spare. Needs root, iproute2 and Ray (pip install 'skippy[ray]').
 
@@ -53,7 +53,7 @@ def main() -> int:
                                               at=args.kill_at, max_tokens=args.max_tokens)
                     same &= text == expected
                     gaps[kind].append(gap)
-                    print(f"{kind:8} of stage {index} killed: next token {gap:5.2f} s later, "
+                    print(f"{kind:8} of stage {index} killed: stream back {gap:5.2f} s later, "
                           f"text {'same' if text == expected else 'DIFFERENT'}")
                     wait_ready(served, index)
             cluster.start_node(4)
@@ -61,12 +61,12 @@ def main() -> int:
             text, gap = served.stream(lambda: cluster.kill_host(lost), at=args.kill_at, max_tokens=args.max_tokens)
             same &= text == expected
             stage = served.stages()[2]
-            print(f"node of stage 2 lost: next token {gap:5.2f} s later, on {stage['node_ip']} (spare "
+            print(f"node of stage 2 lost: stream back {gap:5.2f} s later, on {stage['node_ip']} (spare "
                   f"{cluster.hosts[4].address}), text {'same' if text == expected else 'DIFFERENT'}")
         finally:
             served.stop()
     for kind, values in gaps.items():
-        print(f"{kind} killed: median kill-to-next-token {statistics.median(values):.2f} s over {len(values)} "
+        print(f"{kind} killed: median kill-to-next-token (after the pause) {statistics.median(values):.2f} s over {len(values)} "
               f"(min {min(values):.2f}, max {max(values):.2f})")
     print("every text the same as uninterrupted" if same else "SOME TEXT DIFFERED")
     return 0 if same else 1

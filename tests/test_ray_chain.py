@@ -1,7 +1,8 @@
 """`skippy serve --ray` on a Ray cluster of network-namespace hosts (ray_support.py): a head,
 three worker nodes and, for the node-loss test, a spare that joins later; token authentication
 on. The server runs on the first worker and places one stage per worker node, over mutual TLS.
-Needs root, iproute2 and Ray (`pip install 'skippy[ray]'`; CI installs it). The kill-to-next-
+A second cluster, a head and a worker without token authentication, is refused, and with
+--insecure shows a worker without the model file failing its stage's start. Needs root, iproute2 and Ray (`pip install 'skippy[ray]'`; CI installs it). The kill-to-next-
 token median over many kills is bench/ray_recovery.py's; here one kill of each kind."""
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def test_three_stages_on_three_nodes_answer_as_one_process(served, cluster):
 def test_a_killed_stage_process_then_a_killed_actor_keep_the_text(served, expected):
     host = served.host_of(1)
     text, gap = served.stream(lambda: os.kill(process_in(host, STAGE_PROCESS), signal.SIGKILL))
-    print(f"\nstage 1's process SIGKILLed mid-stream: next token {gap:.2f} s after the kill")
+    print(f"\nstage 1's process SIGKILLed mid-stream: stream back {gap:.2f} s after the kill")
     assert text == expected and gap < RECOVERY_TIMEOUT_S
     assert wait_for(lambda: served.stages()[1]["state"] == "ready", 30)
     stage = served.stages()[1]
@@ -88,7 +89,7 @@ def test_a_killed_stage_process_then_a_killed_actor_keep_the_text(served, expect
     host = served.host_of(2)
     actor, stage_pid = process_in(host, STAGE_ACTOR), process_in(host, STAGE_PROCESS)
     text, gap = served.stream(lambda: os.kill(actor, signal.SIGKILL))
-    print(f"stage 2's actor SIGKILLed mid-stream: next token {gap:.2f} s after the kill")
+    print(f"stage 2's actor SIGKILLed mid-stream: stream back {gap:.2f} s after the kill")
     assert text == expected and gap < RECOVERY_TIMEOUT_S
     assert not os.path.exists(f"/proc/{stage_pid}")  # its stage died with it: no orphan serving
     assert wait_for(lambda: served.stages()[2]["state"] == "ready", 30)
@@ -111,7 +112,7 @@ def test_a_lost_node_moves_its_stage_to_the_spare(served, cluster, expected):
     cluster.start_node(4)
     lost = served.host_of(2)  # the final stage: stage 1 is re-pointed to wherever it lands
     text, gap = served.stream(lambda: cluster.kill_host(lost))
-    print(f"\nstage 2's node lost mid-stream (raylet and all): next token {gap:.2f} s after the loss")
+    print(f"\nstage 2's node lost mid-stream (raylet and all): stream back {gap:.2f} s after the loss")
     assert text == expected and gap < RECOVERY_TIMEOUT_S
     stage = served.stages()[2]
     assert (stage["state"], stage["node_ip"], stage["moves"]) == ("ready", spare.address, 1)
@@ -128,29 +129,37 @@ def test_ctrl_c_leaves_no_actor_no_placement_group_no_stage(served, cluster):
     assert not any(process_in(host, STAGE_PROCESS) for host in cluster.hosts)
 
 
-def test_a_cluster_without_token_auth_is_refused_off_loopback():
-    with ray_cluster(1, 1, token=None, head_cpus=2) as open_cluster:
-        done = run_in(open_cluster.head.namespace, *CLI, "serve", "--ray", open_cluster.address, "--stages", "2",
-                      env=open_cluster.env())
-        assert done.returncode == 2
-        assert "runs without token authentication" in done.stderr and "RAY_AUTH_MODE=token" in done.stderr
-        assert skippy_left_on(open_cluster) == {"actors": [], "groups": []}  # refused before placing anything
-
-
-def test_a_node_without_the_model_file_fails_the_start_naming_it(tmp_path):
-    """The worker sees no model file (its mount namespace hides the directory): its stage's
-    start fails with the node and the fix, and nothing is left on the cluster. (Once a stage
-    fetches its layers from stage 0, this node must serve instead.)"""
-    model = tmp_path / "model" / bundled_model_path().name
-    model.parent.mkdir()
+@pytest.fixture(scope="module")
+def open_cluster(tmp_path_factory):
+    """A head (1 CPU) and a worker, without token authentication; and a copy of the model in a
+    directory the worker does not see (its mount namespace hides it)."""
+    model = tmp_path_factory.mktemp("head-only") / bundled_model_path().name
     shutil.copyfile(bundled_model_path(), model)
-    with ray_cluster(2, 2, token=secrets.token_hex(16), head_cpus=1, hidden_on_workers=model.parent) as small:
-        done = run_in(small.head.namespace, *CLI, "serve", "--ray", small.address, "--stages", "2",
-                      "--model", str(model), "--port", "9401", env=small.env())
-        assert done.returncode == 2, done.stderr
-        assert f"the model {model} is not on node {small.hosts[1].address}" in done.stderr, done.stderr
-        assert "Fix: give every node the file at that path" in done.stderr
-        assert skippy_left_on(small) == {"actors": [], "groups": []}
+    with ray_cluster(2, 2, token=None, head_cpus=1, hidden_on_workers=model.parent) as made:
+        yield made, model
+
+
+def test_a_cluster_without_token_auth_is_refused_off_loopback(open_cluster):
+    unsecured, model = open_cluster
+    done = run_in(unsecured.head.namespace, *CLI, "serve", "--ray", unsecured.address, "--stages", "2",
+                  "--model", str(model), env=unsecured.env())
+    assert done.returncode == 2
+    assert "runs without token authentication" in done.stderr and "RAY_AUTH_MODE=token" in done.stderr
+    assert skippy_left_on(unsecured) == {"actors": [], "groups": []}  # refused before placing anything
+
+
+def test_a_node_without_the_model_file_fails_the_start_naming_it(open_cluster):
+    """(--insecure: this cluster has no token.) The worker's stage fails to start, naming the
+    node and the fix; nothing is left on the cluster. Once a stage fetches its layers from
+    stage 0, this node must serve instead."""
+    unsecured, model = open_cluster
+    done = run_in(unsecured.head.namespace, *CLI, "serve", "--ray", unsecured.address, "--stages", "2",
+                  "--model", str(model), "--insecure", "--port", "9401", env=unsecured.env())
+    assert done.returncode == 2, done.stderr
+    assert "without token authentication (--insecure)" in done.stderr  # warned, then used
+    assert f"the model {model} is not on node {unsecured.hosts[1].address}" in done.stderr, done.stderr
+    assert "Fix: give every node the file at that path" in done.stderr
+    assert skippy_left_on(unsecured) == {"actors": [], "groups": []}
 
 
 POST = """
