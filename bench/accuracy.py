@@ -12,6 +12,10 @@ Two figures per engine, both against references nobody here wrote:
     python bench/accuracy.py                       # bundled SmolLM2 Q4_1
     python bench/accuracy.py --tokens 64 --ppl-tokens 1024 --model PATH.gguf
 
+The wire dtypes (`--activation-dtype`: f32, f16, q8) are scored on the model cut into
+--stages stages, each boundary's rows through the runner's own conversion; f32 there is the
+one-process model bit for bit, so f16 and q8 against it are what the wire alone costs.
+
 llama.cpp runs only when `llama_cpp` imports (pip install -e '.[bench-llamacpp]').
 """
 
@@ -34,10 +38,13 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from common import resolve_model  # noqa: E402
 from skippy.model.llama import Segment  # noqa: E402
-from skippy.model.loader import load_stage  # noqa: E402
+from skippy.model.loader import load_stage, model_args  # noqa: E402
 from skippy.model.locate import bundled_model_path  # noqa: E402
 from skippy.model.tokenizer import Tokenizer  # noqa: E402
+from skippy.protocol import ActivationDtype, plan_layer_split  # noqa: E402
+from skippy.runtime.runner import rows_to_tensor, tensor_to_rows  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",
@@ -67,6 +74,30 @@ class Ours:
             chunk = ids[start : start + CHUNK]
             hidden = self.model.forward(torch.tensor(chunk), [Segment(cache, start, len(chunk))])
             rows.append(self.model.compute_logits(hidden))
+        return torch.cat(rows)
+
+
+class Staged:
+    """Ours (weights as stored) cut into stages at the equal-bytes split, every boundary's rows
+    sent through the wire codec (the runner's own conversion): what `--activation-dtype`
+    costs a chain."""
+
+    def __init__(self, path: Path, wire: str, num_stages: int):
+        args = model_args(path)
+        ranges = plan_layer_split(args.num_layers, num_stages, None, args.head_cost_in_layers)
+        self.stages = [load_stage(path, r, dtype="auto", device="cpu", progress=False) for r in ranges]
+        self.wire = ActivationDtype[wire]
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        caches, rows = [stage.new_cache(len(ids)) for stage in self.stages], []
+        for start in range(0, len(ids), CHUNK):
+            chunk = ids[start : start + CHUNK]
+            x = torch.tensor(chunk)
+            for i, (stage, cache) in enumerate(zip(self.stages, caches)):
+                if i:  # what crosses the link: the rows in the wire dtype, and back to float32
+                    x = rows_to_tensor(tensor_to_rows(x, self.wire).copy(), self.wire)
+                x = stage.forward(x, [Segment(cache, start, len(chunk))])
+            rows.append(self.stages[-1].compute_logits(x))
         return torch.cat(rows)
 
 
@@ -124,10 +155,14 @@ def perplexity(engine, ids: list[int]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="GGUF file (default: the bundled SmolLM2-135M Q4_1)")
+    parser.add_argument("--model", type=resolve_model,
+                        help="GGUF file or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2-135M Q4_1)")
     parser.add_argument("--tokens", type=int, default=128, help="greedy tokens per prompt")
     parser.add_argument("--ppl-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--wire", type=lambda t: t.split(","), default=["f32", "f16", "q8"],
+                        help="activation dtypes between stages to score (comma-separated; none: '')")
+    parser.add_argument("--stages", type=int, default=2, help="stages the wire dtypes are scored over")
     options = parser.parse_args()
     path = Path(options.model or bundled_model_path())
     torch.set_num_threads(options.threads)
@@ -145,6 +180,9 @@ def main() -> None:
     engines = {"transformers float32": lambda: reference}
     for dtype in ("float32", "auto", "bfloat16"):
         engines[f"ours {dtype}"] = lambda dtype=dtype: Ours(path, dtype)
+    for wire in filter(None, options.wire):
+        engines[f"ours auto, {options.stages} stages, {wire} wire"] = (
+            lambda wire=wire: Staged(path, wire, options.stages))
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -156,16 +194,21 @@ def main() -> None:
                         f"perplexity over {len(text_ids)} tokens")
     for column in ("engine", "argmax agreement", "perplexity", "vs transformers f32"):
         table.add_column(column, justify="left" if column == "engine" else "right")
-    base = None
+    base, scores = None, {}
     for name, make in engines.items():
         with console.status(f"{name}: scoring"):
             engine = make()
-            agree, ppl = agreement(engine, sequences), perplexity(engine, text_ids)
+            agree, ppl = scores[name] = agreement(engine, sequences), perplexity(engine, text_ids)
             del engine
         base = base or ppl
         table.add_row(name, f"{agree:.2%}", f"{ppl:.3f}", f"{ppl / base - 1:+.2%}")
         console.print(f"{name}: agreement {agree:.2%}, perplexity {ppl:.3f}")
     console.print(table)
+    wire = {name.rsplit(" ", 2)[-2]: score for name, score in scores.items() if name.endswith(" wire")}
+    if "f16" in wire and "q8" in wire:
+        (f16_agree, f16_ppl), (q8_agree, q8_ppl) = wire["f16"], wire["q8"]
+        console.print(f"q8 wire against f16 wire: argmax agreement {100 * (q8_agree - f16_agree):+.2f} points, "
+                      f"perplexity {q8_ppl / f16_ppl - 1:+.3%}")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from skippy.protocol import (
     MessageKind, StageMessage, StageReply, read_message, read_reply, write_message, write_reply,
 )
 
-from common import cpu_seconds
+from common import cpu_seconds, resolve_model
 
 GOAL_RATIO = 0.90  # issue 12: a 2-stage chain keeps >= 0.9x of one process
 
@@ -100,10 +100,9 @@ async def wire_hop_us(num_round_trips: int = 2000, width: int = 576) -> float:
 async def measure_child(n: int, args: argparse.Namespace) -> tuple[float, float, float]:
     """In a child process (see --child): `n` stages (1: a ChainClient holding the whole
     model), warmed up, measured, closed."""
-    from skippy.model.locate import bundled_model_path
     from skippy.model.threads import spin_for_co_located_stages
 
-    path = bundled_model_path()
+    path = Path(args.model)
     if n > 1:
         spin_for_co_located_stages(path)  # before torch loads, as `skippy serve --stages N` does
     import torch
@@ -128,13 +127,12 @@ async def measure_child(n: int, args: argparse.Namespace) -> tuple[float, float,
         await (client.close() if chain is None else chain.close())
 
 
-def floor_model(processes: int) -> Path:
-    """The bundled model, with the co-located spin set first where 2 processes share the
-    cores (before torch loads, as LocalChain's stages do)."""
-    from skippy.model.locate import bundled_model_path
+def floor_model(processes: int, args: argparse.Namespace) -> Path:
+    """The model, with the co-located spin set first where 2 processes share the cores
+    (before torch loads, as LocalChain's stages do)."""
     from skippy.model.threads import spin_for_co_located_stages
 
-    path = bundled_model_path()
+    path = Path(args.model)
     if processes == 2:
         spin_for_co_located_stages(path)
     return path
@@ -162,12 +160,12 @@ def read_exactly(sock: socket.socket, n: int) -> bytes:
 def floor_child(processes: int, args: argparse.Namespace) -> float:
     """Decode tok/s of the 2-stage split's halves in one process, or in two (this one runs
     the first half and drives; a peer process, --floor-peer, runs the second)."""
-    path = floor_model(processes)
+    path = floor_model(processes, args)
     halves, peer = floor_halves(path), None
     if processes == 2:
         mine, theirs = socket.socketpair()
         peer = subprocess.Popen([sys.executable, __file__, "--floor-peer", str(theirs.fileno()),
-                                 "--threads", str(args.threads)], pass_fds=[theirs.fileno()])
+                                 "--threads", str(args.threads), "--model", args.model], pass_fds=[theirs.fileno()])
         theirs.close()
     import torch
 
@@ -205,7 +203,7 @@ def floor_child(processes: int, args: argparse.Namespace) -> float:
 
 def floor_peer(fd: int, args: argparse.Namespace) -> None:
     """The floor's second process: the split's second half, read rows -> forward -> write the token."""
-    path = floor_model(2)
+    path = floor_model(2, args)
     halves = floor_halves(path)
     import torch
 
@@ -229,7 +227,8 @@ def measure_one(n: int | str, args: argparse.Namespace) -> tuple[float, ...]:
     if not args.user_spin:  # each child sets its own, as serve does (none for one stage)
         env.pop("GOMP_SPINCOUNT", None)
     command = [sys.executable, __file__, "--child", str(n), "--threads", str(args.threads),
-               "--decode-tokens", str(args.decode_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+               "--decode-tokens", str(args.decode_tokens), "--prompt-tokens", str(args.prompt_tokens),
+               "--model", args.model]
     out = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
     return tuple(json.loads(out.strip().splitlines()[-1]))
 
@@ -276,6 +275,8 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=resolve_model, default=None,
+                        help="GGUF file, or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads in every stage")
     parser.add_argument("--decode-tokens", type=int, default=128)
@@ -283,6 +284,10 @@ if __name__ == "__main__":
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--floor-peer", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.model is None:
+        from skippy.model.locate import bundled_model_path
+
+        args.model = str(bundled_model_path())
     args.user_spin = "GOMP_SPINCOUNT" in os.environ
     if args.floor_peer >= 0:
         floor_peer(args.floor_peer, args)

@@ -14,6 +14,21 @@ import sys
 import time
 from pathlib import Path
 
+SYNTHETIC = "synthetic"  # --model synthetic[:SHAPE[:TYPE]]: bench/synthetic.py's cached model
+
+
+def resolve_model(name: str | None) -> str | None:
+    """A bench's --model: a path as given, None (the bench's default model), or
+    `synthetic[:SHAPE[:TYPE]]` (default llama-3.2-3b, Q4_K_M): bench/synthetic.py's
+    file, made first when it is not cached."""
+    if name is None or not (name == SYNTHETIC or name.startswith(SYNTHETIC + ":")):
+        return name
+    from synthetic import synthetic_model
+
+    parts = name.split(":")[1:]
+    return str(synthetic_model(*parts, log=lambda line: print(line, file=sys.stderr)))
+
+
 READY = re.compile(r"skippy: ready: (http://\S+)/v1 ")  # the line `skippy serve` prints when it answers
 
 

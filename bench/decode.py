@@ -10,9 +10,18 @@ over the rounds, after one warm-up round that is not counted.
 
     python bench/decode.py                        # bundled SmolLM2, 5 rounds, 2 threads
     python bench/decode.py --rounds 9 --decode-tokens 64 --threads 1 --model PATH.gguf
+    python bench/decode.py --model synthetic --engines "ours auto,llama.cpp" --prompt-tokens 512 --rounds 1
+
+`--model synthetic` is bench/synthetic.py's Llama-3.2-3B-shaped Q4_K_M (1.7 GiB, far beyond
+the last-level cache). Before the engines load, a probe (kernels/probe.c) reads a 2 GiB
+buffer with every thread and prints the machine's read bandwidth, and the decode floor it
+implies: bandwidth / the bytes of the GGUF's tensors a decode step reads (every matmul weight
+and the head; the embedding only when it is the tied head). The table's "floor" column is
+each engine's decode rate as a share of it.
 
 "ours auto" is the default: the GGUF's quantized weights stay 4-bit (quant.py),
-as llama.cpp runs them. "ours float32"/"float16" and transformers dequantize the
+as llama.cpp runs them; "ours no-AMX" is the same with SKIPPY_AMX=0, the prompt on the
+AVX512-VNNI path a CPU without AMX takes. "ours float32"/"float16" and transformers dequantize the
 GGUF (float32 is our parity reference).
 llama.cpp runs only when `llama_cpp` imports (pip install -e '.[bench-llamacpp]';
 it compiles llama.cpp for about ten minutes).
@@ -49,6 +58,9 @@ from rich.markup import escape  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from common import resolve_model  # noqa: E402
+from skippy.model import qkernel  # noqa: E402
+from skippy.model.gguf_file import GGUFFile  # noqa: E402
 from skippy.model.llama import Segment  # noqa: E402
 from skippy.model.loader import load_stage  # noqa: E402
 from skippy.model.locate import bundled_model_path  # noqa: E402
@@ -67,6 +79,8 @@ PROMPT_TEXT = (
 RATIOS = [
     ("ours auto", "llama.cpp", "decode"),
     ("ours auto", "llama.cpp", "prefill"),
+    ("ours auto", "ours no-AMX", "prefill"),
+    ("ours no-AMX", "llama.cpp", "prefill"),
     ("ours auto", "ours float32", "decode"),
     ("ours float32", "transformers float32", "decode"),
     ("ours float32", "transformers float32", "prefill"),
@@ -85,7 +99,9 @@ class Timings:
 
 
 class OursEngine:
-    def __init__(self, path: Path, dtype: str):
+    def __init__(self, path: Path, dtype: str, amx: bool = True):
+        if not amx:  # the kernels read it on their first prompt (a CPU without AMX runs this path)
+            os.environ["SKIPPY_AMX"] = "0"
         self.model = load_stage(path, dtype=dtype, device="cpu", progress=False)
 
     def prefill(self, prompt: list[int]) -> int:
@@ -169,6 +185,7 @@ def run_once(engine, prompt: list[int], num_decode: int) -> tuple[float, float, 
 
 ENGINES = {
     "ours auto": ("Loading ours auto (quantized)", lambda path, options: OursEngine(path, "auto")),
+    "ours no-AMX": ("Loading ours auto, AMX off", lambda path, options: OursEngine(path, "auto", amx=False)),
     "ours float32": ("Loading ours float32", lambda path, options: OursEngine(path, "float32")),
     "ours float16": ("Loading ours float16", lambda path, options: OursEngine(path, "float16")),
     "transformers float32": ("Loading transformers float32 (converts the GGUF, ~30 s)",
@@ -216,13 +233,35 @@ def worker(options) -> None:
         print(json.dumps(run_once(engine, prompt, num_decode)), flush=True)
 
 
+PROBE_BYTES = 2 << 30  # > 4x this machine's 480 MiB L3
+
+
+def read_bandwidth() -> float:
+    """The machine's read bandwidth in bytes/s with this process's threads, on 2 MiB pages
+    as the weights are (weight_arena.py), before any engine holds memory."""
+    from skippy.model.weight_arena import WeightArena
+
+    buffer = WeightArena(PROBE_BYTES).empty((PROBE_BYTES,), torch.uint8)
+    buffer.fill_(1)  # fault every page in before timing
+    return qkernel.read_bandwidth(buffer)
+
+
+def decode_bytes(path: Path) -> int:
+    """Bytes of the GGUF's tensors one decode step reads: every matrix but the embedding, whose
+    one row a step reads, unless the head is the embedding (tied), which a step reads whole."""
+    tensors = GGUFFile(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or tied)
+
+
 def load_engines(options, console: Console) -> dict[str, EngineProcess]:
-    names = list(ENGINES)
+    names = options.engines
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        console.print(escape("llama.cpp skipped: llama_cpp is not importable (pip install -e '.[bench-llamacpp]')"))
-        names.remove("llama.cpp")
+        if "llama.cpp" in names:
+            console.print(escape("llama.cpp skipped: llama_cpp is not importable (pip install -e '.[bench-llamacpp]')"))
+            names = [n for n in names if n != "llama.cpp"]
     engines = {}
     for name in names:
         with console.status(ENGINES[name][0]):
@@ -230,10 +269,11 @@ def load_engines(options, console: Console) -> dict[str, EngineProcess]:
     return engines
 
 
-def results_table(options, results: dict[str, Timings]) -> Table:
-    reference = results["ours float32"].tokens
+def results_table(options, results: dict[str, Timings], floor: float) -> Table:
+    reference = results["ours float32" if "ours float32" in results else next(iter(results))].tokens
     table = Table(title=f"medians of {options.rounds} rounds, {options.threads} threads")
-    for column in ("engine", "prefill tok/s", "decode tok/s", "decode ms/token", "decode min..max", "same tokens"):
+    for column in ("engine", "prefill tok/s", "decode tok/s", "decode ms/token", "decode min..max", "floor",
+                   "same tokens"):
         table.add_column(column, justify="left" if column == "engine" else "right")
     for name, t in results.items():
         decode = statistics.median(t.decode_tok_s)
@@ -244,6 +284,7 @@ def results_table(options, results: dict[str, Timings]) -> Table:
             f"{decode:.1f}",
             f"{1000 / decode:.1f}",
             f"{min(t.decode_tok_s):.1f}..{max(t.decode_tok_s):.1f}",
+            f"{decode / floor:.0%}",
             f"{same}/{len(reference)}",
         )
     return table
@@ -265,15 +306,19 @@ def ratio_table(results: dict[str, Timings]) -> Table:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="GGUF file (default: the bundled SmolLM2-135M Q4_1)")
+    parser.add_argument("--model", help="GGUF file, or synthetic[:SHAPE[:TYPE]] (bench/synthetic.py; default: "
+                                        "the bundled SmolLM2-135M Q4_1)")
+    parser.add_argument("--engines", type=lambda s: s.split(","), default=list(ENGINES),
+                        help=f"comma-separated, of: {', '.join(ENGINES)} (default: all)")
     parser.add_argument("--rounds", type=int, default=5, help="counted rounds (after one warm-up)")
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--worker", choices=list(ENGINES), help=argparse.SUPPRESS)
     options = parser.parse_args()
-    if options.model is None:
-        options.model = str(bundled_model_path())
+    if unknown := set(options.engines) - set(ENGINES):
+        raise SystemExit(f"Expected engines among {list(ENGINES)}, got {sorted(unknown)}")
+    options.model = resolve_model(options.model) or str(bundled_model_path())
     path = Path(options.model)
     if path.suffix != ".gguf" or not path.is_file():
         raise SystemExit(f"Expected a .gguf file for --model, got {options.model}")
@@ -287,6 +332,10 @@ def main() -> None:
         f"model: {path}  threads: {options.threads}  OMP_WAIT_POLICY={wait_policy}  "
         f"torch {torch.__version__}"
     )
+    bandwidth, per_token = read_bandwidth(), decode_bytes(path)
+    floor = bandwidth / per_token
+    console.print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({options.threads} threads, probe); a decode step "
+                  f"reads {per_token / 1e9:.3f} GB of the file's tensors: floor {floor:.1f} tok/s")
     prompt = prompt_ids(path, options.prompt_tokens)
     engines = load_engines(options, console)
     results = {name: Timings() for name in engines}
@@ -312,7 +361,7 @@ def main() -> None:
         f"prompt: {len(prompt)} tokens; decode: {options.decode_tokens} tokens, greedy; "
         f"'same tokens': leading tokens equal to ours float32's (prefill's token included)"
     )
-    console.print(results_table(options, results))
+    console.print(results_table(options, results, floor))
     console.print(ratio_table(results))
 
 

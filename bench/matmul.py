@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from common import resolve_model
 from skippy.console import progress_bar
 from skippy.model.layers import linear
 from skippy.model.loader import load_stage
@@ -33,7 +34,8 @@ def timed_ms(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the bundled SmolLM2)")
+    parser.add_argument("--model", type=resolve_model, default=None,
+                        help="GGUF or HF directory or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2)")
     parser.add_argument("--layers", default="0,15", help="the stage's layer range start,end")
     parser.add_argument("--rows", default="1,2,4,8,16,64,256", help="row counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import psutil
-from common import resident, start_serve
+from common import resident, resolve_model, start_serve
 
 MIB = 2**20
 LLAMA_CPP = """
@@ -68,7 +68,7 @@ def measure_llama_cpp(path: Path) -> tuple[int, int] | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--model", type=resolve_model, default=None)
     parser.add_argument("--stages", type=lambda s: [int(n) for n in s.split(",")], default=[1, 2])
     parser.add_argument("--dtype", default="auto")
     options = parser.parse_args()

@@ -23,6 +23,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle stages must not spin on the cores
 
 from skippy.launch.local_chain import LocalChain  # noqa: E402
+from common import resolve_model  # noqa: E402
 from skippy.model.locate import bundled_model_path  # noqa: E402
 from skippy.model.tokenizer import Tokenizer  # noqa: E402
 from skippy.protocol import KvCacheConfig, cache_namespace_digest  # noqa: E402
@@ -51,7 +52,7 @@ def system_prompt(tokenizer: Tokenizer, num_tokens: int) -> list[int]:
 
 
 async def main(args: argparse.Namespace) -> None:
-    path = bundled_model_path()
+    path = args.model or bundled_model_path()
     tokenizer = Tokenizer.from_gguf(path)
     system = system_prompt(tokenizer, args.system_tokens)
     tails = [tokenizer.encode(" Question: " + TAILS[i % len(TAILS)].format(i=i + 1))
@@ -95,6 +96,8 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=resolve_model, default=None,
+                        help="GGUF file, or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2)")
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--tails", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per stage")

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
-from common import READY
+from common import READY, resolve_model
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
@@ -43,10 +43,10 @@ def stage_pid(serve_pid: int, index: int) -> int:
     raise RuntimeError(f"no process for stage {index}")
 
 
-def stream(url: str, max_tokens: int, on_piece=None) -> tuple[str, list[float]]:
+def stream(url: str, max_tokens: int, model: str, on_piece=None) -> tuple[str, list[float]]:
     """(the text, the arrival time of every content piece)."""
     pieces, times = [], []
-    with httpx.stream("POST", url + "/v1/chat/completions", json={**BODY, "max_tokens": max_tokens},
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**BODY, "model": model, "max_tokens": max_tokens},
                       timeout=120) as response:
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -64,12 +64,13 @@ def stream(url: str, max_tokens: int, on_piece=None) -> tuple[str, list[float]]:
 
 def main(args: argparse.Namespace) -> None:
     command = [sys.executable, "-m", "skippy.cli", "serve", "--stages", "3", "--port", "0",
-               "--max-restarts", "3"]
+               "--max-restarts", "3", *(["--model", args.model] if args.model else [])]
+    model = Path(args.model).stem if args.model else MODEL
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         url = next(READY.search(line).group(1) for line in process.stdout if READY.search(line))
         threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
-        reference, _ = stream(url, args.max_tokens)
+        reference, _ = stream(url, args.max_tokens, model)
         gaps, same = [], 0
         for kill in range(args.kills):
             while httpx.get(url + "/readyz").status_code != 200:
@@ -82,7 +83,7 @@ def main(args: argparse.Namespace) -> None:
                     os.kill(stage_pid(process.pid, args.stage), signal.SIGKILL)
                     killed_at.append(time.perf_counter())
 
-            text, times = stream(url, args.max_tokens, kill_now)
+            text, times = stream(url, args.max_tokens, model, kill_now)
             after = [t for t in times if t > killed_at[0]]
             gaps.append(after[0] - killed_at[0])
             same += text == reference
@@ -98,6 +99,8 @@ def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=resolve_model, default=None,
+                        help="GGUF file, or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2)")
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--stage", type=int, default=1, help="which stage to kill (1 or 2)")
     parser.add_argument("--kill-at", type=int, default=20, help="streamed pieces before the kill")

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from common import resident, start_serve
+from common import resident, resolve_model, start_serve
 from sse_client import HttpxSSEClient, SSEClient, make_client
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -71,7 +71,7 @@ def sample(started: float, token_times: list[float]) -> Sample:
 async def http_stream(client: SSEClient | HttpxSSEClient, url: str, body: dict) -> Sample:
     started = time.perf_counter()
     token_times: list[float] = []
-    num_tokens = 0
+    num_tokens, finish = 0, None
     async for data in client.events(url, body):
         if not data.startswith(b"{"):
             continue
@@ -82,9 +82,12 @@ async def http_stream(client: SSEClient | HttpxSSEClient, url: str, body: dict) 
             num_tokens = chunk["usage"]["completion_tokens"]
         if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
             token_times.append(time.perf_counter())
+        if chunk["choices"] and chunk["choices"][0].get("finish_reason"):
+            finish = chunk["choices"][0]["finish_reason"]
     # A chunk can carry two tokens (a character split across them); spread the count evenly.
-    # llama-cpp-python's server sends no usage in a stream: there, count its chunks.
-    num_tokens = num_tokens or len(token_times)
+    # llama-cpp-python's server sends no usage in a stream: a stream it ended for its length ran
+    # max_tokens tokens (a random model's text splits characters often); otherwise count its chunks.
+    num_tokens = num_tokens or (body["max_tokens"] if finish == "length" else len(token_times))
     result = sample(started, token_times)
     rate = (num_tokens - 1) / (token_times[-1] - token_times[0])
     return Sample(result.ttft_s, rate, num_tokens, result.started, result.finished)
@@ -288,7 +291,8 @@ def median(values: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the bundled SmolLM2)")
+    parser.add_argument("--model", type=resolve_model, default=None,
+                        help="GGUF or HF directory or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2)")
     parser.add_argument("--stages", type=int, default=2, help="stages behind the API (1 = one process)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -20,7 +20,7 @@ import statistics
 import time
 
 import httpx
-from common import start_serve
+from common import resolve_model, start_serve
 from serve import NO_EOS, PROMPT
 from sse_client import SSEClient
 
@@ -65,6 +65,8 @@ async def run(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--model", type=resolve_model, default=None,
+                        help="GGUF file, or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -72,7 +74,7 @@ def main() -> None:
     parser.add_argument("--b", action="append", default=[], metavar="KEY=VALUE", help="environment of server B")
     args = parser.parse_args()
     command = ["--stages", str(args.stages), "--ctx-size", "2048", "--concurrency", str(max(8, args.concurrency)),
-               "--kv-cache-mem", "0"]  # fmt: skip
+               "--kv-cache-mem", "0"] + (["--model", args.model] if args.model else [])  # fmt: skip
     servers = {}
     try:
         for side, pairs in (("A", args.a), ("B", args.b)):

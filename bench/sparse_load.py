@@ -15,6 +15,8 @@ import json
 import subprocess
 import sys
 
+from common import resolve_model
+
 MIB = 1 << 20
 
 # Runs in the child: argv = [model, start, end, dtype]. Prints one JSON line.
@@ -84,7 +86,8 @@ def parse_ranges(text: str) -> list[tuple[int, int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="GGUF file or Hugging Face directory (default: the bundled SmolLM2)")
+    parser.add_argument("--model", type=resolve_model,
+                        help="GGUF file, Hugging Face directory or synthetic[:SHAPE[:TYPE]] (default: SmolLM2)")
     parser.add_argument("--ranges", default="0:15,15:30,0:30", help="comma-separated start:end layer ranges")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     options = parser.parse_args()

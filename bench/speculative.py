@@ -37,7 +37,7 @@ from skippy.model.locate import bundled_model_path  # noqa: E402
 from skippy.model.tokenizer import Tokenizer  # noqa: E402
 from skippy.runtime.speculation import SpeculativeSettings  # noqa: E402
 
-from common import cpu_seconds, speculative_prompts  # noqa: E402
+from common import cpu_seconds, resolve_model, speculative_prompts  # noqa: E402
 
 PROMPTS = speculative_prompts(3)
 GOALS = {"copy-text": 1.8, "free-form": 0.95}  # ngram-suffix decode tok/s vs off
@@ -128,7 +128,7 @@ def report(options, results: dict[tuple[str, str], Runs], arm_names: list[str]) 
 
 async def main(options) -> None:
     torch.set_num_threads(options.threads)
-    path = bundled_model_path()
+    path = options.model or bundled_model_path()
     tokenizer = Tokenizer.from_gguf(path)
     options.stop_ids = tokenizer.eog_ids
     prompts = {name: tokenizer.encode_chat([{"role": "user", "content": text}])
@@ -156,6 +156,8 @@ async def main(options) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=resolve_model, default=None,
+                        help="GGUF file, or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2)")
     parser.add_argument("--rounds", type=int, default=5, help="counted rounds (after one warm-up)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--min-window", type=int, default=1, help="the adaptive window's fewest drafts")

@@ -36,7 +36,7 @@ from skippy.runtime.local_generation import GenerationLimits
 from skippy.runtime.local_speculative import generate_tokens_speculative
 from skippy.runtime.speculation import AdaptiveWindow, SpeculationStats, create_proposer
 
-from common import speculative_prompts
+from common import resolve_model, speculative_prompts
 
 PROMPTS = speculative_prompts(2)
 NGRAM_ARMS = ["ngram-suffix", "ngram-simple"]
@@ -107,7 +107,8 @@ def results_table(options, arms, results: dict[tuple[str, str], Runs]) -> Table:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="GGUF file (default: the bundled SmolLM2-135M Q4_1)")
+    parser.add_argument("--model", type=resolve_model,
+                        help="GGUF file or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2-135M Q4_1)")
     parser.add_argument("--draft-model", help="GGUF file for the draft arm (off by default)")
     parser.add_argument("--rounds", type=int, default=5, help="counted rounds (after one warm-up)")
     parser.add_argument("--max-tokens", type=int, default=96)

@@ -20,7 +20,7 @@ import json
 import statistics
 
 import httpx
-from common import start_serve
+from common import resolve_model, start_serve
 
 PROMPT = "List six people with their name and age as JSON."
 NO_EOS = {"0": -100.0, "2": -100.0}  # SmolLM2's end tokens: the plain arm runs to max_tokens
@@ -77,7 +77,8 @@ async def run(args: argparse.Namespace, url: str, model: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the bundled SmolLM2)")
+    parser.add_argument("--model", type=resolve_model, default=None,
+                        help="GGUF or HF directory or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2)")
     parser.add_argument("--stages", type=int, default=2, help="stages behind the API (1 = one process)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 4])

@@ -24,9 +24,10 @@ import http.server
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import httpx
-from common import start_serve
+from common import resolve_model, start_serve
 from serve import NO_EOS, PROMPT, http_stream
 from sse_client import SSEClient
 
@@ -86,9 +87,10 @@ async def run_round(client, url: str, body: dict, requests: int, scrape_s: float
 async def main_async(args: argparse.Namespace) -> None:
     collector = DropCollector()
     common = ["--stages", str(args.stages), "--threads", str(args.threads), "--concurrency", "1",
-              "--kv-cache-mem", "0"]
+              "--kv-cache-mem", "0", *(["--model", args.model] if args.model else [])]
     servers = {"off": start_serve(common), "on": start_serve([*common, "--otlp-endpoint", collector.endpoint])}
-    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": args.max_tokens,
+    model = Path(args.model).stem if args.model else MODEL
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": args.max_tokens,
             "temperature": 0, "logit_bias": NO_EOS, "stream": True, "stream_options": {"include_usage": True}}
     rates: dict[str, list[float]] = {"off": [], "on": []}
     ttfts: dict[str, list[float]] = {"off": [], "on": []}
@@ -123,6 +125,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads a stage")
+    parser.add_argument("--model", type=resolve_model, default=None,
+                        help="GGUF file, or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=2, help="streamed requests per server per round")
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import READY
+from common import READY, resolve_model
 from serve import NO_EOS, PROMPT, http_stream
 from sse_client import SSEClient
 
@@ -36,11 +36,11 @@ def local_address() -> str:
 class Chain:
     """Stage 1 as a `skippy stage` process, stage 0 as `skippy serve --topology`, from one plan."""
 
-    def __init__(self, out: Path, host: str, threads: int, secure: bool):
+    def __init__(self, out: Path, host: str, threads: int, secure: bool, model: str | None):
         ports = free_ports(2, host)
         cli = [sys.executable, "-m", "skippy.cli"]
         subprocess.run([*cli, "plan", "--stages", "2", "--hosts", f"{host}:{ports[0]},{host}:{ports[1]}",
-                        "--out", str(out)], check=True, capture_output=True)
+                        "--out", str(out), *(["--model", model] if model else [])], check=True, capture_output=True)
         insecure = [] if secure else ["--insecure"]
         if not secure:  # the same plan without its TLS material
             for name in ("stage-0.json", "stage-1.json"):
@@ -71,12 +71,13 @@ class Chain:
 
 async def main(args: argparse.Namespace) -> None:
     host = local_address()
-    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": PROMPT}],
+    model = Path(args.model).stem if args.model else "SmolLM2-135M-Instruct.Q4_1"
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}],
             "temperature": 0, "max_tokens": args.max_tokens, "logit_bias": {str(k): v for k, v in NO_EOS.items()},
             "stream": True, "stream_options": {"include_usage": True}}
     with tempfile.TemporaryDirectory() as tls_dir, tempfile.TemporaryDirectory() as plain_dir:
-        chains = {"mutual TLS": Chain(Path(tls_dir), host, args.threads, True),
-                  "plain TCP": Chain(Path(plain_dir), host, args.threads, False)}
+        chains = {"mutual TLS": Chain(Path(tls_dir), host, args.threads, True, args.model),
+                  "plain TCP": Chain(Path(plain_dir), host, args.threads, False, args.model)}
         rates: dict[str, list[float]] = {name: [] for name in chains}
         ttfts: dict[str, list[float]] = {name: [] for name in chains}
         try:
@@ -101,6 +102,8 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=resolve_model, default=None,
+                        help="GGUF file, or synthetic[:SHAPE[:TYPE]] (default: the bundled SmolLM2)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)

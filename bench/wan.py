@@ -1,21 +1,29 @@
-"""A 2-stage chain over a conditioned link: what delay, bandwidth and the activation dtype
-cost, as ratios to the same chain on an unconditioned link.
+"""A 2-stage chain across hosts as users meet it: a WAN's delay and bandwidth, mutual TLS,
+the activation codec, speculation; every figure beside its floor.
 
-Every link of the chain (stage 0's lanes to stage 1 and stage 1's direct return to
-stage 0) gets the same one-way delay and bandwidth cap; a token then pays two delays.
-For each activation dtype (f32, f16, bf16) and link (delay 0 / 5 / 20 / 50 ms, 100 Mbit
-or 1 Gbit/s) it measures decode tok/s of one stream, the aggregate of 8 concurrent
-streams, and TTFT of a --prompt-tokens prompt, with a ChainClient (no HTTP).
+Two network namespaces are two hosts (tests/netns_support.py), joined over mutual TLS from a
+plan as `skippy plan` writes it. The kernel's `tc tbf` caps what each host sends to --mbps;
+the one-way delay is skippy's knob on every link (stage 0's lanes, stage 1's return stream),
+since this kernel has no netem, so a token pays two delays. Stage 1 runs in the second
+namespace; stage 0 (this script again, as --client) in the first, driving a ChainClient.
 
-By default both stages share loopback and the bandwidth cap is skippy's knob (stage/link.py).
-With --tbf (root; `ip` and `tc`, iproute2) stage 1 runs in its own network namespace and
-stage 0 (this script again, as --client) in another, joined by veth links on a bridge
-(tests/netns_support.py, as tests/test_multihost_netns.py does), over mutual TLS from a
-plan as `skippy plan` writes it off loopback; the cap is then the kernel's `tc tbf` on both
-hosts' veth ends, and the ratios are to the uncapped namespace link. Delay still comes from
-the knob: this kernel has no netem.
+Per cell (one-way delay x activation codec x speculation off/on):
 
-    python bench/wan.py [--decode-tokens 24] [--prompt-tokens 512] [--delays 0,5,20,50] [--tbf]
+    1 stream     decode tok/s of the copy-heavy prompt (bench/common.py), greedy, to its end
+    8 streams    aggregate tok/s of 8 such streams at once
+    TTFT         time to the first token of a --prompt-tokens prompt
+
+and beside each its floor: 1 / (compute of the whole model + the round trips a token pays).
+The compute is what the two stages measured of their own forwards at start (stage/measure.py:
+one row, and affine in rows from a 64-row chunk: 8 rows for the aggregate, the prompt for
+TTFT); the round trips are the injected delays (2 x one-way a token; 8 tokens a trip at 8
+streams; the prompt pays one trip). A ratio of 1.0 is a chain that costs nothing but
+compute and the wire's delay; speculation can beat the floor (several tokens a trip).
+
+Before the table, the codecs' TTFT alone (delay 0) at each of --ttft-mbps: what q8 saves a
+prompt where the wire, not the compute, is the cost.
+
+    python bench/wan.py [--delays 0,5,20] [--codecs f16,q8] [--mbps 100] [--ttft-mbps 100,10,2] [--model GGUF]   (root)
 """
 
 from __future__ import annotations
@@ -24,50 +32,44 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from skippy.model.locate import bundled_model_path  # noqa: E402
-from skippy.model.threads import spin_for_co_located_stages  # noqa: E402
+from skippy.model.locate import bundled_model_path
+from skippy.model.threads import spin_for_co_located_stages
 
-spin_for_co_located_stages(bundled_model_path())  # before torch loads, as `skippy serve --stages N` does
+_early = argparse.ArgumentParser(add_help=False)
+_early.add_argument("--model", default=None)
+MODEL = str(_early.parse_known_args()[0].model or bundled_model_path())  # the stages' spin depends on it
+spin_for_co_located_stages(MODEL)  # before torch loads: the "hosts" share this machine's cores
 
 import numpy as np  # noqa: E402
 
-from skippy.launch.local_chain import LocalChain, connect_topology, plan_chain, write_plan  # noqa: E402
+from skippy.launch.local_chain import connect_topology, plan_chain, write_plan  # noqa: E402
+from skippy.launch.measured_split import measured_reports  # noqa: E402
+from skippy.model.tokenizer import Tokenizer  # noqa: E402
 from skippy.protocol import LinkConditioning, StageConfig, Topology  # noqa: E402
 from skippy.runtime.scheduler import ONE_WAVE_PEER_WAIT_FORWARDS  # noqa: E402
+from skippy.runtime.speculation import SpeculativeSettings  # noqa: E402
 from skippy.stage import link, tls  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from netns_support import cap_bandwidth, namespace_hosts, run_in, start_in  # noqa: E402
+from common import speculative_prompts  # noqa: E402
+from netns_support import cap_bandwidth, namespace_hosts, run_beside  # noqa: E402
 
 CLI = [sys.executable, "-m", "skippy.cli"]
 PORT = 7200  # every host is a fresh namespace: nothing else listens there
+STREAMS = 8
+SPECULATION = {"off": SpeculativeSettings(), "on": SpeculativeSettings("ngram-suffix", 1, 16)}
 
 
-async def workload(client, args) -> tuple[float, float, float]:
-    """(decode tok/s of one stream, aggregate tok/s of 8, TTFT s of the long prompt)."""
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 40000, size=32).tolist() for _ in range(8)]
-    long_prompt = rng.integers(100, 40000, size=args.prompt_tokens).tolist()
-    await client.generate(prompts[0], max_tokens=4)  # warm-up
-    one = await client.generate(prompts[0], max_tokens=args.decode_tokens)
-    started = time.perf_counter()
-    many = await asyncio.gather(*(client.generate(p, max_tokens=args.decode_tokens) for p in prompts))
-    aggregate = sum(len(r.tokens) for r in many) / (time.perf_counter() - started)
-    ttft = (await client.generate(long_prompt, max_tokens=1)).timings.first_token_s
-    return one.timings.decode_steps / one.timings.decode_s, aggregate, ttft
-
-
-async def on_loopback(args, dtype: str, delay: float, mbps: float | None) -> tuple[float, float, float]:
-    conditioning = None if mbps is None else LinkConditioning(delay_ms=delay, mbps=mbps)
-    async with LocalChain(bundled_model_path(), 2, ctx_size=2048, activation_dtype=dtype, concurrency=8,
-                          lane_count=8, link_conditioning=conditioning) as client:
-        return await workload(client, args)
+def forward_s(probe, rows: int) -> float:
+    """A stage's forward of `rows` rows, affine through its probe's one row and chunk."""
+    row, chunk = probe.row_ns / 1e9, probe.chunk_ns / 1e9
+    return row + (rows - 1) * max(chunk - row, 0.0) / (probe.chunk_rows - 1)
 
 
 async def as_client(args) -> None:
@@ -76,92 +78,132 @@ async def as_client(args) -> None:
     topology, stage0 = Topology.load(plan / "topology.json"), StageConfig.load(plan / "stage-0.json")
     tls.use(stage0.tls.resolved(plan))
     link.use(LinkConditioning(delay_ms=args.delay) if args.delay else None)
-    client = await connect_topology(topology, bundled_model_path(), auth_token=stage0.auth_token, ctx_size=2048,
-                                    activation_dtype=stage0.activation_dtype, concurrency=8,
+    tokenizer = Tokenizer.from_gguf(MODEL)
+    copy = tokenizer.encode_chat([{"role": "user", "content": speculative_prompts(3)["copy-text"]}])
+    long_prompt = np.random.default_rng(0).integers(100, 40000, size=args.prompt_tokens).tolist()
+    client = await connect_topology(topology, MODEL, auth_token=stage0.auth_token, ctx_size=2048,
+                                    activation_dtype=stage0.activation_dtype, concurrency=STREAMS,
                                     peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
     try:
-        print(json.dumps(await workload(client, args)))
+        probes = [r.probe for r in await measured_reports(client, topology, stage0.auth_token)]
+        if args.ttft_only:  # the codec's own figure: a long prompt's first token, nothing else
+            times = [(await client.generate(long_prompt, max_tokens=1)).timings.first_token_s for _ in range(4)]
+            print(json.dumps({"ttft": statistics.median(times[1:])}))
+            return
+        out = {"compute_s": {rows: sum(forward_s(p, rows) for p in probes)
+                             for rows in (1, STREAMS, args.prompt_tokens)}}
+        for name, settings in SPECULATION.items():
+            ask = dict(max_tokens=args.max_tokens, stop_ids=tokenizer.eog_ids, speculative=settings)
+            await client.generate(copy, **ask)  # warm: this cell's first trips, the proposer
+            one = await client.generate(copy, **ask)
+            started = time.perf_counter()
+            many = await asyncio.gather(*(client.generate(copy, **ask) for _ in range(STREAMS)))
+            wall = time.perf_counter() - started
+            first = await client.generate(long_prompt, max_tokens=1)
+            out[name] = {"one": (len(one.tokens) - 1) / one.timings.decode_s,
+                         "many": sum(len(r.tokens) for r in many) / wall,
+                         "ttft": first.timings.first_token_s, "tokens": len(one.tokens)}
+        print(json.dumps(out))
     finally:
         await client.close()
 
 
-class Namespaces:
-    """Two namespace hosts; per measurement a fresh stage 1 in the second, stage 0 in the first."""
-
-    def __init__(self, hosts, out: Path):
-        self.hosts, self.out = hosts, out
-
-    async def measure(self, args, dtype: str, delay: float, mbps: float | None) -> tuple[float, float, float]:
-        plan = self.out / dtype
-        if not plan.is_dir():
-            topology, configs = plan_chain(bundled_model_path(), [f"{h.address}:{PORT}" for h in self.hosts],
-                                           auth_token=os.urandom(16).hex(), ctx_size=2048, lane_count=8,
-                                           activation_dtype=dtype, threads=os.cpu_count(),
-                                           peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
-            write_plan(topology, configs, plan, tls=True)
-        for host in self.hosts:
-            cap_bandwidth(host, mbps)
-        wire = ["--downstream-wire-delay-ms", str(delay)] if delay else []
-        stage = start_in(self.hosts[1].namespace, *CLI, "stage", "--config", str(plan / "stage-1.json"),
-                         "--topology", str(plan / "topology.json"), *wire, log_path=self.out / "stage-1.log")
-        try:
-            asked = run_in(self.hosts[0].namespace, sys.executable, __file__, "--client", str(plan), "--delay",
-                           str(delay), "--decode-tokens", str(args.decode_tokens), "--prompt-tokens",
-                           str(args.prompt_tokens), timeout=900)
-            if asked.returncode != 0:
-                raise RuntimeError(f"stage 0 in {self.hosts[0].namespace} failed:\n{asked.stderr}")
-            return tuple(json.loads(asked.stdout.strip().splitlines()[-1]))
-        finally:
-            stage.terminate()
-            stage.wait(timeout=60)
+def measure(args, hosts, out: Path, codec: str, delay: float, *extra: str) -> dict:
+    plan = out / codec
+    if not plan.is_dir():
+        topology, configs = plan_chain(MODEL, [f"{h.address}:{PORT}" for h in hosts],
+                                       auth_token=os.urandom(16).hex(), ctx_size=2048, lane_count=STREAMS,
+                                       activation_dtype=codec, threads=os.cpu_count(),
+                                       peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS)
+        write_plan(topology, configs, plan, tls=True)
+    wire = ["--downstream-wire-delay-ms", str(delay)] if delay else []
+    stage = [*CLI, "stage", "--config", str(plan / "stage-1.json"), "--topology", str(plan / "topology.json"), *wire]
+    client = [sys.executable, __file__, "--client", str(plan), "--delay", str(delay), "--max-tokens",
+              str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens), "--model", MODEL, *extra]
+    return run_beside((hosts[1].namespace, stage), (hosts[0].namespace, client), log_path=out / "stage-1.log")
 
 
-async def main(args: argparse.Namespace) -> None:
+def main(args: argparse.Namespace) -> None:
     if args.client:
-        return await as_client(args)
-    if args.tbf:
-        with namespace_hosts(2) as hosts, tempfile.TemporaryDirectory(prefix="skippy-wan-") as out:
-            await compare(args, "veth, uncapped", Namespaces(hosts, Path(out)).measure, "tc tbf")
-    else:
-        await compare(args, "loopback", on_loopback, "the knob")
-
-
-async def compare(args: argparse.Namespace, base_name: str, measure, capped_by: str) -> None:
-    links = [(base_name, 0.0, None)] + [
-        (f"{delay:g} ms, {mbps / 1000:g} Gbit" if mbps >= 1000 else f"{delay:g} ms, {mbps:g} Mbit", delay, mbps)
-        for delay in args.delays for mbps in (100.0, 1000.0)]
-    print(f"2 stages, {args.decode_tokens} decode tokens, 8 streams for the aggregate, TTFT of "
-          f"{args.prompt_tokens} prompt tokens; one run each (the link's delays dwarf the noise); "
-          f"bandwidth capped by {capped_by}, delay by the knob; ratios to {base_name} with the same dtype",
-          flush=True)
-    header = f"{'link':<18}" + "".join(f"{d + ' ' + what:>16}" for d in args.dtypes
-                                       for what in ("decode", "aggregate", "TTFT"))
-    rows = []
-    for dtype in args.dtypes:
-        base = None
-        for name, delay, mbps in links:
-            decode, aggregate, ttft = await measure(args, dtype, delay, mbps)
-            base = base or (decode, aggregate, ttft)
-            rows.append((dtype, name, decode, aggregate, ttft, base))
-            print(f"  {dtype} {name}: {decode:.1f} tok/s, 8 streams {aggregate:.1f} tok/s, TTFT {ttft * 1e3:.0f} ms",
+        return asyncio.run(as_client(args))
+    print(f"2 stages in 2 network namespaces over mutual TLS, tc tbf {args.mbps:g} Mbit/s each way, one-way "
+          f"delay by skippy's knob; {Path(MODEL).name}; 1 stream and {STREAMS} streams of the copy-heavy "
+          f"prompt to its end (up to {args.max_tokens} tokens), TTFT of {args.prompt_tokens} prompt tokens; "
+          f"speculation: ngram-suffix, window 1..16", flush=True)
+    cells, ttft = {}, {}
+    with namespace_hosts(2) as hosts, tempfile.TemporaryDirectory(prefix="skippy-wan-") as out:
+        for mbps in args.ttft_mbps:  # the codec's TTFT alone, at each rate: delay 0, 3 prompts, median
+            for host in hosts:
+                cap_bandwidth(host, mbps)
+            for codec in ("f16", "q8"):
+                ttft[mbps, codec] = measure(args, hosts, Path(out), codec, 0.0, "--ttft-only")["ttft"]
+            print(f"  {mbps:g} Mbit/s: TTFT f16 {ttft[mbps, 'f16'] * 1e3:.0f} ms, q8 {ttft[mbps, 'q8'] * 1e3:.0f} ms",
                   flush=True)
-    print("\n" + header)
-    for name, _, _ in links:
-        cells = []
-        for dtype in args.dtypes:
-            _, _, decode, aggregate, ttft, base = next(r for r in rows if r[0] == dtype and r[1] == name)
-            cells += [f"{decode / base[0]:.2f}x", f"{aggregate / base[1]:.2f}x", f"{ttft / base[2]:.2f}x"]
-        print(f"{name:<18}" + "".join(f"{cell:>16}" for cell in cells))
-    print("(decode and aggregate: higher is better; TTFT: the ratio of times, lower is better)")
+        for host in hosts:
+            cap_bandwidth(host, args.mbps)
+        for delay in args.delays:
+            for codec in args.codecs:
+                cells[delay, codec] = cell = measure(args, hosts, Path(out), codec, delay)
+                for spec in SPECULATION:
+                    r = cell[spec]
+                    print(f"  {delay:g} ms {codec} speculation {spec}: 1 stream {r['one']:.1f} tok/s "
+                          f"({r['tokens']} tokens), {STREAMS} streams {r['many']:.1f} tok/s, "
+                          f"TTFT {r['ttft'] * 1e3:.0f} ms", flush=True)
+    for mbps in args.ttft_mbps:
+        print(f"TTFT of {args.prompt_tokens} prompt tokens at {mbps:g} Mbit/s, delay 0: f16 {ttft[mbps, 'f16'] * 1e3:.0f} "
+              f"ms, q8 {ttft[mbps, 'q8'] * 1e3:.0f} ms: q8 {ttft[mbps, 'f16'] / ttft[mbps, 'q8']:.2f}x faster")
+    if cells:
+        table(args, cells)
+
+
+def table(args: argparse.Namespace, cells: dict) -> None:
+    # the model's compute does not depend on the link: each cell's probes measured it again, and
+    # the floor takes their median, so the floors differ only by their round trips
+    compute = {rows: statistics.median(c["compute_s"][rows] for c in cells.values())
+               for rows in ("1", str(STREAMS), str(args.prompt_tokens))}
+    rows = []
+    for (delay, codec), cell in cells.items():
+        trip = 2 * delay / 1e3
+        floors = {"one": 1 / (compute["1"] + trip), "many": STREAMS / (compute[str(STREAMS)] + trip),
+                  "ttft": compute[str(args.prompt_tokens)] + trip}
+        rows += [(delay, codec, spec, cell[spec], floors) for spec in SPECULATION]
+    header = (f"{'delay':>6} {'codec':>5} {'spec':>4} | {'1 stream':>8} {'floor':>7} {'ratio':>5} | "
+              f"{f'{STREAMS} streams':>10} {'floor':>7} {'ratio':>5} | {'TTFT ms':>8} {'floor':>7} {'ratio':>5}")
+    print("\n" + header + "\n" + "-" * len(header))
+    for delay, codec, spec, r, f in rows:
+        print(f"{delay:>5g}ms {codec:>5} {spec:>4} | {r['one']:>8.1f} {f['one']:>7.1f} {r['one'] / f['one']:>5.2f} | "
+              f"{r['many']:>10.1f} {f['many']:>7.1f} {r['many'] / f['many']:>5.2f} | "
+              f"{r['ttft'] * 1e3:>8.0f} {f['ttft'] * 1e3:>7.0f} {f['ttft'] / r['ttft']:>5.2f}")
+    print("(tok/s: measured / floor; TTFT: floor / measured, so 1.0 is the floor everywhere)")
+    cells = {(d, c, s): r for d, c, s, r, _ in rows}
+    floors = {(d, c, s): f for d, c, s, _, f in rows}
+    for d, c, s in cells:
+        if s == "off" and d in (5, 20):
+            print(f"goal {d:g} ms {c}: 1 stream >= 0.9x its floor: {cells[d, c, s]['one'] / floors[d, c, s]['one']:.2f}x")
+    for d, c, s in cells:
+        if s == "on" and d == 20:
+            print(f"goal 20 ms {c}: speculation on >= 2x off (copy-heavy): "
+                  f"{cells[d, c, 'on']['one'] / cells[d, c, 'off']['one']:.2f}x")
+        if s == "off" and d == 20:
+            print(f"goal 20 ms {c}: {STREAMS} streams >= 4x 1 stream: {cells[d, c, s]['many'] / cells[d, c, s]['one']:.2f}x")
+    print(f"compute of the whole model (the probes' median): one row {compute['1'] * 1e3:.2f} ms, {STREAMS} rows "
+          f"{compute[str(STREAMS)] * 1e3:.2f} ms, a {args.prompt_tokens}-token prompt "
+          f"{compute[str(args.prompt_tokens)] * 1e3:.0f} ms (the probe's line from 1 to 64 rows, extended: a "
+          f"pipelined prefill can beat it)")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--decode-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--model", default=None, help="a GGUF (default: the bundled SmolLM2-135M)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--delays", type=lambda t: [float(x) for x in t.split(",")], default=[0, 5, 20, 50])
-    parser.add_argument("--dtypes", type=lambda t: t.split(","), default=["f32", "f16", "bf16"])
-    parser.add_argument("--tbf", action="store_true", help="two network namespaces, bandwidth by `tc tbf` (root)")
-    parser.add_argument("--client", default=None, help=argparse.SUPPRESS)  # --tbf's stage 0: the plan directory
+    parser.add_argument("--delays", type=lambda t: [float(x) for x in t.split(",") if x], default=[0, 5, 20],
+                        help="one-way delays of the table's rows (ms); '' for no table")
+    parser.add_argument("--codecs", type=lambda t: t.split(","), default=["f16", "q8"])
+    parser.add_argument("--mbps", type=float, default=100.0, help="tc tbf rate each way (Mbit/s)")
+    parser.add_argument("--ttft-mbps", type=lambda t: [float(x) for x in t.split(",") if x], default=[100, 10, 2],
+                        help="rates at which to time the codecs' TTFT alone (delay 0); '' for none")
+    parser.add_argument("--ttft-only", action="store_true", help=argparse.SUPPRESS)  # the client: TTFT alone
+    parser.add_argument("--client", default=None, help=argparse.SUPPRESS)  # stage 0: the plan directory
     parser.add_argument("--delay", type=float, default=0.0, help=argparse.SUPPRESS)  # its one-way delay, ms
-    asyncio.run(main(parser.parse_args()))
+    main(parser.parse_args())

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="every stage exports spans over OTLP, e.g. http://127.0.0.1:4318 (4317 for grpc)")
     serve.add_argument("--otlp-protocol", default="http", choices=["http", "grpc"],
                        help="OTLP over HTTP/protobuf or gRPC (default http)")
-    serve.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
+    add_activation_dtype(serve)
+    add_split(serve)
     serve.add_argument("--kv-cache-mem", dest="kv_cache_bytes", type=byte_size, default=1 << 30,
                        help="prefix-cache memory, all stages together (e.g. 512MiB; 0 = no prefix cache)")
     add_kv_disk_options(serve, "all stages together, split evenly")
@@ -157,7 +158,21 @@ def add_chain_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth-token", dest="chain_auth_token", default=None,
                         help="the chain's transport token (with --topology)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads in every stage process")
-    parser.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
+    add_activation_dtype(parser)
+    add_split(parser)
+
+
+def add_split(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--split", default=None, choices=["equal", "auto"],
+                        help="--stages N: layers by weight bytes (equal, default), or by what each stage measures "
+                             "of its forward and link (auto: measure, then start again on that split)")
+
+
+def add_activation_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--activation-dtype", default=None, choices=["auto", "f32", "f16", "bf16", "q8"],
+                        help="what rows cross the links between stages as: auto (default) per link and frame, the "
+                             "widest the link's measured bandwidth moves in 5%% of the rows' compute (f32 on a fast "
+                             "link, then f16, then q8); q8 = 8 bits with a scale per 32 values (llama.cpp's Q8_0)")
 
 
 def add_stage_commands(commands) -> None:
@@ -186,8 +201,16 @@ def add_stage_commands(commands) -> None:
 
     plan = commands.add_parser("plan", help="split the layers over hosts; write stage configs and topology")
     plan.add_argument("--model", help="GGUF file or Hugging Face directory (default: the bundled SmolLM2)")
-    plan.add_argument("--stages", type=int, required=True)
-    plan.add_argument("--hosts", required=True, help="host:port per stage, comma-separated; stage 0 first")
+    plan.add_argument("--stages", type=int, default=None, help="stages (one per --hosts entry)")
+    plan.add_argument("--hosts", default=None, help="host:port per stage, comma-separated; stage 0 first")
+    plan.add_argument("--auto", action="store_true",
+                      help="split by what a running chain's stages measured (with --from): the layer ranges that "
+                           "decode one stream fastest within each host's memory, over fewer hosts when that is "
+                           "faster; prints the predicted tok/s")
+    plan.add_argument("--from", dest="from_url", default=None,
+                      help="with --auto: the running `skippy serve` whose /v1/stages reports its stages' measurements")
+    plan.add_argument("--api-key", default=None, help="with --from: the server's bearer token")
+    plan.add_argument("--all-hosts", action="store_true", help="with --auto: use every host even when fewer are faster")
     plan.add_argument("--weights", default=None, help="relative share per stage, comma-separated")
     plan.add_argument("--standby", action="append", default=[], metavar="N=HOST:PORT[,HOST:PORT]",
                       help="standby stages for stage N's layers (repeatable): requests fail over to them "
@@ -198,7 +221,7 @@ def add_stage_commands(commands) -> None:
                                                            "(they are written whenever one is not)")
     plan.add_argument("--ctx-size", type=int, default=2048)
     plan.add_argument("--lane-count", type=int, default=4)
-    plan.add_argument("--activation-dtype", default="f32", choices=["f32", "f16", "bf16"])
+    add_activation_dtype(plan)
     plan.set_defaults(run=run_plan)
 
 
@@ -326,9 +349,16 @@ def run_plan(args: argparse.Namespace) -> int:
     from .launch.local_chain import plan_chain, write_plan
     from .protocol import is_loopback, parse_endpoint
 
-    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
-    if len(hosts) != args.stages:
-        raise ValueError(f"Expected {args.stages} host:port entries in --hosts, got {len(hosts)}")
+    activation_dtype = args.activation_dtype or "auto"
+    ranges = None
+    if args.auto:
+        hosts, ranges = measured_plan(args, activation_dtype)
+    elif args.hosts is None or args.stages is None:
+        raise ValueError("Expected --stages N and --hosts (or --auto --from URL)")
+    else:
+        hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+        if len(hosts) != args.stages:
+            raise ValueError(f"Expected {args.stages} host:port entries in --hosts, got {len(hosts)}")
     weights = [float(w) for w in args.weights.split(",")] if args.weights else None
     standbys: dict[int, list[str]] = {}
     for entry in args.standby:
@@ -336,10 +366,10 @@ def run_plan(args: argparse.Namespace) -> int:
         if not sep or not index.strip().isdigit():
             raise ValueError(f"Expected --standby N=HOST:PORT[,HOST:PORT], got {entry!r}")
         standbys.setdefault(int(index), []).extend(e.strip() for e in endpoints.split(",") if e.strip())
-    topology, configs = plan_chain(model_path(args), hosts, weights=weights, standbys=standbys,
+    topology, configs = plan_chain(model_path(args), hosts, weights=weights, ranges=ranges, standbys=standbys,
                                    auth_token=args.auth_token or secrets.token_urlsafe(32),
                                    ctx_size=args.ctx_size, lane_count=args.lane_count,
-                                   activation_dtype=args.activation_dtype)
+                                   activation_dtype=activation_dtype)
     off_loopback = not all(is_loopback(parse_endpoint(e)[0]) for s in topology.stages for e in s.endpoints)
     for written in write_plan(topology, configs, args.out, tls=args.tls or off_loopback):
         print(written)
@@ -347,6 +377,29 @@ def run_plan(args: argparse.Namespace) -> int:
         spares = f" (standbys: {', '.join(stage.standby_endpoints)})" if stage.standby_endpoints else ""
         print(f"{stage.stage_id}: layers [{stage.layer_start}, {stage.layer_end}) @ {stage.endpoint}{spares}")
     return 0
+
+
+def measured_plan(args: argparse.Namespace, activation_dtype: str) -> tuple[list[str], list[tuple[int, int]]]:
+    """`plan --auto`: (endpoints, layer ranges) from the measurements a running chain reports
+    at --from's /v1/stages; the plan and its predictions are printed."""
+    import httpx
+
+    from .launch.measured_split import chain_inputs, model_cost, reports_of_listing
+    from .launch.planner import plan_split, predict
+
+    if not args.from_url:
+        raise ValueError("Expected --from URL (a running `skippy serve`) with --auto")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    stages = httpx.get(args.from_url.rstrip("/") + "/v1/stages", headers=headers, timeout=30).raise_for_status().json()
+    reports, token_cpu = reports_of_listing(stages["data"])
+    model = model_cost(model_path(args), ctx_size=args.ctx_size, lane_count=args.lane_count,
+                       activation_dtype=activation_dtype)
+    hosts, links = chain_inputs(reports, model, token_cpu)
+    plan = plan_split(model, hosts, links, use_all_hosts=args.all_hosts)
+    now = predict(model, hosts, links, [(r.layer_start, r.layer_end) for r in reports])
+    print(f"measured plan (the running split predicts {now.tok_s:.1f} tok/s one stream, "
+          f"{now.batch_tok_s:.1f} at 8 streams):\n" + plan.describe([h.name for h in hosts]))
+    return [hosts[h].name for h in plan.hosts], list(plan.ranges)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ from skippy.model.args import LayerRange
 from skippy.model.errors import ModelLoadError
 from skippy.model.llama import Segment, StageModel
 from skippy.model.loader import load_stage
-from skippy.model.quant import QuantLinear
+from skippy.model.quant_linear import QuantLinear
 from skippy.model.weights import needed_tensor_names
 from skippy.protocol import KvCacheConfig
 from skippy.runtime.speculation import SpeculativeSettings

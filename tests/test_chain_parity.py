@@ -56,3 +56,26 @@ def test_narrow_activation_links_stay_close(dtype, make_stage, references):
             await chain.close()
 
     run(main())
+
+
+def test_q8_links_move_logits_by_their_rounding(make_stage):
+    """q8 rounds each value to a step of its block's max / 127: the residual stream's outlier
+    channels (|x| ~70 among values ~2) make that ~1% RMS, and the first token's logits here move
+    by up to 1.3 (f16: 0.007), so a near-tie can flip (PROMPTS[1]'s second token, 0.012 nats
+    apart, does); perplexity moves less than f16's (bench/accuracy.py). Both links carry q8."""
+    model = make_stage()
+    expected = [reference_greedy(model, prompt, 1) for prompt in PROMPTS]
+
+    async def main():
+        chain = await start_chain(make_stage, 3, activation_dtype="q8", record_logits=True,
+                                  stage_options={"activation_dtype": "q8"})
+        try:
+            for prompt, (tokens, logits) in zip(PROMPTS, expected):
+                result = await chain.client.generate(prompt, max_tokens=1)
+                assert result.tokens == tokens  # every first token here leads by >= 0.73 nats
+                moved = (list(final_runner(chain).last_logits.values())[-1] - logits).abs().max()
+                assert 0 < moved < 2.0, moved
+        finally:
+            await chain.close()
+
+    run(main())

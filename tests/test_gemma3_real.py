@@ -111,11 +111,11 @@ def test_logits_and_greedy_tokens_match_transformers(path, tokenizer, hf_model):
     """Dequantized (--dtype float32, the numbers transformers computes with): logits within
     the rounding bound at every position, and transformers' argmax after every prefix of our
     greedy continuation is our next token, so its greedy output is ours. The default
-    quantized path (Q4_K and Q5_0 at 4 bits... Q6_K and Q8_0 at 8): teacher-forced on the
+    quantized path (Q4_K and Q6_K in their own formats, Q5_0 and Q8_0 at 8 bits): teacher-forced on the
     same sequences, its argmax is transformers' at nearly every position."""
     exact = load_stage(path, dtype="float32", device="cpu", progress=False)
     quantized = load_stage(path, device="cpu", progress=False)
-    assert quantized.weight_format == "q4+q4x2+q8+q8x2"  # x2: the down projections round inputs in two levels
+    assert quantized.weight_format == "q4k+q4kx2+q6kx2+q8"  # x2: the down projections round inputs in two levels
     matches = total = 0
     for prompt in (tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS):
         continuation = greedy(exact, prompt, NUM_TOKENS)

@@ -19,8 +19,8 @@ from numerics import record, unit_roundoff
 from skippy.model import gguf_loader, qkernel
 from skippy.model.llama import Segment
 from skippy.model.gguf_types import LEGACY_BLOCK_BYTES
-from skippy.model.quant import (REQUANTIZED, SUPPORTED, FloatWeight, GroupAffine, QuantizedTensor, QuantLinear, deinterleave,
-                                from_gguf_blocks, interleave)
+from skippy.model.quant import SUPPORTED, FloatWeight, GroupAffine, QuantizedTensor, from_gguf_blocks
+from skippy.model.quant_linear import CODE_BITS, PackedPart, QuantLinear, deinterleave, interleave
 from skippy.model.errors import RequestError
 from skippy.model.sampling import RequestSampler
 from skippy.protocol.sampling_config import SamplingConfig
@@ -64,22 +64,12 @@ def assert_within(name: str, got: np.ndarray, expected: np.ndarray, bound: np.nd
 
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)
 def test_codes_decode_as_gguf_does(qtype):
-    """Exactly, for every type whose blocks map onto 32-weight affine groups; within the
-    requantization bound for the others (Q6_K scales every 16 weights)."""
+    """Exactly, every type: its codes and its affine map per group (of 16 for Q6_K)."""
     raw = random_blocks(qtype, 48, 512)
     weight = from_gguf_blocks(raw, qtype, (48, 512))
     assert weight.codes.max() < 2**weight.bits
     expected = dequantize(raw, qtype).reshape(48, 512)
-    if qtype in REQUANTIZED:
-        got = weight.dequantize().astype(np.float64)
-        assert_within(f"{qtype.name} requantized weights vs gguf (fraction of the bound)", got, expected,
-                      requantization_bound(weight, expected))
-        # far coarser than 8 bits shows: one code off by 4 steps is outside the bound
-        wrong = GroupAffine(weight.codes.copy(), weight.scale, weight.offset, weight.bits)
-        wrong.codes[3, 7] = (int(wrong.codes[3, 7]) + 4) % 256
-        assert np.any(np.abs(wrong.dequantize() - expected) > requantization_bound(weight, expected))
-    else:
-        np.testing.assert_array_equal(weight.dequantize(), expected)
+    np.testing.assert_array_equal(weight.dequantize(), expected)
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)
@@ -97,10 +87,9 @@ def test_embedding_rows_decode_as_gguf_does(qtype):
 
 
 def kernel_weight_bound(weight: GroupAffine) -> np.ndarray:
-    """Per weight, what storing scale and offset in float16 may cost: nothing for the
-    legacy types (their file fields are float16, and -2^(bits-1) * d is exact), one
-    rounding of each for K-quants (d * sub-scale, dmin * sub-min), with float16's
-    subnormal spacing (2^-24) as the floor."""
+    """Per weight, what storing scale and offset in float16 may cost: one rounding of each
+    for Q5_K in q8 (d * sub-scale, dmin * sub-min), with float16's subnormal spacing (2^-24)
+    as the floor."""
     u = unit_roundoff(torch.float16)
     codes = weight.codes.astype(np.float64)
     s, o = (np.repeat(a.astype(np.float64), 32, axis=1) for a in (weight.scale, weight.offset))
@@ -117,34 +106,55 @@ def test_float_weights_requantize_within_the_bound(bits):
                   values.astype(np.float64), requantization_bound(weight, values))
 
 
+FORMATS = {Q.Q4_0: "q4", Q.Q4_1: "q4", Q.Q5_0: "q8", Q.Q5_1: "q8", Q.Q8_0: "q8", Q.Q4_K: "q4k", Q.Q5_K: "q8",
+           Q.Q6_K: "q6k"}
+
+
+def packed(raw: np.ndarray, qtype: Q, shape: tuple[int, int], levels: int = 1) -> QuantLinear:
+    return QuantLinear.of_blocks([QuantizedTensor(raw, qtype, shape)], levels)
+
+
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)
 def test_kernel_weights_equal_gguf_up_to_float16_scales(qtype):
+    """The kernel holds every type's numbers exactly (Q4_K and Q6_K in their own formats,
+    packed in C), but Q5_K's, whose per-group scale and min are rounded to float16 once."""
     raw = random_blocks(qtype, 64, 512, seed=1)
-    weight = from_gguf_blocks(raw, qtype, (64, 512))
     expected = dequantize(raw, qtype).reshape(64, 512).astype(np.float64)
-    got = QuantLinear.of(weight).dequantize().numpy().astype(np.float64)
-    if qtype in REQUANTIZED:  # its scale and offset are float16 already: the kernel holds them exactly
-        np.testing.assert_array_equal(got, weight.dequantize())
-        assert_within(f"{qtype.name} kernel weights vs gguf (fraction of the requantization bound)", got, expected,
-                      requantization_bound(weight, expected))
-    elif qtype in (Q.Q4_K, Q.Q5_K):
+    linear = packed(raw, qtype, (64, 512))
+    assert linear.format == FORMATS[qtype]
+    got = linear.dequantize().numpy().astype(np.float64)
+    if qtype == Q.Q5_K:
+        weight = from_gguf_blocks(raw, qtype, (64, 512))
         bound = kernel_weight_bound(weight) + unit_roundoff() * np.abs(expected)  # + float32 dequantization
         diff = np.abs(got - expected)
         excess = np.divide(diff, bound, out=np.where(diff > 0, np.inf, 0.0), where=bound > 0)
         record(f"{qtype.name} kernel weights vs gguf (fraction of the float16-scale bound)", float(excess.max()), 1.0,
                worst_case=True)
-    else:  # the file's own float16 fields: exact
+    else:
         np.testing.assert_array_equal(got, expected)
-    assert QuantLinear.of(weight).bits == (4 if weight.bits <= 4 else 8)
 
 
-@given(st.integers(1, 4), st.integers(1, 5), st.sampled_from([4, 8]), st.integers(0, 2**31))
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_c_packing_equals_numpy_packing(qtype):
+    """kernels/pack.c's layout is quant_linear.interleave's, rows taken in a given order
+    (attn_q/attn_k unpermuted), byte for byte."""
+    raw = random_blocks(qtype, 64, 768, seed=4)
+    order = np.random.default_rng(0).permutation(64)
+    part = QuantLinear.of_blocks([QuantizedTensor(raw, qtype, (64, 768), order)]).parts[0]
+    weight = from_gguf_blocks(raw[order], qtype, (64, 768))
+    codes = weight.codes.astype(np.int16) + (32 if qtype == Q.Q6_K else 0)
+    bits = 6 if qtype == Q.Q6_K else 4
+    np.testing.assert_array_equal(part.codes.numpy(), interleave(codes.astype(np.uint8), bits))
+    np.testing.assert_array_equal(part.affine(768).dequantize(), weight.dequantize())
+
+
+@given(st.integers(1, 4), st.integers(1, 5), st.sampled_from([4, 6, 8]), st.integers(0, 2**31))
 @settings(max_examples=30, deadline=None)
 def test_interleave_round_trips(blocks, groups, bits, seed):
     codes = np.random.default_rng(seed).integers(0, 2**bits, size=(16 * blocks, 32 * groups), dtype=np.uint8)
-    packed = interleave(codes, bits)
-    assert packed.nbytes == codes.size * bits // 8
-    np.testing.assert_array_equal(deinterleave(packed, bits, codes.shape), codes)
+    layout = interleave(codes, bits)
+    assert layout.nbytes == codes.size * bits // 8
+    np.testing.assert_array_equal(deinterleave(layout, bits, codes.shape), codes)
 
 
 def matmul_bound(x: np.ndarray, weight: GroupAffine, levels: int) -> np.ndarray:
@@ -163,40 +173,50 @@ def matmul_bound(x: np.ndarray, weight: GroupAffine, levels: int) -> np.ndarray:
     dx = np.abs(x.reshape(m, k // 32, 32)).max(-1, keepdims=True) / 127  # [M, G, 1]
     step = dx / 128 * (0.5 + 256 * u) + u * dx if levels == 2 else dx * (0.5 + 256 * u)
     step = (step * (x.reshape(m, k // 32, 32) != 0)).reshape(m, k)
-    codes_part = np.abs(np.repeat(weight.scale.astype(np.float64), 32, axis=1) * weight.codes)  # |s c| [N, K]
-    offset_part = np.abs(np.repeat(weight.offset.astype(np.float64), 32, axis=1))
+    codes_part = np.abs(np.repeat(weight.scale.astype(np.float64), weight.group, axis=1) * weight.codes)  # |s c|
+    offset_part = np.abs(np.repeat(weight.offset.astype(np.float64), weight.group, axis=1))
     quantization = step @ np.abs(weight.dequantize().astype(np.float64)).T
     magnitude = (np.abs(x) + step) @ (codes_part + offset_part).T
     return quantization + (k // 32 + 6) * u * magnitude
 
 
-def kernel_product(weight: GroupAffine, x: np.ndarray, levels: int) -> np.ndarray:
-    return QuantLinear.of(weight, levels)(torch.from_numpy(x.astype(np.float32))).numpy().astype(np.float64)
+def kernel_product(linear: QuantLinear, x: np.ndarray) -> np.ndarray:
+    return linear(torch.from_numpy(x.astype(np.float32))).numpy().astype(np.float64)
+
+
+def with_top_bit_flipped(linear: QuantLinear, n: int, k: int) -> QuantLinear:
+    """The same matmul but for the top bit of weight [n, k]'s code."""
+    part = linear.parts[0]
+    bits = CODE_BITS[part.format]
+    codes = deinterleave(part.codes.numpy(), bits, (linear.out_features, linear.in_features)).copy()
+    codes[n, k] ^= 1 << (bits - 1)
+    wrong = PackedPart(part.format, part.rows, torch.from_numpy(interleave(codes, bits)), part.scale, part.offset,
+                       part.sub)
+    return QuantLinear([wrong], linear.out_features, linear.in_features, levels=linear.levels)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 21])
 @pytest.mark.parametrize("levels", [1, 2])
 def test_kernel_matmul_within_its_bound(qtype, rows, levels):
     raw = random_blocks(qtype, 48, 512, seed=2)
-    weight = QuantLinear.of(from_gguf_blocks(raw, qtype, (48, 512))).affine()  # as the kernel holds it
+    linear = packed(raw, qtype, (48, 512), levels)
+    weight = linear.affine()  # as the kernel holds it
     x = np.random.default_rng(rows).standard_normal((rows, 512)) * np.linspace(0.1, 3, 512)
     expected = x @ weight.dequantize().astype(np.float64).T
     bound = matmul_bound(x, weight, levels)
-    got = kernel_product(weight, x, levels)
+    got = kernel_product(linear, x)
     record(f"{qtype.name} kernel matmul, {rows} rows, {levels} levels (fraction of its bound)",
            float((np.abs(got - expected) / bound).max()), 1.0, worst_case=True)
     if levels == 2:  # 128x finer: a one-level bound would hide a lost second level
         assert np.abs(got - expected).max() < matmul_bound(x, weight, 1).max() / 16
     # a code's top bit flipped in one weight shows far above the bound of that output
-    wrong = GroupAffine(weight.codes.copy(), weight.scale, weight.offset, weight.bits)
-    wrong.codes[5, 100] ^= 1 << (weight.bits - 1)
     one_hot = np.zeros_like(x)
     one_hot[:, 100] = 127.0  # that weight alone, and exactly an int8 times a scale of 1: no rounding of x
     w = weight.dequantize().astype(np.float64)[5, 100]
-    arithmetic = (512 // 32 + 4) * unit_roundoff() * 127 * (abs(w) + 2 * abs(weight.offset[5, 3]))
-    assert np.all(np.abs(kernel_product(weight, one_hot, levels)[:, 5] - 127 * w) <= arithmetic)
-    flipped = kernel_product(wrong, one_hot, levels)[:, 5] - kernel_product(weight, one_hot, levels)[:, 5]
+    arithmetic = (512 // 32 + 4) * unit_roundoff() * 127 * (abs(w) + 2 * abs(weight.offset[5, 100 // weight.group]))
+    assert np.all(np.abs(kernel_product(linear, one_hot)[:, 5] - 127 * w) <= arithmetic)
+    flipped = kernel_product(with_top_bit_flipped(linear, 5, 100), one_hot)[:, 5] - kernel_product(linear, one_hot)[:, 5]
     assert np.all(np.abs(flipped) > 100 * arithmetic)
 
 
@@ -215,35 +235,50 @@ def _cpu_has(flag: str) -> bool:
         return any(line.startswith("flags") and flag in line.split() for line in info)
 
 
+# the vector paths a build can take: (flags beyond FLAGS, what it reports, AMX tiles or not)
+VARIANTS = {"plain": (["-mno-avx512f", "-mno-avx2"], 0, 0), "avx2": (["-mno-avx512f"], 2, 0),
+            "vnni": (["-mno-amx-tile", "-mno-amx-int8"], 1, 0), "amx": ([], 1, 1)}
+
+
+def runnable_variants() -> dict[str, tuple[list[str], int, int]]:
+    """The VARIANTS this CPU (and OS, for AMX's tiles) can run."""
+    names = ["plain"]
+    if _cpu_has("avx2") and _cpu_has("fma") and _cpu_has("f16c"):
+        names.append("avx2")
+    if all(_cpu_has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")):
+        names.append("vnni")
+        if _cpu_has("amx_tile") and _cpu_has("amx_int8") and qkernel.build(qkernel.FLAGS).skippy_qmatmul_amx():
+            names.append("amx")
+    return {name: VARIANTS[name] for name in names}
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the plain C path is the only one here")
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=["4-bit", "8-bit"])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("levels", [1, 2])
 def test_every_vector_path_agrees_with_plain_c(qtype, levels, monkeypatch):
-    """The AVX512-VNNI, AVX2 and plain C paths run the same arithmetic over one layout:
-    each one this CPU can run, built here, lands within the same bound of the float
-    product, and every row alike in a batch and alone."""
+    """The plain C, AVX2, AVX512-VNNI and AMX paths run the same arithmetic over one layout:
+    each one this CPU can run, built here, lands within the same bound of the float product,
+    and every row alike in a batch and alone. AMX's tiles of 16 rows (a prompt's) give the
+    VNNI path's bits, so a prompt's rows equal the decode steps' that replay them."""
     raw = random_blocks(qtype, 48, 512, seed=3)
-    weight = QuantLinear.of(from_gguf_blocks(raw, qtype, (48, 512))).affine()
-    x = np.random.default_rng(0).standard_normal((9, 512))
+    linear = packed(raw, qtype, (48, 512), levels)
+    weight = linear.affine()
+    x = np.random.default_rng(0).standard_normal((150, 512))  # row chunks of 64 (and tiles of 16) and a rest
     x[2] *= 1e-3  # rows of other magnitudes share the batch
-    x[5] *= 40.0
+    x[20] *= 40.0
     exact = x @ weight.dequantize().astype(np.float64).T
-    variants = {0: ["-mno-avx512f", "-mno-avx2"]}
-    if _cpu_has("avx2") and _cpu_has("fma") and _cpu_has("f16c"):
-        variants[2] = ["-mno-avx512f"]
-    if all(_cpu_has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")):
-        variants[1] = []
     products = {}
-    for path, flags in variants.items():
+    for name, (flags, path, amx) in runnable_variants().items():
         library = qkernel.build([*qkernel.FLAGS, *flags])
-        assert library.skippy_qmatmul_vector_path() == path
+        assert (library.skippy_qmatmul_vector_path(), library.skippy_qmatmul_amx()) == (path, amx)
         monkeypatch.setattr(qkernel, "library", lambda library=library: library)
-        products[path] = kernel_product(weight, x, levels)
-        assert np.all(np.abs(products[path] - exact) <= matmul_bound(x, weight, levels)), f"path {path}"
-        for i in (0, 5):
-            assert np.array_equal(kernel_product(weight, x[i : i + 1], levels), products[path][i : i + 1]), \
-                f"path {path}"
-    assert products[0].any()
+        products[name] = kernel_product(linear, x)
+        assert np.all(np.abs(products[name] - exact) <= matmul_bound(x, weight, levels)), name
+        for i in (0, 20, 149):
+            assert np.array_equal(kernel_product(linear, x[i : i + 1]), products[name][i : i + 1]), name
+    assert products["plain"].any()
+    if "amx" in products:
+        assert np.array_equal(products["amx"], products["vnni"])
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ STAGE_CONFIG_ERRORS = [
     ({"downstream": {"stage_id": "s2", "stage_index": 2, "endpoint": "h"}}, "host:port"),
     ({"auth_token": ""}, "auth token"),                                  # 0 bytes
     ({"auth_token": "x" * 65}, "auth token"),                            # over 64 bytes
-    ({"activation_dtype": "q8"}, "activation_dtype"),
+    ({"activation_dtype": "q4"}, "activation_dtype"),
     ({"max_inflight": 0}, "max_inflight"),
     ({"kv_cache": {"mode": "sometimes"}}, "mode"),
     ({"lane_cuont": 2}, "extra"),                                        # typo is not ignored

@@ -22,9 +22,11 @@ from skippy.protocol.constants import (
     MESSAGE_HEADER_FIELDS, NAMESPACE_KINDS, REPLY_HEADER, REPLY_HEADER_FIELDS, U64_MAX,
     header_offset,
 )
+from skippy.protocol.activation_codec import q8_encode
 from skippy.protocol.frames import decode_sampling, encode_sampling, parse_message_header
 from skippy.protocol.logprobs import TokenLogprob
 from skippy.protocol.sampling_config import GrammarSpec
+from skippy.protocol.stage_probe import StageProbe
 from skippy.protocol.stage_metrics import (
     COUNTERS, GAUGES, HISTOGRAMS, METRIC_VALUE_COUNT, HistogramValues, StageMetricValues,
 )
@@ -42,7 +44,7 @@ GOLDEN = [
     # PrefillEmbd: driver prefill chunk: token ids only, no activation (source -1)
     (StageMessage(K.PrefillEmbd, pos_start=0, token_count=3, request_id=7, session_id=11,
                   tokens=[1, 2, 3]),
-     "47534d53 05000000 07000000 00000000"
+     "47534d53 06000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "01000000 00000000 03000000 03000000"
      "00000000 00000000 01000000 00000000"
@@ -55,7 +57,7 @@ GOLDEN = [
                   decode_step=1, current_token=42, source_stage_index=0, prompt_token_count=5,
                   tokens=[42], activation_dtype=ActivationDtype.f16, activation_rows=1,
                   activation_width=2, activation=np.array([[1.0, -2.0]], "<f2").tobytes()),
-     "47534d53 05000000 07000000 00000000"
+     "47534d53 06000000 07000000 00000000"
      "0b000000 00000000 04000000 00000000"
      "02000000 05000000 01000000 01000000"
      "00000000 00000000 02000000 00000000"
@@ -65,7 +67,7 @@ GOLDEN = [
      "2a000000 003c00c0"),
     # Stop: end of session: header only
     (StageMessage(K.Stop, request_id=7, session_id=11),
-     "47534d53 05000000 07000000 00000000"
+     "47534d53 06000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "03000000 00000000 00000000 00000000"
      "00000000 00000000 02000000 00000000"
@@ -78,7 +80,7 @@ GOLDEN = [
                   source_stage_index=0, tokens=[4, 5], positions=[3, 4],
                   activation_dtype=ActivationDtype.bf16, activation_rows=2, activation_width=1,
                   activation=bytes.fromhex("803f0040")),
-     "47534d53 05000000 07000000 00000000"
+     "47534d53 06000000 07000000 00000000"
      "0b000000 00000000 04000000 00000000"
      "04000000 03000000 02000000 02000000"
      "02000000 00000000 01000000 01000000"
@@ -93,7 +95,7 @@ GOLDEN = [
                   sampling=SamplingConfig(temperature=0.5, top_k=40, logit_bias={50: -100.0},
                                           seed=1234, grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, "{}")),
                   chat_metadata=b'{"tools":[]}'),
-     "47534d53 05000000 07000000 00000000"
+     "47534d53 06000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "0e000000 00000000 00000000 00000000"
      "00000000 00000000 01000000 28000000"
@@ -112,7 +114,7 @@ GOLDEN = [
     # CACHE_NAMESPACE flag (bit 16) and its 32-byte digest of prompt_cache_key "tenant-a"
     (StageMessage(K.TryRestorePrefill, token_count=4, request_id=7, session_id=11,
                   tokens=[1, 2, 3, 4], cache_namespace=cache_namespace_digest("tenant-a")),
-     "47534d53 05000000 07000000 00000000"
+     "47534d53 06000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "11000000 00000000 04000000 04000000"
      "00000000 00000000 01000000 00000100"
@@ -126,7 +128,7 @@ GOLDEN = [
     (StageMessage(K.TryRestorePrefillDecode, pos_start=3, token_count=1, request_id=7,
                   session_id=11, current_token=9, prompt_token_count=3, tokens=[1, 2, 3, 9],
                   sampling=SamplingConfig()),
-     "47534d53 05000000 07000000 00000000"
+     "47534d53 06000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "12000000 03000000 01000000 04000000"
      "00000000 00000000 01000000 08000000"
@@ -142,7 +144,7 @@ GOLDEN = [
      "ffffffff"),
     # TrimSession: truncate to token_count=12
     (StageMessage(K.TrimSession, token_count=12, request_id=7, session_id=11),
-     "47534d53 05000000 07000000 00000000"
+     "47534d53 06000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "13000000 00000000 0c000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -152,7 +154,7 @@ GOLDEN = [
      ""),
     # PredictionReturnOpen: first frame of a prediction-return stream
     (StageMessage(K.PredictionReturnOpen, request_id=7, session_id=11),
-     "47534d53 05000000 07000000 00000000"
+     "47534d53 06000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "14000000 00000000 00000000 00000000"
      "00000000 00000000 02000000 00000000"
@@ -165,7 +167,7 @@ GOLDEN = [
                   seq_id=5, decode_step=2, prompt_token_count=5, source_stage_index=0,
                   tokens=[9, 10, 11], activation_rows=3, activation_width=1,
                   activation=np.array([0.5, 1.5, -1.0], "<f4").tobytes()),
-     "47534d53 05000000 07000000 00000000"
+     "47534d53 06000000 07000000 00000000"
      "0b000000 00000000 0c000000 00000000"
      "15000000 08000000 03000000 03000000"
      "00000000 05000000 02000000 00000000"
@@ -176,7 +178,7 @@ GOLDEN = [
      "0000c03f 000080bf"),
     # RetireVerifyWindow: release verify checkpoints [8, 11)
     (StageMessage(K.RetireVerifyWindow, pos_start=8, token_count=3, request_id=7, session_id=11),
-     "47534d53 05000000 07000000 00000000"
+     "47534d53 06000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "16000000 08000000 03000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -186,7 +188,7 @@ GOLDEN = [
      ""),
     # DiscardStaleWindows: skip windows 2..4
     (StageMessage(K.DiscardStaleWindows, request_id=7, session_id=11, tokens=[2, 4]),
-     "47534d53 05000000 07000000 00000000"
+     "47534d53 06000000 07000000 00000000"
      "0b000000 00000000 00000000 00000000"
      "17000000 00000000 00000000 02000000"
      "00000000 00000000 02000000 00000000"
@@ -196,7 +198,7 @@ GOLDEN = [
      "02000000 04000000"),
     # GetStageStatus: no session, no body; the stage answers with its own status
     (StageMessage(K.GetStageStatus),
-     "47534d53 05000000 00000000 00000000"
+     "47534d53 06000000 00000000 00000000"
      "00000000 00000000 00000000 00000000"
      "18000000 00000000 00000000 00000000"
      "00000000 00000000 01000000 00000000"
@@ -204,6 +206,16 @@ GOLDEN = [
      "ffffffff 00000000 00000000 00000000"
      "00000000 00000000",
      ""),
+    # LinkProbe: filler token ids, as many as the probe's size; ACKed once read, not forwarded
+    (StageMessage(K.LinkProbe, tokens=[7, 7, 7]),
+     "47534d53 06000000 00000000 00000000"
+     "00000000 00000000 00000000 00000000"
+     "19000000 00000000 00000000 03000000"   # kind 25, 3 token ids
+     "00000000 00000000 01000000 00000000"
+     "00000000 00000000 00000000 00000000"
+     "ffffffff 00000000 00000000 00000000"
+     "00000000 00000000",
+     "07000000 07000000 07000000"),
 ]
 
 
@@ -230,7 +242,7 @@ def test_header_layout_matches_the_documented_offsets():
                        decode_step=7, current_token=-1, source_stage_index=1, tokens=[5, 6],
                        activation_rows=2, activation_width=1,
                        activation=np.array([1.0, 2.0], "<f4").tobytes())
-    expected = (struct.pack("<I", 0x534D5347) + struct.pack("<i", 5)
+    expected = (struct.pack("<I", 0x534D5347) + struct.pack("<i", 6)
                 + struct.pack("<QQQ", 2**64 - 1, 3, 8)
                 + struct.pack("<5i", 21, 8, 2, 2, 0)
                 + struct.pack("<iiI", 9, 2, 0)
@@ -266,7 +278,7 @@ def test_derived_phase_and_flags():
     assert final.phase.name == "Prefill"
     assert final.flags == 0b101001  # FINAL_CHUNK | SAMPLING | CHAT_METADATA
     assert StageMessage(K.DecodeEmbd).flags == 0
-    assert StageMessage(K.Stop).version == 5
+    assert StageMessage(K.Stop).version == 6
     restore = StageMessage(K.TryRestorePrefill, cache_namespace=bytes(32))
     assert restore.flags == 1 << 16  # CACHE_NAMESPACE
 
@@ -321,10 +333,15 @@ def messages(draw, kinds=st.sampled_from(list(MessageKind))):
         fields["cache_namespace"] = draw(st.none() | st.binary(min_size=32, max_size=32))
     if KIND_INFO[kind].has_activation and draw(st.booleans()):
         dtype = draw(st.sampled_from(list(ActivationDtype)))
-        rows, width = draw(st.integers(0, 5)), draw(st.integers(0, 7))
-        nbytes = rows * width * dtype.itemsize
+        rows, width = draw(st.integers(0, 5)), draw(st.integers(0, 7)) * dtype.block_elements
+        if dtype == ActivationDtype.q8:  # its scales must be finite: the codec's own blocks
+            values = draw(st.lists(st.floats(-1e4, 1e4, width=32), min_size=rows * width, max_size=rows * width))
+            activation = q8_encode(np.array(values, np.float32).reshape(rows, width)).tobytes()
+        else:
+            nbytes = dtype.nbytes(rows, width)
+            activation = draw(st.binary(min_size=nbytes, max_size=nbytes))
         fields.update(activation_dtype=dtype, activation_rows=rows, activation_width=width,
-                      activation=draw(st.binary(min_size=nbytes, max_size=nbytes)))
+                      activation=activation)
     return StageMessage(kind, **fields)
 
 
@@ -364,7 +381,7 @@ HEADER_CASES = [
     # wrong frame magic (e.g. a reply read as a message)
     (DECODE_PREFILL, "magic", 0x53525059, FrameError, "magic"),
     # a peer of another protocol version fails closed
-    (DECODE_PREFILL, "version", 4, VersionMismatch, "version: expected 5, got 4"),
+    (DECODE_PREFILL, "version", 5, VersionMismatch, "version: expected 6, got 5"),
     # negative counts
     (DECODE_PREFILL, "token_count", -1, FrameError, "token_count: expected >= 0"),
     (DECODE_PREFILL, "pos_start", -5, FrameError, "pos_start"),
@@ -398,7 +415,9 @@ HEADER_CASES = [
     # metadata bytes without the CHAT_METADATA flag
     (CONFIGURE, "flags", 1 << 3, FrameError, "metadata_bytes"),
     # unknown activation dtype
-    (DECODE_PREFILL, "activation_dtype", 3, FrameError, "activation_dtype"),
+    (DECODE_PREFILL, "activation_dtype", 4, FrameError, "activation_dtype"),
+    # q8 rows are whole blocks of 32 values
+    (DECODE_PREFILL, "activation_dtype", 3, FrameError, "activation_width"),
     # explicit activation length disagrees with rows x width x itemsize
     (DECODE_PREFILL, "activation_width", 3, FrameError, "activation_bytes"),
     (DECODE_PREFILL, "activation_dtype", 1, FrameError, "activation_bytes"),
@@ -649,7 +668,7 @@ def test_reply_round_trips(reply):
 def test_reply_golden_bytes():
     wire = encode_reply(StageReply.window([5, 6], 3, StageReplyStats(kv_lookup_hits=1)))
     assert wire[:REPLY_HEADER.size] == unhex(
-        "59505253 05000000 03000000 05000000"   # magic "SRPY", version 5, PredictedTokens, 5
+        "59505253 06000000 03000000 05000000"   # magic "SRPY", version 6, PredictedTokens, 5
         "03000000 02000000 00000000 00000000"   # window 3, 2 predictions, no draft, 0 draft
         "00000000 00000000"                     # draft_compute_us
         "ffffffff 00000000")                    # no logprob block, no prompt entries
@@ -657,11 +676,12 @@ def test_reply_golden_bytes():
     assert wire[264:] == unhex("05000000 06000000")
     status = encode_reply(StageReply.of_status(StageStatusReport(1, 19, 30, 2, 8)))
     assert status[:REPLY_HEADER.size] == unhex(
-        "59505253 05000000 04000000 00000000"   # StageStatus, no prediction
-        "00000000 ab000000 00000000 00000000"   # 5 status values + 2 x 83 metric halves
+        "59505253 06000000 04000000 00000000"   # StageStatus, no prediction
+        "00000000 c5000000 00000000 00000000"   # 5 status values + 2 x (83 metric + 13 probe) halves
         "00000000 00000000 ffffffff 00000000")  # no draft; logprob_top -1: no logprob block
     assert status[264:284] == unhex("01000000 13000000 1e000000 02000000 08000000")
-    assert status[284:] == bytes(8 * METRIC_VALUE_COUNT)  # every metric 0, as i64 halves
+    assert status[284:284 + 8 * METRIC_VALUE_COUNT] == bytes(8 * METRIC_VALUE_COUNT)  # every metric 0, as i64 halves
+    assert status[284 + 8 * METRIC_VALUE_COUNT:] == struct.pack("<13q", *StageProbe().flat())  # nothing measured
 
 
 def _set_reply(wire: bytes, name: str, value: int) -> bytes:
@@ -804,8 +824,29 @@ def test_stage_metrics_travel_as_i64_halves_in_a_status_reply():
     decoded = decode_reply(wire).status
     assert decoded.metrics == metrics and decoded.values() == (2, 10, 20, 1, 4)
     assert encode_reply(StageReply.of_status(decoded)) == wire
+
     with pytest.raises(ValueError, match="COUNTERS"):
         StageMetricValues({}, gauges, histograms)
+
+
+def test_a_stage_probe_travels_after_the_metrics():
+    probe = StageProbe(row_ns=3_100_000, chunk_ns=41_000_000_000, chunk_rows=64, weight_bytes=5 << 30,
+                       memory_available_bytes=20 << 30, link_rtt_ns=40_123_456, link_bytes_per_s=12_500_000,
+                       row_dtype=int(ActivationDtype.f16), chunk_dtype=int(ActivationDtype.q8), row_cpu_ns=5_900_000,
+                       threads=2, cpu_share_milli=250, cpu_ns=12_345_678_901)
+    wire = encode_reply(StageReply.of_status(StageStatusReport(1, 10, 20, 0, 4, probe=probe)))
+    first = 264 + 20 + 8 * 83  # the probe's i64 halves follow the metrics'
+    assert wire[first:first + 8] == struct.pack("<q", 3_100_000)
+    assert decode_reply(wire).status.probe == probe
+    assert probe.figures()["link_chunk_dtype"] == "q8" and probe.figures()["link_mbit_s"] == 100.0
+    assert StageProbe.from_figures(probe.figures()) == probe  # /v1/stages' JSON back to the probe
+    final = StageProbe(row_ns=1)  # sends no rows: its dtypes are -1
+    assert decode_reply(encode_reply(StageReply.of_status(StageStatusReport(1, 10, 20, 0, 4, probe=final)))
+                        ).status.probe.figures()["link_row_dtype"] is None
+    forged = bytearray(wire)
+    forged[first + 8 * 7:first + 8 * 8] = struct.pack("<q", 9)  # row_dtype 9: no such dtype
+    with pytest.raises(FrameError, match="row_dtype"):
+        decode_reply(forged)
 
 
 def test_logprob_block_layout():
@@ -839,18 +880,20 @@ def _decode_message(pos: int, step: int, token: int, rows: np.ndarray, dtype: Ac
     return StageMessage(K.DecodeEmbd, request_id=9, session_id=4, pos_start=pos, token_count=1, tokens=[token],
                         current_token=token, decode_step=step, prompt_token_count=512, trace_context=trace,
                         source_stage_index=0, activation_dtype=dtype, activation_rows=1,
-                        activation_width=rows.shape[1], activation=memoryview(rows).cast("B"))
+                        activation_width=rows.shape[1] * dtype.block_elements, activation=memoryview(rows).cast("B"))
 
 
 @pytest.mark.parametrize("dtype, np_dtype", [(ActivationDtype.f32, np.float32), (ActivationDtype.f16, np.float16),
-                                             (ActivationDtype.bf16, np.uint16)])
+                                             (ActivationDtype.bf16, np.uint16), (ActivationDtype.q8, None)])
 @pytest.mark.parametrize("trace", [None, TRACE])
 def test_decode_frames_equal_encode_message_byte_for_byte(dtype, np_dtype, trace):
     from skippy.protocol.decode_frames import DecodeFrames
 
     rng = np.random.default_rng(7)
 
-    def random_rows() -> np.ndarray:  # bf16 travels as its raw bits
+    def random_rows() -> np.ndarray:  # bf16 travels as its raw bits, q8 as its blocks
+        if np_dtype is None:
+            return q8_encode(rng.standard_normal((1, 64)).astype(np.float32))
         if np_dtype is np.uint16:
             return rng.integers(0, 2**16, (1, 24)).astype(np.uint16)
         return rng.standard_normal((1, 24)).astype(np_dtype)
@@ -862,7 +905,9 @@ def test_decode_frames_equal_encode_message_byte_for_byte(dtype, np_dtype, trace
         assert frames.matches(trace, rows)
         assert frames.encode(pos, step, token, rows) == encode_message(_decode_message(pos, step, token, rows, dtype, trace))
     assert not frames.matches(None if trace else TRACE, first)  # another trace context: a new template
-    assert not frames.matches(trace, np.zeros((2, 24), np_dtype))
+    assert not frames.matches(trace, np.concatenate([first, first]))
+    if np_dtype is np.float16:  # as many bytes, another dtype
+        assert not frames.matches(trace, first.view(np.uint16))
 
 
 def test_decode_frames_refuse_what_encode_message_refuses():

@@ -21,8 +21,8 @@ def test_auth_preamble_bytes():
 
 
 def test_ready_bytes():
-    assert Ready().encode() == bytes.fromhex("59445253 05000000")  # magic "SRDY", version 5
-    assert Ready.decode(Ready().encode()) == Ready(5)
+    assert Ready().encode() == bytes.fromhex("59445253 06000000")  # magic "SRDY", version 6
+    assert Ready.decode(Ready().encode()) == Ready(6)
 
 
 PREAMBLE_ERRORS = [
@@ -58,8 +58,8 @@ def test_check_auth():
 
 READY_ERRORS = [
     # (bytes, error)
-    (Ready(6).encode(), VersionMismatch),                 # newer peer
-    (Ready(4).encode(), VersionMismatch),                 # older peer (before logprobs)
+    (Ready(7).encode(), VersionMismatch),                 # newer peer
+    (Ready(5).encode(), VersionMismatch),                 # older peer (before q8 and LinkProbe)
     (bytes.fromhex("59445254 01000000"), FrameError),     # wrong magic
     (Ready().encode()[:7], FrameError),                   # short
 ]
@@ -101,12 +101,12 @@ async def _run_handshake(client_token, server_token, *, timeout=2.0):
 
 def test_right_token_passes():
     client, server = asyncio.run(_run_handshake("s3cret", "s3cret"))
-    assert client == Ready(5) and server is None
+    assert client == Ready(6) and server is None
 
 
 def test_no_token_on_either_side_passes():
     client, server = asyncio.run(_run_handshake(None, None))
-    assert client == Ready(5) and server is None
+    assert client == Ready(6) and server is None
 
 
 def test_wrong_token_is_refused():
@@ -125,7 +125,7 @@ def test_missing_token_times_out_as_auth_error():
 def test_wrong_version_is_refused():
     async def scenario():
         (c_reader, c_writer), (_, s_writer) = await _pair()
-        s_writer.write(Ready(version=6).encode())
+        s_writer.write(Ready(version=7).encode())
         await s_writer.drain()
         try:
             return await client_handshake(c_reader, c_writer, None, timeout=2.0)
@@ -133,7 +133,7 @@ def test_wrong_version_is_refused():
             c_writer.close()
             s_writer.close()
 
-    with pytest.raises(VersionMismatch, match="expected 5, got 6"):
+    with pytest.raises(VersionMismatch, match="expected 6, got 7"):
         asyncio.run(scenario())
 
 
@@ -150,4 +150,4 @@ def test_server_reads_nothing_past_the_preamble():
         s_writer.close()
         return leftover, ready
 
-    assert asyncio.run(scenario()) == (b"NEXT", Ready(5))
+    assert asyncio.run(scenario()) == (b"NEXT", Ready(6))

@@ -153,6 +153,6 @@ def test_limits_are_checked_before_the_body_is_read(name, value):
 
 
 def test_version_mismatch_on_the_stream():
-    header = _with_field(encode_message(MESSAGES[3]), "version", 6)
+    header = _with_field(encode_message(MESSAGES[3]), "version", 7)
     with pytest.raises(VersionMismatch):
         _read_all(read_message, header)

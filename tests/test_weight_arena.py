@@ -76,7 +76,7 @@ def test_the_chunk_is_unmapped_with_its_last_tensor():
 
 def test_a_loaded_model_packs_its_matmuls_into_the_arena(make_quant_stage):
     model = make_quant_stage(0, 2)
-    codes = model.blocks[0].wqkv.codes
+    codes = model.blocks[0].wqkv.parts[0].codes
     fields = _mapping(codes.data_ptr())
     assert fields is not None and codes.data_ptr() % ALIGN == 0
     if "[never]" not in (THP.read_text() if THP.exists() else "[never]"):

@@ -143,9 +143,16 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, settings: ApiSe
 
     @app.get("/v1/stages")
     async def stages():
-        statuses = [dataclasses.asdict(dataclasses.replace(s, metrics=None)) for s in await backend.status()]
-        return StageList(data=[StageInfo(id=fields.pop("stage_id"), **fields) for fields in statuses
-                               if fields.pop("metrics") is None])  # raw series are /metrics' business
+        statuses = await backend.status()
+        advise = getattr(backend, "split_advice", None)
+        advice = None if advise is None else await advise(statuses)
+        infos = []
+        for status in statuses:  # raw series are /metrics' business
+            fields = dataclasses.asdict(dataclasses.replace(status, metrics=None, probe=None))
+            del fields["metrics"], fields["probe"]
+            measured = {} if status.probe is None else status.probe.figures()
+            infos.append(StageInfo(id=fields.pop("stage_id"), measured=measured, **fields))
+        return StageList(data=infos, split_advice=advice)
 
     def completion_route(schema, prepare):
         async def generate(request: Request):

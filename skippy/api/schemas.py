@@ -341,11 +341,17 @@ class StageInfo(BaseModel):
     # a live view's figures (driver/stage_figures.py): tokens_per_s, decode_forward_ms, queue_wait_ms,
     # queue_depth, prefix_cache_hit_rate, kv bytes, totals; stage 0 adds speculative_acceptance
     figures: dict[str, float] = {}
+    # what it measured of itself and its link at start (decode_row_ms, prefill_chunk_ms, link_rtt_ms,
+    # link_mbit_s, the dtypes it sends...), and its decode forward predicted from that against measured
+    measured: dict[str, float | int | str | None] = {}
+    predicted_vs_measured: dict[str, float] | None = None
 
 
 class StageList(BaseModel):
     object: Literal["list"] = "list"
     data: list[StageInfo]
+    # set when a stage is more than 15% off its prediction: the split its measured times give
+    split_advice: dict | None = None
 
 
 class ErrorDetail(BaseModel):

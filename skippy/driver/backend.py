@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from ..protocol.logprobs import TokenLogprob
 from ..protocol.sampling_config import GrammarSpec, SamplingConfig
 from ..protocol.stage_metrics import StageMetricValues
+from ..protocol.stage_probe import StageProbe
 from ..protocol.stats import StageReplyStats
 from ..runtime.speculation import SpeculativeSettings
 
@@ -98,6 +99,9 @@ class StageStatus:
     moves: int = 0          # restarts that came back on another host
     metrics: StageMetricValues | None = None  # the stage's own counters and histograms (None: no answer)
     figures: dict[str, float] = field(default_factory=dict)  # rates and means for a live view (stage_figures)
+    probe: StageProbe | None = None  # what it measured of its forward and its link (None: no answer)
+    # its decode forward, predicted from its probe against measured (split_check.py); None: too few yet
+    predicted_vs_measured: dict[str, float] | None = None
 
     @property
     def is_serving(self) -> bool:

@@ -24,6 +24,7 @@ from .backend import (
     StageUnavailable, StandbyStatus,
 )
 from .client import ChainClient
+from .split_check import compare, drifted
 from .stage_figures import StageFigures
 from .session import ChainError
 
@@ -31,10 +32,12 @@ from .session import ChainError
 class ChainBackend:
     def __init__(self, client: ChainClient, topology: Topology | None, *,
                  auth_token: str | None = None, on_close: Callable[[], Awaitable[None]] | None = None,
-                 health: Sequence | None = None):
+                 health: Sequence | None = None,
+                 advise: Callable[[list[StageStatus]], dict] | None = None):
         """`topology` None: stage 0 holds the whole model in this process. `on_close` stops
         what started the chain. `health`: per stage, its supervisor's `StageHealth` (state,
-        restarts, last failure, where it runs now) when something restarts the stages."""
+        restarts, last failure, where it runs now) when something restarts the stages. `advise`:
+        the split the stages' measured times give (launch/measured_split.py), asked when they drift."""
         layers = client.runtime.model.layers
         first = "in-process" if topology is None else topology.stages[0].endpoint
         self._first = StageStatus("stage-0", layers.start, layers.end, first, "ready", 0)
@@ -42,6 +45,7 @@ class ChainBackend:
         self._auth_token = auth_token
         self._health = health
         self._on_close = on_close
+        self._advise = advise
         # prefix-cache restores as the chain saw them, per stage: [hits, misses]
         self._restores = [[0, 0] for _ in range(1 + len(self._remote))]
         self._figures = StageFigures()
@@ -110,10 +114,12 @@ class ChainBackend:
         runtime = self.client.runtime
         metrics = runtime.metric_values(connections=self.client.num_lanes)
         proposed, accepted = self._drafts
+        probe = self.client.measurement.probe
         statuses = [dataclasses.replace(self._first, active_sessions=len(runtime.sessions), metrics=metrics,
                                         node_ip=self._health[0].node_ip if self._health else "",
-                                        figures=self._figures.figures(self._first.stage_id, metrics,
-                                            speculative_acceptance=accepted / proposed if proposed else 0.0))]
+                                        figures=self._figures.figures(self._first.stage_id, metrics, probe.cpu_ns,
+                                            speculative_acceptance=accepted / proposed if proposed else 0.0),
+                                        probe=probe, predicted_vs_measured=compare(probe, metrics))]
         for index, (stage, home) in enumerate(zip(self._remote, homes), start=1):
             report = next(reports)
             state, restarts, last_failure, where = "down" if report is None else "ready", 0, "", {}
@@ -125,15 +131,26 @@ class ChainBackend:
             standbys = tuple(StandbyStatus(endpoint, "down" if r is None else "ready", _sessions(r))
                              for endpoint, r in zip(stage.standby_endpoints, reports))
             metrics = None if report is None else report.metrics
-            figures = {} if metrics is None else self._figures.figures(stage.stage_id, metrics)
+            figures = {} if metrics is None else self._figures.figures(stage.stage_id, metrics, report.probe.cpu_ns)
+            probe = None if report is None else report.probe
             statuses.append(StageStatus(stage.stage_id, stage.layer_start, stage.layer_end, home, state,
                                         _sessions(report), restarts, last_failure, standbys, metrics=metrics,
-                                        figures=figures, **where))  # fmt: skip
+                                        figures=figures, probe=probe,
+                                        predicted_vs_measured=None if report is None else compare(probe, metrics),
+                                        **where))  # fmt: skip
         return statuses
 
     def _endpoint(self, index: int, stage) -> str:
         """Where stage `index` listens now: its supervisor's view (it may have moved), else the topology's."""
         return (self._health[index].endpoint if self._health is not None else "") or stage.endpoint
+
+    async def split_advice(self, statuses: list[StageStatus]) -> dict | None:
+        """When a stage's decode forward is more than split_check.DRIFT off what its probe
+        predicted, the split the measured times give (the launcher's planner, `advise`);
+        None while every stage is on its prediction, or without a planner."""
+        if self._advise is None or not drifted([s.predicted_vs_measured for s in statuses]):
+            return None
+        return self._advise(statuses)
 
     async def ready(self) -> Readiness:
         for stage in (await self.status())[1:]:

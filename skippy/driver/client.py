@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ..model.grammar import GrammarCompiler
 from ..model.llama import StageModel
-from ..protocol import ActivationDtype, SamplingConfig, StageReplyStats
+from ..protocol import SamplingConfig, StageReplyStats
 from ..protocol.sampling_config import GrammarSpec
 from ..runtime.engine import StageRuntime
 from ..runtime.proposers import create_proposer
@@ -33,6 +33,7 @@ from ..runtime.scheduler import PEER_WAIT_FORWARDS
 from ..runtime.speculation import SpeculativeSettings
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.downstream import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, DownstreamLink, LinkBroken
+from ..stage.measure import StageMeasurement
 from ..stage.prediction_return import PredictionHub, ReturnListener
 from ..telemetry import Span, Telemetry
 from .backend import Finished, GenerationEvent, PrefillDone, Token
@@ -113,8 +114,10 @@ class ChainClient:
                                     prefix_cache=prefix_cache, grammars=grammars)
         self.grammars = grammars
         self.ctx_size = self.runtime.runner.ctx_size
-        self.env = SessionEnv(self.runtime, self.telemetry, prefill_chunk, reply_timeout_s,
-                              ActivationDtype[activation_dtype])
+        # stage 0's forward and its link to stage 1, measured once it is up (stage/measure.py)
+        self.measurement = StageMeasurement(self.runtime, activation_dtype=activation_dtype, auth_token=auth_token,
+                                            downstream=downstream)
+        self.env = SessionEnv(self.runtime, self.telemetry, prefill_chunk, reply_timeout_s, self.measurement.codec)
         self.speculative, self.draft_model = speculative, draft_model
         self.check_speculative(speculative)
         self.hub = PredictionHub()
@@ -133,6 +136,7 @@ class ChainClient:
             if self.downstream is not None:
                 await self._connect(lane)
             self._lanes.put_nowait(lane)
+        self.measurement.start()
 
     async def _connect(self, lane: Lane) -> None:
         def deliver(item) -> None:  # fallback relay, or the lane broke
@@ -348,6 +352,7 @@ class ChainClient:
                                 finished.timings, finished.speculation)
 
     async def close(self) -> None:
+        await self.measurement.close()
         await self.listener.close()
         while not self._lanes.empty():
             lane = self._lanes.get_nowait()

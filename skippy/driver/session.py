@@ -17,16 +17,18 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..protocol import (
-    LOOKUP_ERROR, ActivationDtype, MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply,
+    LOOKUP_ERROR, MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply,
     StageReplyStats, activation_fields, encode_message, lookup_observation, merge,
     prefill_compute_observation, record_observation, restore_missed_below,
 )
+from ..protocol.constants import activation_dtype_of
 from ..protocol.decode_frames import DecodeFrames
 from ..protocol.logprobs import TokenLogprob
 from ..runtime import SampleMode, SessionKey, Step, StepResult
 from ..runtime.engine import StageRuntime
 from ..runtime.prefix_identity import cacheable_prefix_length
 from ..stage.downstream import DownstreamLink, LinkBroken
+from ..stage.measure import LinkCodec
 from ..stage.shared_writer import WorkerSend
 from .run_ahead import DecodePlan, RunAhead
 from ..telemetry import Telemetry
@@ -57,7 +59,7 @@ class SessionEnv:
     telemetry: Telemetry
     prefill_chunk: int             # prompt tokens per PrefillEmbd chunk (spec §6.4: 256)
     reply_timeout_s: float         # the longest wait for any reply of the chain
-    out_dtype: ActivationDtype     # the wire dtype of the rows sent to stage 1
+    codec: LinkCodec               # the wire dtype of each frame of rows sent to stage 1 (stage/measure.py)
 
 
 class NoStagesBelow:
@@ -131,7 +133,7 @@ class ChainSession:
         self.prompt_logprobs: list[TokenLogprob] | None = None
         self.session = env.runtime.open_session(self.key, request_id)
         self.session.cache_namespace = self.cache_namespace = cache_namespace
-        self.out_dtype = env.out_dtype
+        self.codec = env.codec
         self.trace_context: bytes | None = None  # the request's span: every frame's parent
         self._decode_frames: DecodeFrames | None = None
         self._run_ahead: RunAhead | None = None
@@ -146,7 +148,7 @@ class ChainSession:
         else its rows in the wire dtype for stage 1."""
         here = self.samples_here
         return Step(self.session, start, len(tokens), tokens, sample=sample if here else SampleMode.NONE,
-                    out_dtype=None if here else self.out_dtype, window_id=window_id)
+                    out_dtype=None if here else self.codec.dtype_for(len(tokens)), window_id=window_id)
 
     def _deliver(self, result: StepResult, window_id: int | None) -> None:
         """A prediction sampled here goes where the return stream puts a final stage's."""
@@ -160,7 +162,7 @@ class ChainSession:
         """A message of this session; `rows`: stage 0's output activation it carries (None:
         nothing to carry, or stage 0 sampled the step itself)."""
         if rows is not None:
-            fields.update(activation_fields(rows, self.out_dtype, 0))
+            fields.update(activation_fields(rows, activation_dtype_of(rows), 0))
         return StageMessage(kind, request_id=self.request_id, session_id=self.session_id,
                             prompt_token_count=self.prompt_token_count, trace_context=self.trace_context,
                             **fields)
@@ -316,7 +318,7 @@ class ChainSession:
             return self._message(MessageKind.TryRestorePrefill, token_count=len(prefix),
                                  tokens=prefix, cache_namespace=self.cache_namespace)
         last = int(tokens[len(prefix)])
-        step = Step(self.session, len(prefix), 1, [last], out_dtype=self.out_dtype)
+        step = Step(self.session, len(prefix), 1, [last], out_dtype=self.codec.dtype_for(1))
         timed = await self.env.runtime.prefill(step)
         return self._message(
             MessageKind.TryRestorePrefillDecode, timed.value.rows, pos_start=len(prefix), token_count=1,

@@ -27,18 +27,24 @@ def _mean_ms(now: StageMetricValues, then: StageMetricValues | None, name: str) 
     return total / count / 1e3 if count else 0.0
 
 
+def _cpu_ms_per_token(now: StageMetricValues, then: StageMetricValues | None, cpu_ns: int, then_cpu: int) -> float:
+    tokens = _decode_rows(now) - (_decode_rows(then) if then is not None else 0)
+    return (cpu_ns - then_cpu) / 1e6 / tokens if then is not None and cpu_ns and then_cpu and tokens > 0 else 0.0
+
+
 class StageFigures:
     def __init__(self) -> None:
         self._samples: dict[str, list[tuple[float, StageMetricValues]]] = {}  # oldest first, at most 2
 
-    def figures(self, stage_id: str, metrics: StageMetricValues, **extra: float) -> dict[str, float]:
+    def figures(self, stage_id: str, metrics: StageMetricValues, cpu_ns: int = 0, **extra: float) -> dict[str, float]:
+        """`cpu_ns`: the stage process's CPU time so far (its probe's clock; 0: unknown)."""
         now = time.monotonic()
         samples = self._samples.setdefault(stage_id, [])
         if metrics.gauges["start_time_s"] != (samples[-1][1].gauges["start_time_s"] if samples else None):
             samples.clear()  # a restarted stage counts from zero again
-        then_t, then = samples[0] if samples else (now, None)
+        then_t, then, then_cpu = samples[0] if samples else (now, None, 0)
         if not samples or now - samples[-1][0] >= RATE_WINDOW_S:
-            samples.append((now, metrics))
+            samples.append((now, metrics, cpu_ns))
             del samples[:-2]
         elapsed = now - then_t
         rate = (lambda a, b: (a - b) / elapsed) if then is not None and elapsed > 0 else (lambda a, b: 0.0)
@@ -55,5 +61,7 @@ class StageFigures:
             "prefix_cache_hit_rate": c["kv_hits"] / lookups if lookups else 0.0,
             "kv_session_bytes": g["kv_session_bytes"], "kv_cache_bytes": g["kv_cache_bytes"],
             "decoded_tokens_total": _decode_rows(metrics), "prefilled_tokens_total": c["rows.prefill"],
+            # the CPU a decoded token cost the stage over the window: its forward and all around it
+            "cpu_ms_per_token": _cpu_ms_per_token(metrics, then, cpu_ns, then_cpu),
             **extra,
         }

@@ -36,6 +36,7 @@ from ..stage.process import WEIGHT_DTYPES
 from ..stage import link
 from ..stage.certificates import issue_certificates
 from ..telemetry import Telemetry
+from .measured_split import model_cost, plan_from_measurements
 from .placement import LocalProcesses, PortTaken, stop_chain
 from .supervisor import Supervisor
 
@@ -56,19 +57,24 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[float] | None = None,
-               args: ModelArgs | None = None, standbys: dict[int, list[str]] | None = None,
-               topology_id: str | None = None, **stage_options) -> tuple[Topology, list[StageConfig]]:
+               ranges: list[tuple[int, int]] | None = None, args: ModelArgs | None = None,
+               standbys: dict[int, list[str]] | None = None, topology_id: str | None = None,
+               **stage_options) -> tuple[Topology, list[StageConfig]]:
     """Topology and stage configs for one stage per endpoint; endpoint 0 is the driver's
     return listener, the others are where stages 1..N-1 listen (their bind address).
     The split counts the output head's weights as layers of the last stage, so every
-    stage reads about as many bytes per token (with equal `weights`). `standbys`: stage
-    index (1..N-1) -> endpoints of standby stages for its layers (see `standby_configs`)."""
+    stage reads about as many bytes per token (with equal `weights`); `ranges` gives it
+    instead (a measured plan: planner.py). `standbys`: stage index (1..N-1) -> endpoints
+    of standby stages for its layers (see `standby_configs`)."""
     args = args or model_args(model_path)
     standbys = standbys or {}
     if not set(standbys) <= set(range(1, len(endpoints))):
         raise ValueError(f"Expected standbys for stages 1..{len(endpoints) - 1}, got stage(s) "
                          f"{sorted(set(standbys) - set(range(1, len(endpoints))))}")
-    ranges = plan_layer_split(args.num_layers, len(endpoints), weights, args.head_cost_in_layers)
+    if ranges is None:
+        ranges = plan_layer_split(args.num_layers, len(endpoints), weights, args.head_cost_in_layers)
+    elif len(ranges) != len(endpoints):
+        raise ValueError(f"Expected {len(endpoints)} layer ranges, got {len(ranges)}")
     stages = [TopologyStage(stage_id=f"stage-{i}", stage_index=i, endpoint=endpoint,
                             layer_start=start, layer_end=end, host=parse_endpoint(endpoint)[0],
                             standby_endpoints=standbys.get(i, []))
@@ -174,7 +180,7 @@ class LocalChain:
                  dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
                  log_level: str = "WARNING", otlp_endpoint: str | None = None, otlp_protocol: str = "http",
                  kv_cache: KvCacheConfig | None = None, max_restarts: int | None = None,
-                 link_conditioning: LinkConditioning | None = None, **client_options):
+                 link_conditioning: LinkConditioning | None = None, split: str = "equal", **client_options):
         """`kv_cache`: every stage's prefix-cache settings (disk tier: one subdirectory per
         stage under `disk_dir`); None: no prefix cache anywhere. `threads`: torch threads in
         every stage; by default every core: a stream visits the stages in turn, so each may use
@@ -185,7 +191,9 @@ class LocalChain:
         share of the threads (runtime/scheduler.py: waves).
         `max_restarts`: supervise the stage processes (supervisor.py), restarting each at most
         this often; None: no supervision (a stage that dies stays down). `link_conditioning`: a
-        test knob on every link of the chain, stage 0's lanes included (stage/link.py)."""
+        test knob on every link of the chain, stage 0's lanes included (stage/link.py).
+        `split`: "equal" (bytes: plan_chain) or "auto": start so, wait for every stage's
+        measurements, and start again on the split they give (planner.py) if it differs."""
         if num_stages < 2:
             raise ValueError(f"Expected at least 2 stages for a chain, got {num_stages}")
         threads = threads or os.cpu_count() or 1
@@ -209,6 +217,10 @@ class LocalChain:
                                     peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, decode_waves=num_stages,
                                     **client_options)
         self._model_args = model_args(model_path)
+        if split not in ("equal", "auto"):
+            raise ValueError(f"Expected a split of 'equal' or 'auto', got {split!r}")
+        self.split, self.plan, self.first_plan = split, None, None  # the measured plan and the split's before it
+        self._ranges: list[tuple[int, int]] | None = None  # None: equal bytes
         self._dir = tempfile.TemporaryDirectory(prefix="skippy-chain-")
         self._plan()
         self.client: ChainClient | None = None
@@ -223,7 +235,7 @@ class LocalChain:
     def _plan(self) -> None:
         """Pick free loopback ports and build the topology and every stage's config."""
         endpoints = [f"127.0.0.1:{port}" for port in free_ports(self.num_stages)]
-        self.topology, configs = plan_chain(self.model_path, endpoints,
+        self.topology, configs = plan_chain(self.model_path, endpoints, ranges=self._ranges,
                                             args=self._model_args, **self._stage_options)
         stage_kv = self.kv_cache or KvCacheConfig(mode="disabled")
         self.configs = [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)})
@@ -249,6 +261,8 @@ class LocalChain:
                         raise RuntimeError(f"{error} ({START_ATTEMPTS} attempts)") from None
                     log.warning("%s; retrying on other ports", error)
                     self._plan()
+            if self.split == "auto":
+                await self._measured_split(on_stage_ready)
         except BaseException:
             await self.close()
             raise
@@ -258,6 +272,27 @@ class LocalChain:
             self.supervisor.start()
             self.client.can_recover = self.supervisor.can_heal
         return self.client
+
+    async def _measured_split(self, on_stage_ready: Callable[[], None]) -> None:
+        """Plan from what the stages measured of themselves; start again on that split if it
+        is not this one. Every stage here shares one machine, so all of them are used (the
+        plan says when fewer would be faster)."""
+        model = model_cost(self.model_path, ctx_size=self._stage_options["ctx_size"],
+                           lane_count=self._stage_options["lane_count"],
+                           activation_dtype=self._stage_options["activation_dtype"], args=self._model_args)
+        self.first_plan, self.plan = await plan_from_measurements(self.client, self.topology, self.auth_token,
+                                                                  model, use_all_hosts=True)
+        current = [(s.layer_start, s.layer_end) for s in self.topology.stages]
+        log.info("measured split: %s", self.plan.describe([f"stage {i}" for i in range(self.num_stages)]))
+        if list(self.plan.ranges) == current:
+            return
+        await self.client.close()
+        self.client = None
+        await self.placement.stop()
+        self._ranges = list(self.plan.ranges)
+        self._plan()
+        await self._start_stages(on_stage_ready)
+        self.client = await self._connect()
 
     async def _connect(self) -> ChainClient:
         try:

@@ -62,7 +62,9 @@ class ServeConfig(BaseModel):
     dtype: str = "auto"
     device: str = "auto"
     repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
-    activation_dtype: Literal["f32", "f16", "bf16"] = "f32"
+    # what stage rows cross links as; auto: per link and frame, from the measured bandwidth (f32, f16 or q8)
+    activation_dtype: Literal["f32", "f16", "bf16", "q8", "auto"] = "auto"
+    split: Literal["equal", "auto"] = "equal"  # --stages N: layers by weight bytes, or by measured time
     threads: int | None = Field(None, ge=1)  # torch threads in every stage process, this one included
     max_restarts: int = Field(5, ge=0)  # restarts in a row of a local stage that dies or hangs (0: none)
     recovery_timeout_s: float = Field(30.0, ge=0)  # a request waits this long for a broken chain (0: none)
@@ -92,6 +94,9 @@ class ServeConfig(BaseModel):
         if self.ray is not None and len(self.ray.stage_resources) not in (1, self.num_stages):
             raise ValueError(f"Expected one --ray-stage-resources bundle or {self.num_stages}, "
                              f"got {len(self.ray.stage_resources)}")
+        if self.ray is not None and self.split == "auto":  # RayChain plans by its bundles' CPUs or --weights
+            raise ValueError("Expected --split equal with --ray: a measured split is not applied on Ray yet "
+                             "(--ray-stage-resources per stage, or --weights, shape the split there)")
         if self.weights is not None and len(self.weights) != self.num_stages:
             raise ValueError(f"Expected {self.num_stages} --weights, one per stage, got {len(self.weights)}")
         self.speculative_settings()  # validates the mode, the window and the depth
@@ -163,7 +168,7 @@ async def build_backend(config: ServeConfig):
         tls.use(tls_files)
         client = await connect_topology(topology, config.model, auth_token=token,
                                         kv_cache=config.kv_cache(1), **every_stage, **options)
-        return ChainBackend(client, topology, auth_token=token)
+        return ChainBackend(client, topology, auth_token=token, advise=_advisor(config, ctx_size, False))
     if config.num_stages == 1:
         set_one_process_threads(config)
         client = await start_stage0(config.model, kv_cache=config.kv_cache(1), **every_stage, **options)
@@ -174,7 +179,7 @@ async def build_backend(config: ServeConfig):
         chain = RayChain(config.model, config.num_stages, config.ray, weights=config.weights,
                          insecure=config.insecure, on_placed=_say, **common, **every_stage, **options)
     else:
-        chain = LocalChain(config.model, config.num_stages, **common, **every_stage, **options)
+        chain = LocalChain(config.model, config.num_stages, split=config.split, **common, **every_stage, **options)
     description = f"Starting {config.num_stages} stages of {Path(config.model).name}"
     started = time.monotonic()
     with progress_bar(description, config.num_stages) as advance:
@@ -182,8 +187,22 @@ async def build_backend(config: ServeConfig):
         advance()  # stage 0, here, loads last
     if config.ray is not None:
         _say(f"{config.num_stages} stages ready on Ray in {time.monotonic() - started:.1f} s")
+    elif chain.plan is not None:
+        names = [f"stage {i}" for i in range(config.num_stages)]
+        print(f"skippy: measured split (equal bytes predicted {chain.first_plan.tok_s:.1f} tok/s):\n"
+              + chain.plan.describe(names), flush=True)
     return ChainBackend(client, chain.topology, auth_token=chain.auth_token, on_close=chain.close,
-                        health=chain.supervisor.health)  # fmt: skip
+                        health=chain.supervisor.health,
+                        advise=_advisor(config, ctx_size, use_all_hosts=config.ray is None))  # fmt: skip
+
+
+def _advisor(config: ServeConfig, ctx_size: int, use_all_hosts: bool):
+    """The split the stages' measured times give, for `/v1/stages` when they drift (measured_split.py)."""
+    from .measured_split import advisor, model_cost
+
+    model = model_cost(config.model, ctx_size=ctx_size, lane_count=config.num_lanes,
+                       activation_dtype=config.activation_dtype)
+    return advisor(model, use_all_hosts=use_all_hosts)
 
 
 def _say(line: str) -> None:

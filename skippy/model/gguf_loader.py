@@ -166,7 +166,7 @@ def _read(tensor, args: ModelArgs, dtype: torch.dtype | None, device: torch.devi
     is_vector = len(tensor.shape) == 1  # norms and biases: float32 always
     if dtype is None and qtype in SUPPORTED and not is_vector:
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        return QuantizedTensor(tensor.data, qtype, shape, _row_order(tensor.name, shape[0], args))
+        return QuantizedTensor(tensor.data, qtype, shape, _row_order(tensor.name, shape[0], args), tensor.name)
     if dtype is None:
         stored = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
                   GGMLQuantizationType.BF16: torch.bfloat16}

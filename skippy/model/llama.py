@@ -23,7 +23,8 @@ from .inference import inference_mode
 from .kv_cache import KVCache
 from .layers import (Linear, add_residual, apply_rope, attend_sessions, decode_rows, gated_mlp, head_norms_,
                      rms_norm, rope_tables)
-from .quant import QuantLinear, QuantizedTensor, build_linear
+from .quant import QuantizedTensor
+from .quant_linear import QuantLinear, build_linear
 from .weight_arena import WeightArena
 
 Weight = torch.Tensor | QuantizedTensor
@@ -63,10 +64,12 @@ class StageModel:
         device: torch.device,
         kv_dtype: torch.dtype = torch.float32,
         on_built: Callable[[], None] = lambda: None,
+        arena: WeightArena | None = None,
     ):
         """`weights`: float tensors, or QuantizedTensors packed here one matmul at a
         time (so building never holds more than one block's unpacked codes).
-        `on_built` is called after each block and the head (a progress bar)."""
+        `on_built` is called after each block and the head (a progress bar). `arena`: where
+        packed weights go (default: a huge-page arena of their own on CPU)."""
         self.args, self.layers, self.device, self.kv_dtype = args, layers, device, kv_dtype
         arch = args.arch
         self.activation = arch.activation
@@ -79,7 +82,8 @@ class StageModel:
         self.rope_tables = [rope_tables(theta, args.head_dim, args.context_length, factors, device)
                             for theta, factors in tables]
         # packed weights on huge pages (CPU; weight_arena.py), released with the last of them
-        arena = WeightArena() if device.type == "cpu" else None
+        if arena is None and device.type == "cpu":
+            arena = WeightArena()
         self.blocks = []
         for i in range(layers.start, layers.end):
             self.blocks.append(self._block(weights, i, arena))

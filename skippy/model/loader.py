@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
+import time
 from pathlib import Path
 
 import torch
 
 from ..console import progress_bar
+from . import qkernel
 from .args import LayerRange, ModelArgs
 from .errors import ModelLoadError
 from .gguf_loader import load_gguf_tensors, open_gguf, read_model_args, release
 from .hf_loader import load_hf_tensors, read_hf_args
 from .llama import StageModel
+from .packed_cache import PackedCache
+from .quant import QuantizedTensor
 from .resident import release_library_pages
 from .threads import on_passing_thread
+from .weight_arena import WeightArena
 from .weights import needed_tensor_names
 
 log = logging.getLogger(__name__)
@@ -86,6 +92,7 @@ def _load_stage(path: Path, layers: tuple[int, int] | None, dtype: str | torch.d
     torch_device, weight_dtype = resolve_device(device), resolve_dtype(dtype)
     release_library_pages()  # torch's start-up code (~65 MiB of RSS), before the weights add theirs
     args, reader = open_model(path)
+    is_gguf = reader is not None
     quantize_bits = QUANTIZE.get(dtype) if isinstance(dtype, str) else None
     if quantize_bits and reader is not None:
         raise ValueError(f"--quantize {dtype} is for Hugging Face checkpoints; {path.name} is a GGUF, whose "
@@ -103,13 +110,66 @@ def _load_stage(path: Path, layers: tuple[int, int] | None, dtype: str | torch.d
             release(reader)
             del reader
             _return_freed_heap()
-        model = StageModel(args, layer_range, weights, torch_device, kv_dtype_for(weights), on_built=advance)
+        packed = (PackedCache.for_model(path) if is_gguf and weight_dtype is None
+                  and torch_device.type == "cpu" and qkernel.available() else None)
+        arena = WeightArena(packed=packed) if torch_device.type == "cpu" else None
+        report = BuildReport(path, layer_range, _stage_bytes(weights), packed, advance)
+        model = StageModel(args, layer_range, weights, torch_device, kv_dtype_for(weights), on_built=report.built,
+                           arena=arena)
+        report.done()
+    if packed is not None:
+        packed.start_writing()  # on a thread of its own: the stage serves meanwhile
     del weights
     _return_freed_heap()
     release_library_pages()  # and the code that loading ran
     if repack:
         repack_if_it_fits(model)
     return model
+
+
+def _stage_bytes(weights: dict) -> int:
+    """The GGUF bytes of a stage's quantized tensors (what packing reads)."""
+    return sum(w.raw.nbytes for w in weights.values() if isinstance(w, QuantizedTensor))
+
+
+class BuildReport:
+    """Says on stderr how a stage's weights were made ready when that took a while: packed from
+    the GGUF (the first start on a host: a line every few seconds, then the rate) or mapped
+    from the packed cache (the rate the disk gave). Also advances the progress bar."""
+
+    EVERY_S = 5.0  # between progress lines while packing
+    QUIET_S = 2.0  # a build faster than this says nothing
+
+    def __init__(self, path: Path, layers: LayerRange, stage_bytes: int, packed, advance):
+        self.path, self.layers, self.stage_bytes, self.packed, self.advance = path, layers, stage_bytes, packed, advance
+        self.started = self.said = time.perf_counter()
+        self.blocks = 0
+
+    def built(self) -> None:
+        self.advance()
+        self.blocks += 1
+        now = time.perf_counter()
+        if now - self.said >= self.EVERY_S:
+            self.said = now
+            _say(f"preparing layers {self.layers} of {self.path.name}: {self.blocks} of "
+                 f"{self.layers.num_local_layers + self.layers.is_last} blocks, {now - self.started:.0f} s")
+
+    def done(self) -> None:
+        seconds = time.perf_counter() - self.started
+        if seconds < self.QUIET_S:
+            return
+        mapped = self.packed.loaded_bytes if self.packed is not None else 0
+        if mapped:
+            _say(f"mapped {mapped / 1e6:.0f} MB of packed weights in {seconds:.1f} s ({mapped / 1e6 / seconds:.0f} "
+                 f"MB/s) from {self.packed.directory}")
+        else:
+            kept = f"; kept for the next start in {self.packed.directory}" if self.packed is not None else ""
+            _say(f"packed {self.stage_bytes / 1e6:.0f} MB of {self.path.name} for this CPU in {seconds:.1f} s "
+                 f"({self.stage_bytes / 1e6 / seconds:.0f} MB/s){kept}")
+
+
+def _say(line: str) -> None:
+    print(f"skippy: {line}", file=sys.stderr, flush=True)
 
 
 def kv_dtype_for(weights: dict) -> torch.dtype:

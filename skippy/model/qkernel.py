@@ -21,7 +21,7 @@ import os
 import platform
 import subprocess
 import tempfile
-from dataclasses import dataclass
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,27 +31,74 @@ from .locate import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("kernels") / name for name in ("qmatmul.c", "rows.c", "layers.c")]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = sorted(KERNELS.glob("*.c"))
+HEADERS = sorted(KERNELS.glob("*.h"))  # the build depends on these as well
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Wall", "-Wextra")
 # glibc's vector expf (rows.c calls it where glibc and AVX-512 are), then libm
 LIBS = (["-lmvec"] if platform.libc_ver()[0] == "glibc" else []) + ["-lm"]
+MAX_PARTS = 3  # SKIPPY_MAX_PARTS
 
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# ctypes mirrors of skippy_kernels.h's structures (tests/test_kernel_build.py holds them to the C layout)
+class Part(ctypes.Structure):
+    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
+                ("sub", ctypes.c_void_p), ("format", ctypes.c_int32), ("rows", ctypes.c_int32)]
+
+
+class Matmul(ctypes.Structure):
+    _fields_ = [("rows", ctypes.c_int32), ("cols", ctypes.c_int32), ("levels", ctypes.c_int32),
+                ("num_parts", ctypes.c_int32), ("part", Part * MAX_PARTS)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("qkv", Matmul), ("out", Matmul),
+                ("gate_up", Matmul), ("down", Matmul), ("window", ctypes.c_int32)]
+
+
+class DecodeModel(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int32), ("heads", ctypes.c_int32), ("kv_heads", ctypes.c_int32),
+                ("head_dim", ctypes.c_int32), ("ffn", ctypes.c_int32), ("num_layers", ctypes.c_int32),
+                ("table_rows", ctypes.c_int32), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("layers", ctypes.POINTER(Layer)), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("out_norm", ctypes.c_void_p), ("head", ctypes.POINTER(Matmul))]
+
+
+class Sessions(ctypes.Structure):
+    _fields_ = [("count", ctypes.c_int32), ("f16", ctypes.c_int32), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("capacity", ctypes.c_void_p), ("pos", ctypes.c_void_p)]
+
+
+class Picks(ctypes.Structure):
+    _fields_ = [("from", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("values", ctypes.c_void_p),
+                ("picked", ctypes.c_void_p)]
+
+
+STRUCTURES = {"skippy_part": Part, "skippy_matmul": Matmul, "skippy_layer": Layer, "skippy_decode_model": DecodeModel,
+              "skippy_sessions": Sessions, "skippy_picks": Picks}
+
+_P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
+_MATMUL = ctypes.POINTER(Matmul)
 SIGNATURES = {  # the C functions' (argument types, return type), in their argument order
-    "skippy_qmatmul": ([_P, _I, _I, _P, _P, _P, _I, _I, _I, _P, _I], _I),
+    "skippy_qmatmul": ([_P, _I, _MATMUL, _P, _I], _I),
+    "skippy_qmatmul_vector_path": ([], _I),
+    "skippy_qmatmul_amx": ([], _I),
+    "skippy_pack_q4k": ([_P, _I64, _P, _I, _I, _P, _P, _P], _I),
+    "skippy_pack_q6k": ([_P, _I64, _P, _I, _I, _P, _P, _P], _I),
     "skippy_rms_norm": ([_P, _I, _I, _P, _F, _P], None),
     "skippy_attend_rows": ([_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _F, _P], _I),
-    "skippy_decode_attention": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _F, _P], _I),
+    "skippy_decode_attention": ([_P, ctypes.POINTER(Sessions), _I, _I, _I, _I, _I, _F, _P], _I),
     "skippy_head_rms_norm": ([_P, _I, _I, _I, _I, _I, _P, _F], None),
     "skippy_rope": ([_P, _I, _I, _I, _I, _P, _P], None),
     "skippy_swiglu": ([_P, _I, _I, _P], None),
     "skippy_geglu": ([_P, _I, _I, _P], None),
-    "skippy_qmatmul_vector_path": ([], _I),
-    "skippy_decode_layers": ([_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _F, _F,
-                              _P, _P, _I, _P, _P, _P, _P, _P], _I),
+    "skippy_decode_layers": ([ctypes.POINTER(DecodeModel), _P, ctypes.POINTER(Sessions), _P,
+                              ctypes.POINTER(Picks)], _I),
     "skippy_greedy_pick": ([_P, _I, _P, _P, _I], _I),
-    "skippy_embed_rows": ([_P, ctypes.c_int64, ctypes.c_int64, _I, _P, _I, _I, _P], _I),
+    "skippy_embed_rows": ([_P, _I64, _I64, _I, _P, _I, _I, _P], _I),
+    "skippy_read_probe": ([_P, ctypes.c_size_t], ctypes.c_uint64),
+    "skippy_abi_offset": ([ctypes.c_char_p, ctypes.c_char_p], ctypes.c_size_t),
+    "skippy_abi_fields": ([ctypes.c_char_p], _I),
 }
 
 
@@ -97,17 +144,11 @@ def library() -> ctypes.CDLL:
     return build(FLAGS)
 
 
-def build(flags: list[str]) -> ctypes.CDLL:
+def build(flags: tuple[str, ...] | list[str]) -> ctypes.CDLL:
     """The kernels compiled with `flags` (cached on disk), loaded. Tests build variants
     (-mno-avx512f: the plain C paths) through this too."""
     compiler = _compiler()
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"no C compiler ({compiler}: {e})") from None
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), " ".join(flags + LIBS), version,
-                                    _cpu_identity(), platform.machine()]).encode()).hexdigest()[:16]
-    path = _writable(cache_dir()) / f"skippy-kernels-{key}.so"
+    path = _writable(cache_dir()) / f"skippy-kernels-{build_key(flags)}.so"
     if not path.exists():
         _build(compiler, flags, path)
     lib = ctypes.CDLL(str(path))
@@ -116,6 +157,23 @@ def build(flags: list[str]) -> ctypes.CDLL:
         function.argtypes, function.restype = argtypes, restype
     log.debug("kernels %s (AVX512-VNNI path: %s)", path, bool(lib.skippy_qmatmul_vector_path()))
     return lib
+
+
+def build_key(flags: tuple[str, ...] | list[str]) -> str:
+    """What a build with `flags` depends on, hashed: the sources, the flags, the compiler's
+    version, the CPU's model and feature flags (what -march=native compiles for)."""
+    return _build_key(tuple(flags))
+
+
+@functools.cache
+def _build_key(flags: tuple[str, ...]) -> str:
+    compiler = _compiler()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"no C compiler ({compiler}: {e})") from None
+    return hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES + HEADERS), " ".join([*flags, *LIBS]), version,
+                                     _cpu_identity(), platform.machine()]).encode()).hexdigest()[:16]
 
 
 def _build(compiler: str, flags: list[str], path: Path) -> None:
@@ -127,6 +185,8 @@ def _build(compiler: str, flags: list[str], path: Path) -> None:
                               text=True, timeout=300)
         if done.returncode != 0:
             raise KernelUnavailable(f"{compiler} failed to build our kernels: {done.stderr.strip()[-2000:]}")
+        if done.stderr.strip():  # warnings: the sources build clean with -Wall -Wextra (tests/test_kernel_build.py)
+            log.warning("%s warned building our kernels: %s", compiler, done.stderr.strip()[-2000:])
         os.replace(tmp, path)
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"{compiler} failed to build our kernels: {e}") from None
@@ -148,20 +208,47 @@ def available() -> bool:
         return False
 
 
-def qmatmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-            out_features: int, out: torch.Tensor | None = None, *, levels: int) -> torch.Tensor:
-    """x [T, in] float32 contiguous -> [T, out_features] float32; with `out`, adds into it.
-    `levels`: the int8 levels x is rounded to per group (1, or 2 for a 128x finer x)."""
+def qmatmul(x: torch.Tensor, matmul: Matmul, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] float32 contiguous through `matmul` (a QuantLinear's) -> [T, out] float32; with
+    `out`, adds into it."""
     rows, in_features = x.shape
     accumulate = out is not None
     if out is None:
-        out = torch.empty(rows, out_features, dtype=torch.float32)
-    status = library().skippy_qmatmul(x.data_ptr(), rows, in_features, codes.data_ptr(), scale.data_ptr(),
-                                      offset.data_ptr(), bits, levels, out_features, out.data_ptr(), int(accumulate))
+        out = torch.empty(rows, matmul.rows, dtype=torch.float32)
+    status = library().skippy_qmatmul(x.data_ptr(), rows, ctypes.byref(matmul), out.data_ptr(), int(accumulate))
     if status:
-        raise RuntimeError(f"qmatmul failed ({status}): x {tuple(x.shape)}, {out_features} x {in_features} weights, "
-                           f"{bits} bits, {levels} levels")
+        raise RuntimeError(f"qmatmul failed ({status}): x {tuple(x.shape)}, {matmul.rows} x {matmul.cols} weights "
+                           f"in {matmul.num_parts} parts, {matmul.levels} levels")
     return out
+
+
+def matmul_struct(parts, rows: int, cols: int, levels: int) -> Matmul:
+    """A matmul's skippy_matmul over its packed parts (quant_linear.PackedPart), which must
+    outlive it."""
+    if len(parts) > MAX_PARTS:
+        raise ValueError(f"Expected at most {MAX_PARTS} parts in a matmul, got {len(parts)}")
+    matmul = Matmul(rows, cols, levels, len(parts))
+    for slot, part in zip(matmul.part, parts):
+        pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        slot.codes, slot.scale, slot.offset, slot.sub = (pointer(part.codes), pointer(part.scale),
+                                                         pointer(part.offset), pointer(part.sub))
+        slot.format, slot.rows = part.format, part.rows
+    return matmul
+
+
+def pack_k(six: bool, raw: np.ndarray, row_order: np.ndarray | None, rows: int, cols: int, codes: torch.Tensor,
+           scale: torch.Tensor, sub: torch.Tensor) -> None:
+    """A Q4_K (or, with six, Q6_K) tensor's rows [rows, bytes per row] of GGUF super-blocks into
+    the kernel's q4k (q6k) tensors (kernels/pack.c), rows taken in `row_order` when given."""
+    if not (raw.flags.c_contiguous and codes.is_contiguous() and scale.is_contiguous() and sub.is_contiguous()):
+        raise ValueError("pack_k needs contiguous arrays")
+    order = None if row_order is None else np.ascontiguousarray(row_order, dtype=np.int64)
+    pack = library().skippy_pack_q6k if six else library().skippy_pack_q4k
+    status = pack(raw.ctypes.data, raw.shape[1] if raw.ndim == 2 else raw.nbytes // raw.shape[0],
+                  None if order is None else order.ctypes.data, rows, cols, codes.data_ptr(), scale.data_ptr(),
+                  sub.data_ptr())
+    if status:
+        raise ValueError(f"pack_k failed ({status}): {rows} x {cols} from {raw.shape}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -189,26 +276,27 @@ def attend_rows(qkv: torch.Tensor, heads: int, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-@dataclass(frozen=True, slots=True)
 class DecodeRows:
-    """A forward's sessions that each add one row, as skippy_decode_attention reads them:
-    their caches' addresses and capacities and the position each row goes to. Built once
-    per forward (the caches were reserved), used by every layer."""
+    """A forward's sessions that each add one row, as skippy_decode_attention reads them
+    (skippy_sessions): their caches' addresses and capacities and the position each row goes
+    to. Built once per forward (the caches were reserved), used by every layer."""
 
-    k: ctypes.Array
-    v: ctypes.Array
-    capacity: ctypes.Array
-    position: ctypes.Array
-    f16: bool
+    __slots__ = ("k", "v", "capacity", "position", "f16", "struct")
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], positions: list[int]):
+        """keys, values: each session's contiguous [layers, kv_heads, capacity, head_dim] cache."""
+        n = len(keys)
+        self.k = (ctypes.c_void_p * n)(*(k.data_ptr() for k in keys))
+        self.v = (ctypes.c_void_p * n)(*(v.data_ptr() for v in values))
+        self.capacity = (ctypes.c_int32 * n)(*(k.shape[2] for k in keys))
+        self.position = (ctypes.c_int32 * n)(*positions)
+        self.f16 = keys[0].dtype == torch.float16
+        self.struct = Sessions(n, int(self.f16), ctypes.addressof(self.k), ctypes.addressof(self.v),
+                               ctypes.addressof(self.capacity), ctypes.addressof(self.position))
 
     @classmethod
     def of(cls, keys: list[torch.Tensor], values: list[torch.Tensor], positions: list[int]) -> "DecodeRows":
-        """keys, values: each session's contiguous [layers, kv_heads, capacity, head_dim] cache."""
-        n = len(keys)
-        return cls((ctypes.c_void_p * n)(*(k.data_ptr() for k in keys)),
-                   (ctypes.c_void_p * n)(*(v.data_ptr() for v in values)),
-                   (ctypes.c_int * n)(*(k.shape[2] for k in keys)), (ctypes.c_int * n)(*positions),
-                   keys[0].dtype == torch.float16)  # fmt: skip
+        return cls(keys, values, positions)
 
 
 def decode_attention(qkv: torch.Tensor, rows: DecodeRows, layer: int, heads: int, kv_heads: int,
@@ -219,9 +307,8 @@ def decode_attention(qkv: torch.Tensor, rows: DecodeRows, layer: int, heads: int
     attend_rows computes it alone."""
     sessions, _, head_dim = qkv.shape
     out = torch.empty(sessions, heads * head_dim, dtype=torch.float32)
-    status = library().skippy_decode_attention(qkv.data_ptr(), sessions, heads, kv_heads, head_dim, rows.k, rows.v,
-                                               rows.capacity, rows.position, layer, window, rows.f16, scale,
-                                               out.data_ptr())
+    status = library().skippy_decode_attention(qkv.data_ptr(), ctypes.byref(rows.struct), heads, kv_heads, head_dim,
+                                               layer, window, scale, out.data_ptr())
     if status:
         raise RuntimeError(f"decode_attention failed ({status}): qkv {tuple(qkv.shape)}, layer {layer}")
     return out
@@ -259,9 +346,6 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-LAYER_FIELDS = 23  # int64 per layer in skippy_decode_layers' table (kernels/layers.c)
-
-
 class DecodeLayers:
     """A stage's llama blocks (quantized matmuls without biases, SwiGLU, RMS norms, one
     RoPE table, no per-head or post norms) as skippy_decode_layers runs them: a decode
@@ -271,26 +355,21 @@ class DecodeLayers:
     def __init__(self, layers: list[tuple], heads: int, kv_heads: int, head_dim: int, ffn: int, eps: float,
                  scale: float, head: tuple | None = None):
         """layers: per layer (attn_norm, ffn_norm, wqkv, wo, w_gate_up, w_down, window), the
-        norms float32 [D], the matmuls QuantLinear (codes, scale, offset, bits, levels).
-        head: (output norm float32 [D], QuantLinear) of the final stage, whose logits the
-        call then computes too (`__call__`'s `logits`)."""
-        table = []
-        for attn_norm, ffn_norm, *matmuls, window in layers:
-            fields = [attn_norm.data_ptr(), ffn_norm.data_ptr()]
-            for m in matmuls:
-                fields += _matmul_fields(m)
-            table.append([*fields, window])
-        self.table = torch.tensor(table, dtype=torch.int64)
-        assert self.table.shape[1] == LAYER_FIELDS
-        self._weights = [t for layer in layers for t in layer[:2]]  # the table points into these
-        self._weights += [m for layer in layers for m in layer[2:6]]
-        self.head, self.vocab = None, 0
-        if head is not None:
-            self._weights += list(head)
-            self.head_norm, matmul = head
-            self.head, self.vocab = torch.tensor(_matmul_fields(matmul), dtype=torch.int64), matmul.out_features
-        self.heads, self.kv_heads, self.head_dim, self.ffn, self.eps, self.scale = (
-            heads, kv_heads, head_dim, ffn, eps, scale)
+        norms float32 [D], the matmuls QuantLinear. head: (output norm float32 [D], QuantLinear)
+        of the final stage, whose logits the call then computes too (`__call__`'s `logits`)."""
+        self.layers = (Layer * max(1, len(layers)))()
+        for slot, (attn_norm, ffn_norm, wqkv, wo, w_gate_up, w_down, window) in zip(self.layers, layers):
+            slot.attn_norm, slot.ffn_norm, slot.window = attn_norm.data_ptr(), ffn_norm.data_ptr(), window
+            slot.qkv, slot.out, slot.gate_up, slot.down = wqkv.matmul, wo.matmul, w_gate_up.matmul, w_down.matmul
+        # the structures point into these: they live as long as this object
+        self._weights = [t for layer in layers for t in layer[:6]] + list(head or ())
+        self.vocab = 0 if head is None else head[1].out_features
+        self.head = None if head is None else head[1].matmul
+        self.model = DecodeModel(
+            hidden=layers[0][0].shape[0], heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=ffn,
+            num_layers=len(layers), eps=eps, scale=scale, layers=self.layers,
+            out_norm=None if head is None else head[0].data_ptr(),
+            head=None if head is None else ctypes.pointer(self.head))
 
     def __call__(self, x: torch.Tensor, rows: DecodeRows, cos: torch.Tensor, signed_sin: torch.Tensor,
                  logits: torch.Tensor | None = None, picks: GreedyPicks | None = None) -> torch.Tensor:
@@ -300,21 +379,15 @@ class DecodeLayers:
         head), the rows' logits are written there as well, and with `picks` the greedy token
         of the rows it asks for (GreedyPicks.tokens). Returns x."""
         x = x.contiguous()
-        sessions, hidden = x.shape
-        output = (None, None, 0, None)  # the head's norm, its matmul, the vocab, logits: none asked for
-        if logits is not None:
-            if self.head is None:
-                raise ValueError("logits need a DecodeLayers built with the output head")
-            output = (self.head_norm.data_ptr(), self.head.data_ptr(), self.vocab, logits.data_ptr())
-        chosen = (None, None, None, None)
-        if picks is not None:
-            if logits is None:
-                raise ValueError("greedy picks need the logits they are picked from")
-            chosen = (picks.start, picks.ids, picks.values, picks.out)
-        status = library().skippy_decode_layers(
-            x.data_ptr(), sessions, hidden, self.heads, self.kv_heads, self.head_dim, self.ffn, len(self.table),
-            self.table.data_ptr(), rows.k, rows.v, rows.capacity, rows.position, rows.f16, cos.data_ptr(),
-            signed_sin.data_ptr(), cos.shape[0], self.eps, self.scale, *output, *chosen)  # fmt: skip
+        model = self.model
+        model.cos, model.sin, model.table_rows = cos.data_ptr(), signed_sin.data_ptr(), cos.shape[0]
+        if logits is not None and self.head is None:
+            raise ValueError("logits need a DecodeLayers built with the output head")
+        if picks is not None and logits is None:
+            raise ValueError("greedy picks need the logits they are picked from")
+        status = library().skippy_decode_layers(ctypes.byref(model), x.data_ptr(), ctypes.byref(rows.struct),
+                                                None if logits is None else logits.data_ptr(),
+                                                None if picks is None else ctypes.byref(picks.struct))
         if status:
             raise RuntimeError(f"decode_layers failed ({status}): x {tuple(x.shape)}")
         return x
@@ -332,10 +405,12 @@ class GreedyPicks:
         starts = [0]
         for bias in biases:
             starts.append(starts[-1] + (0 if bias is None else len(bias[0])))
-        self.start = (ctypes.c_int * (n + 1))(*starts)
-        self.ids = (ctypes.c_int * max(1, len(ids)))(*ids)
+        self.start = (ctypes.c_int32 * (n + 1))(*starts)
+        self.ids = (ctypes.c_int32 * max(1, len(ids)))(*ids)
         self.values = (ctypes.c_float * max(1, len(values)))(*values)
-        self.out = (ctypes.c_int * n)(*(bias is not None for bias in biases))  # in: wanted; out: the id
+        self.out = (ctypes.c_int32 * n)(*(bias is not None for bias in biases))  # in: wanted; out: the id
+        self.struct = Picks(ctypes.addressof(self.start), ctypes.addressof(self.ids), ctypes.addressof(self.values),
+                            ctypes.addressof(self.out))
 
     def tokens(self) -> list[int | None]:
         return [None if token < 0 else token for token in self.out]
@@ -353,6 +428,17 @@ def embed_rows(raw: np.ndarray, block_bytes: int, ids: torch.Tensor, cols: int) 
     return out
 
 
+def read_bandwidth(buffer: torch.Tensor, rounds: int = 5) -> float:
+    """The best of `rounds` timed passes of the thread team reading `buffer` (contiguous,
+    far larger than the last-level cache), in bytes per second (kernels/probe.c)."""
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        library().skippy_read_probe(buffer.data_ptr(), buffer.nbytes)
+        best = min(best, time.perf_counter() - started)
+    return buffer.nbytes / best
+
+
 def greedy_pick(row: torch.Tensor, ids: list[int], values: list[float]) -> int:
     """The kernel's greedy pick of one float32 row [V] with `values` added at `ids` (the row
     is patched for the scan and put back), as the decode call picks each row."""
@@ -363,8 +449,3 @@ def greedy_pick(row: torch.Tensor, ids: list[int], values: list[float]) -> int:
     if status < 0:
         raise ValueError(f"greedy_pick failed ({status}): ids {ids} for a row of {row.shape[0]}")
     return status
-
-
-def _matmul_fields(m) -> list[int]:
-    """A QuantLinear as skippy_decode_layers reads a matmul: codes, scale, offset, bits, levels."""
-    return [m.codes.data_ptr(), m.scale.data_ptr(), m.offset.data_ptr(), m.bits, m.levels]

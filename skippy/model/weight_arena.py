@@ -1,13 +1,12 @@
 """Where a stage's packed weights live: 2 MiB-aligned memory marked for transparent huge pages.
 
-A decode step streams every packed weight of the stage once (~55 MB for the bundled model).
-On 4 KiB pages that is ~14,000 pages a step, more than the TLB holds, so every page costs a
-page walk; on 2 MiB pages it is ~30. Linux backs anonymous memory with huge pages only where
+A decode step streams every packed weight of the stage once. On 4 KiB pages that is one
+page per 4 KiB of weights, far more pages than the TLB holds, so every page costs a page walk;
+on 2 MiB pages it is 512 times fewer. Linux backs anonymous memory with huge pages only where
 the mapping asks for them (`madvise` is the usual setting of
 /sys/kernel/mm/transparent_hugepage/enabled) and only for 2 MiB-aligned ranges, which
-torch's allocator does not give. Measured on the bundled model (2 cores, two copies of the
-model in one process, their decode steps alternated token by token, 400 tokens, 3 runs):
-5.5-6.1% faster steps from this arena (5774 -> 5522, 5056 -> 4746, 5394 -> 5079 us).
+torch's allocator does not give (docs/decisions.md, "Weights in a huge-page arena", has what
+it gains).
 
 Memory: the weights are the same bytes; an arena holds at most one partly used huge page
 at the end of each chunk. Where huge pages are off (or on other systems) the arena is plain
@@ -17,9 +16,13 @@ anonymous memory. Chunks are freed when the last tensor in them is.
 from __future__ import annotations
 
 import mmap
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .packed_cache import PackedCache
 
 HUGE_PAGE = 2 << 20
 CHUNK_BYTES = 32 << 20   # a chunk holds several matmuls; a larger one gets its own
@@ -27,10 +30,11 @@ ALIGN = 64               # every tensor starts on a cache line, as torch's alloc
 
 
 class WeightArena:
-    """Bump allocation of one model's weight tensors, chunk by chunk."""
+    """Bump allocation of one model's weight tensors, chunk by chunk. `packed`: where matmuls
+    packed before are found, and packed ones kept for the next start (packed_cache.py)."""
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES):
-        self.chunk_bytes = chunk_bytes
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, packed: PackedCache | None = None):
+        self.chunk_bytes, self.packed = chunk_bytes, packed
         self._chunk: torch.Tensor | None = None  # uint8 view of the current chunk, 2 MiB-aligned
         self._used = 0
 

@@ -153,7 +153,7 @@ class StageConfig(_Frozen):
     upstream: PeerEndpoint | None = None
     downstream: PeerEndpoint | None = None     # None = the final stage
     auth_token: str | None = Field(None, repr=False)
-    activation_dtype: Literal["f32", "f16", "bf16"] = "f32"
+    activation_dtype: Literal["f32", "f16", "bf16", "q8", "auto"] = "f32"  # auto: per frame, from the measured link
     weight_dtype: Literal["auto", "f32", "f16", "bf16", "int4", "int8"] = "auto"
     repack_weights: bool = True                # a batch-friendly copy of float32 CPU weights
     device: str = "auto"

@@ -11,12 +11,15 @@ import struct
 from enum import IntEnum, IntFlag
 from typing import NamedTuple
 
+import numpy as np
+
 # Version of this Python wire format. Frames, replies and READY carry it; any other
 # value fails closed (spec §2.11): peers must upgrade together.
-PROTOCOL_VERSION = 5   # 2: the CACHE_NAMESPACE section; 3: a grammar in the sampling block;
+PROTOCOL_VERSION = 6   # 2: the CACHE_NAMESPACE section; 3: a grammar in the sampling block;
                        # 4: the TRACE_CONTEXT section, stage metrics in StageStatus;
                        # 5: logprobs (a count in the sampling block, a block in replies),
-                       #    the LARK grammar kind (enforced tool calls)
+                       #    the LARK grammar kind (enforced tool calls);
+                       # 6: q8 activations, LinkProbe, the stage's probe in StageStatus
 
 # Magics are u32 written little-endian; the ASCII spelling is the value read
 # most-significant byte first, as the spec writes READY's 0x53524459 ("SRDY").
@@ -42,6 +45,7 @@ class MessageKind(IntEnum):
     RetireVerifyWindow      = 22
     DiscardStaleWindows     = 23
     GetStageStatus          = 24  # ours: this stage's layers and open sessions; not forwarded
+    LinkProbe               = 25  # ours: filler tokens, ACKed once read; not forwarded (RTT, bandwidth)
 
 
 class ReplyKind(IntEnum):
@@ -99,26 +103,51 @@ class GrammarKind(IntEnum):
 
 
 class ActivationDtype(IntEnum):
-    """Element type of the activation payload (spec §2.2 "version drift": f32, f16, bf16)."""
+    """Element type of the activation payload (spec §2.2 "version drift": f32, f16, bf16;
+    q8 is ours: blockwise 8-bit, llama.cpp's Q8_0 block, see ACTIVATION_LAYOUT)."""
 
     f32  = 0
     f16  = 1
     bf16 = 2
+    q8   = 3
 
     @property
-    def itemsize(self) -> int:
-        return ACTIVATION_ITEMSIZE[self]
+    def block_elements(self) -> int:
+        """Values per block: a row's width must be a multiple of it."""
+        return ACTIVATION_LAYOUT[self][0]
+
+    @property
+    def block_bytes(self) -> int:
+        return ACTIVATION_LAYOUT[self][1]
+
+    def nbytes(self, rows: int, width: int) -> int:
+        """Wire bytes of `rows` rows of `width` values (width a multiple of block_elements)."""
+        return rows * (width // self.block_elements) * self.block_bytes
 
 
-#                    dtype                  bytes per element
-ACTIVATION_ITEMSIZE = {ActivationDtype.f32:  4,
-                       ActivationDtype.f16:  2,
-                       ActivationDtype.bf16: 2}
+# A row is width / elements blocks of these bytes. q8 is llama.cpp's Q8_0 block: an f16
+# scale d, then 32 int8 codes q; value i = d * q[i] (protocol/activation_codec.py).
+#                    dtype                 elements  bytes
+ACTIVATION_LAYOUT = {ActivationDtype.f32:  (1,       4),
+                     ActivationDtype.f16:  (1,       2),
+                     ActivationDtype.bf16: (1,       2),
+                     ActivationDtype.q8:   (32,      34)}
+Q8_BLOCK_VALUES = 32
 
-# numpy has no bfloat16: bf16 rows are exposed as their raw uint16 bit patterns.
-ACTIVATION_NUMPY_DTYPE = {ActivationDtype.f32:  "<f4",
-                          ActivationDtype.f16:  "<f2",
-                          ActivationDtype.bf16: "<u2"}
+# One numpy item per block. numpy has no bfloat16: bf16 rows are their raw uint16 bit
+# patterns; a q8 row is width / 32 records of (scale, codes).
+Q8_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (Q8_BLOCK_VALUES,))])
+ACTIVATION_NUMPY_DTYPE = {ActivationDtype.f32:  np.dtype("<f4"),
+                          ActivationDtype.f16:  np.dtype("<f2"),
+                          ActivationDtype.bf16: np.dtype("<u2"),
+                          ActivationDtype.q8:   Q8_BLOCK}
+assert all(ACTIVATION_NUMPY_DTYPE[d].itemsize == ACTIVATION_LAYOUT[d][1] for d in ActivationDtype)
+_BY_NUMPY_DTYPE = {numpy_dtype: dtype for dtype, numpy_dtype in ACTIVATION_NUMPY_DTYPE.items()}
+
+
+def activation_dtype_of(rows: np.ndarray) -> ActivationDtype:
+    """The wire dtype of rows held as ACTIVATION_NUMPY_DTYPE says (KeyError for any other array)."""
+    return _BY_NUMPY_DTYPE[rows.dtype]
 
 
 # ---------------------------------------------------------------------------
@@ -266,6 +295,7 @@ KIND_INFO: dict[MessageKind, KindInfo] = {
     K.RetireVerifyWindow:      KindInfo(P.Prefill, False, None),
     K.DiscardStaleWindows:     KindInfo(P.Decode,  False, None),              # tokens [min, max]
     K.GetStageStatus:          KindInfo(P.Prefill, False, R.StageStatus),
+    K.LinkProbe:               KindInfo(P.Prefill, False, R.Ack),             # once the whole frame is read
 }
 del K, P, R
 

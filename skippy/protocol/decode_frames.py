@@ -24,7 +24,9 @@ import struct
 
 import numpy as np
 
-from .constants import MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, REPLY_HEADER_FIELDS, MessageKind, header_offset
+from .constants import (
+    ACTIVATION_NUMPY_DTYPE, MESSAGE_HEADER, MESSAGE_HEADER_FIELDS, REPLY_HEADER_FIELDS, MessageKind, header_offset,
+)
 from .errors import FrameError
 from .frames import StageMessage, StageReply, encode_message, encode_reply
 
@@ -49,6 +51,7 @@ class DecodeFrames:
         if not is_decode_frame(prototype):
             raise ValueError("a decode-frame template is a one-token DecodeEmbd without positions")
         self.prototype = prototype
+        self._dtype = ACTIVATION_NUMPY_DTYPE[prototype.activation_dtype]  # q8: one record per 32 values
         self._frame = bytearray(encode_message(prototype))  # every section checked once, here
         start = _TOKEN + 4
         self._activation = slice(start, start + prototype.activation.nbytes)
@@ -56,8 +59,8 @@ class DecodeFrames:
     def matches(self, trace_context: bytes | None, rows: np.ndarray) -> bool:
         """Whether a step with this trace context and these rows fits the template."""
         p = self.prototype
-        return (trace_context == p.trace_context and rows.shape == (p.activation_rows, p.activation_width)
-                and rows.nbytes == p.activation.nbytes)
+        return (trace_context == p.trace_context and rows.shape[0] == p.activation_rows
+                and rows.dtype == self._dtype and rows.nbytes == p.activation.nbytes)
 
     def encode(self, pos_start: int, decode_step: int, token: int, rows: np.ndarray) -> bytes:
         """The frame of the step at `pos_start` feeding `token`, carrying `rows` (wire dtype,

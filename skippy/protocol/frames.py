@@ -20,7 +20,7 @@ from typing import NoReturn
 import numpy as np
 
 from .constants import (
-    ACTIVATION_ITEMSIZE, ACTIVATION_NUMPY_DTYPE, I32_MAX, I32_MIN, KIND_INFO, KNOWN_SAMPLING_FLAGS,
+    ACTIVATION_NUMPY_DTYPE, I32_MAX, I32_MIN, KIND_INFO, KNOWN_SAMPLING_FLAGS,
     KNOWN_STATE_FLAGS, LOGIT_BIAS_ENTRY, LOGPROB_PAIR, MAX_ACTIVATION_BYTES, MAX_DRAFT_COUNT,
     MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS_COUNT, MAX_METADATA_BYTES, MAX_PREDICTED_COUNT,
     MAX_PROMPT_LOGPROB_COUNT, MAX_SAMPLING_BYTES, MAX_SIDEBAND_COUNT,
@@ -28,10 +28,12 @@ from .constants import (
     PROTOCOL_VERSION, TRACE_CONTEXT_BYTES, REPLY_HEADER, REPLY_HEADER_FIELDS, REPLY_MAGIC, SAMPLING_BLOCK, STATS_BLOCK,
     ActivationDtype, GrammarKind, MessageKind, Phase, ReplyKind, SamplingFlags, StateFlags,
 )
+from .activation_codec import check_q8_scales
 from .errors import FrameError, VersionMismatch
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from .sampling_config import GrammarSpec, SamplingConfig
 from .stage_metrics import METRIC_VALUE_COUNT, StageMetricValues
+from .stage_probe import PROBE_VALUE_COUNT, StageProbe
 from .stats import NO_STATS, StageReplyStats, decode_stats, encode_stats
 
 _I32 = np.dtype("<i4")
@@ -76,9 +78,10 @@ def _as_i32_array(name: str, values: object) -> np.ndarray:
 
 
 def activation_fields(rows: np.ndarray, dtype: ActivationDtype, source_stage_index: int) -> dict:
-    """The StageMessage fields that carry `rows` (a wire-dtype array) from `source_stage_index`."""
+    """The StageMessage fields that carry `rows` (a wire-dtype array, one item per block: see
+    ACTIVATION_NUMPY_DTYPE) from `source_stage_index`."""
     return dict(source_stage_index=source_stage_index, activation_dtype=dtype, activation_rows=rows.shape[0],
-                activation_width=rows.shape[1], activation=memoryview(rows).cast("B"))
+                activation_width=rows.shape[1] * dtype.block_elements, activation=memoryview(rows).cast("B"))
 
 
 def _byte_view(buf: object) -> memoryview:
@@ -162,9 +165,15 @@ class StageMessage:
         return self.seq_id
 
     def activation_array(self) -> np.ndarray:
-        """The activation as a (rows, width) view; bf16 comes back as raw uint16 bits."""
-        return np.frombuffer(self.activation, dtype=ACTIVATION_NUMPY_DTYPE[self.activation_dtype]
-                             ).reshape(self.activation_rows, self.activation_width)
+        """The activation as a (rows, width) view; bf16 comes back as raw uint16 bits, q8 as
+        (rows, width / 32) Q8_BLOCK records, their scales checked (a lent lane's decode frames
+        skip decode_message's body checks, and every row a stage computes is read here)."""
+        dtype = self.activation_dtype
+        rows = np.frombuffer(self.activation, dtype=ACTIVATION_NUMPY_DTYPE[dtype]
+                             ).reshape(self.activation_rows, self.activation_width // dtype.block_elements)
+        if dtype == ActivationDtype.q8:
+            check_q8_scales(rows)
+        return rows
 
     def derived(self, **values) -> StageMessage:
         """This message with `values` set as they are, without __post_init__'s normalization
@@ -288,12 +297,14 @@ def check_message_header(h: MessageHeader) -> None:
         _fail("sampling_bytes", "0 without the SAMPLING flag", h.sampling_bytes)
     if h.metadata_bytes and not h.flags & _METADATA:
         _fail("metadata_bytes", "0 without the CHAT_METADATA flag", h.metadata_bytes)
-    itemsize = ACTIVATION_ITEMSIZE[h.activation_dtype]
-    if h.activation_bytes != h.activation_rows * h.activation_width * itemsize:
+    dtype = ActivationDtype(h.activation_dtype)
+    if h.activation_width % dtype.block_elements:
+        _fail("activation_width", f"a multiple of {dtype.block_elements} for {dtype.name}", h.activation_width)
+    if h.activation_bytes != dtype.nbytes(h.activation_rows, h.activation_width):
         _fail("activation_bytes",
-              f"{h.activation_rows * h.activation_width * itemsize} (rows {h.activation_rows} x "
-              f"width {h.activation_width} x {itemsize} bytes of "
-              f"{ActivationDtype(h.activation_dtype).name})", h.activation_bytes)
+              f"{dtype.nbytes(h.activation_rows, h.activation_width)} (rows {h.activation_rows} x "
+              f"width {h.activation_width} / {dtype.block_elements} x {dtype.block_bytes} bytes of "
+              f"{dtype.name})", h.activation_bytes)
 
 
 def parse_message_header(buf: Buffer) -> MessageHeader:
@@ -434,6 +445,8 @@ def encode_message_parts(msg: StageMessage) -> list[bytes | memoryview]:
     check_message_header(MessageHeader(*values))  # never emit what a peer would reject
     if msg.kind == MessageKind.DiscardStaleWindows:
         _check_discard_range(msg.tokens)
+    if msg.activation_dtype == ActivationDtype.q8:
+        msg.activation_array()  # checks its scales
     # Fixed-stride arrays first, so they stay 4-byte aligned for zero-copy views.
     sections = (header, memoryview(np.ascontiguousarray(msg.tokens)).cast("B"),
                 memoryview(np.ascontiguousarray(msg.positions)).cast("B"), msg.activation,
@@ -484,6 +497,8 @@ def decode_message_body(header: MessageHeader, body: Buffer) -> StageMessage:
         _check_trace_context(trace)
     if header.kind == MessageKind.DiscardStaleWindows:
         _check_discard_range(tokens)
+    if header.activation_dtype == ActivationDtype.q8:
+        check_q8_scales(np.frombuffer(activation, dtype=ACTIVATION_NUMPY_DTYPE[ActivationDtype.q8]))
     if len(view) != offset:
         _fail("frame length", f"{offset} body bytes",
               f"{len(view)} ({len(view) - offset} trailing)")
@@ -514,8 +529,8 @@ def decode_message(buf: Buffer) -> StageMessage:
 @dataclass(frozen=True, slots=True)
 class StageStatusReport:
     """A stage's answer to GetStageStatus, sent in a StageStatus reply's token array: these
-    five i32 values, in this order, then each of `metrics`' i64 values as two i32 (low half
-    first, as an unsigned 32-bit pattern)."""
+    five i32 values, in this order, then each of `metrics`' i64 values and then each of
+    `probe`'s as two i32 (low half first, as an unsigned 32-bit pattern)."""
 
     stage_index: int
     layer_start: int
@@ -523,6 +538,7 @@ class StageStatusReport:
     active_sessions: int  # sessions open on this stage, over all its connections
     lane_count: int
     metrics: StageMetricValues = field(default_factory=StageMetricValues)
+    probe: StageProbe = field(default_factory=StageProbe)  # what it measured of itself and its link
 
     def __post_init__(self) -> None:
         values = self.values()
@@ -533,7 +549,7 @@ class StageStatusReport:
         return (self.stage_index, self.layer_start, self.layer_end, self.active_sessions, self.lane_count)
 
     def wire_values(self) -> list[int]:
-        flat = self.metrics.flat()
+        flat = self.metrics.flat() + self.probe.flat()
         try:
             pairs = struct.unpack(f"<{2 * len(flat)}i", struct.pack(f"<{len(flat)}q", *flat))
         except struct.error as error:
@@ -543,12 +559,13 @@ class StageStatusReport:
     @classmethod
     def from_wire(cls, values: list[int]) -> StageStatusReport:
         pairs = values[STATUS_VALUE_COUNT:]
-        flat = struct.unpack(f"<{len(pairs) // 2}q", struct.pack(f"<{len(pairs)}i", *pairs))
-        return cls(*values[:STATUS_VALUE_COUNT], StageMetricValues.from_flat(list(flat)))
+        flat = list(struct.unpack(f"<{len(pairs) // 2}q", struct.pack(f"<{len(pairs)}i", *pairs)))
+        return cls(*values[:STATUS_VALUE_COUNT], StageMetricValues.from_flat(flat[:METRIC_VALUE_COUNT]),
+                   StageProbe.from_flat(flat[METRIC_VALUE_COUNT:]))
 
 
 STATUS_VALUE_COUNT = 5
-STATUS_WIRE_COUNT = STATUS_VALUE_COUNT + 2 * METRIC_VALUE_COUNT
+STATUS_WIRE_COUNT = STATUS_VALUE_COUNT + 2 * (METRIC_VALUE_COUNT + PROBE_VALUE_COUNT)
 
 
 @dataclass(frozen=True, slots=True)

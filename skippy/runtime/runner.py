@@ -14,6 +14,7 @@ from ..model.errors import ContextOverflowError, RequestError
 from ..model.grammar import GrammarCompiler
 from ..model.llama import Segment, StageModel
 from ..model.sampling import RequestSampler, token_logprobs
+from ..protocol.activation_codec import q8_decode, q8_encode
 from ..protocol.constants import ActivationDtype
 from ..protocol.sampling_config import SamplingConfig
 from .session import MAX_OPEN_WINDOWS, Session, SessionError, VerifyCheckpoint
@@ -40,19 +41,25 @@ MAX_PROMPT_LOGPROB_ROWS = 1024
 
 
 def rows_to_tensor(rows: np.ndarray, dtype: ActivationDtype) -> torch.Tensor:
-    """Wire rows (f32, f16, or bf16 as uint16 bits) -> float32 tensor. `rows` must be writable."""
+    """Wire rows (f32, f16, bf16 as uint16 bits, q8 as Q8_BLOCK records) -> float32 tensor.
+    `rows` must be writable."""
     if dtype == ActivationDtype.bf16:
         return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16).float()
+    if dtype == ActivationDtype.q8:
+        return torch.from_numpy(q8_decode(rows))
     return torch.from_numpy(rows).float()
 
 
 def tensor_to_rows(hidden: torch.Tensor, dtype: ActivationDtype) -> np.ndarray:
-    """float32 hidden [T, D] -> contiguous wire rows in `dtype` (bf16 as uint16 bits)."""
+    """float32 hidden [T, D] -> contiguous wire rows in `dtype` (bf16 as uint16 bits, q8 as
+    Q8_BLOCK records: protocol/activation_codec.py)."""
     hidden = hidden.detach().cpu()
     if dtype == ActivationDtype.f32:
         return hidden.contiguous().numpy()
     if dtype == ActivationDtype.f16:
         return hidden.to(torch.float16).contiguous().numpy()
+    if dtype == ActivationDtype.q8:
+        return q8_encode(hidden.numpy())
     # round-to-nearest-even to bf16, then the raw bits
     return hidden.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
 
@@ -157,7 +164,12 @@ class Runner:
         if rows is None or rows.shape[0] != step.num_rows:
             raise RequestError(f"Expected {step.num_rows} activation rows, got "
                                f"{'none' if rows is None else rows.shape[0]}")
-        finite = (rows & 0x7F80) != 0x7F80 if step.rows_dtype == ActivationDtype.bf16 else np.isfinite(rows)
+        if step.rows_dtype == ActivationDtype.bf16:
+            finite = (rows & 0x7F80) != 0x7F80
+        elif step.rows_dtype == ActivationDtype.q8:
+            finite = np.isfinite(rows["d"])  # per block (its codes are integers)
+        else:
+            finite = np.isfinite(rows)
         if not finite.all():
             row = int(np.argwhere(~finite)[0][0])
             raise RequestError(f"Expected finite activations, got a NaN or infinity in row {row} "

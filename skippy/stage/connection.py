@@ -21,9 +21,10 @@ import numpy as np
 from ..model.errors import ContextOverflowError, RequestError
 from ..model.grammar import GrammarError
 from ..protocol import (
-    ActivationDtype, FrameError, MessageKind, ProtocolError, StageMessage, StageReply,
+    FrameError, MessageKind, ProtocolError, StageMessage, StageReply,
     NO_STATS, StageReplyStats, merge, read_message_body, read_message_header, write_reply,
 )
+from ..protocol.constants import activation_dtype_of
 from ..runtime import LaneLimitError, SampleMode, Session, SessionError, SessionKey, Step
 from .downstream import DownstreamLink
 from .handlers import HANDLERS, StageError, deliver_step
@@ -67,7 +68,7 @@ class StageConnection:
         self.reader, self.writer = reader, writer
         self.link: DownstreamLink | None = None
         self.pending_stats = NO_STATS
-        self.out_dtype = ActivationDtype[self.config.activation_dtype]
+        self.codec = server.measurement.codec  # the dtype of each frame it sends down (measure.py)
         self.summaries: dict[int, RequestSummary] = {}
         self.inbox: asyncio.Queue = asyncio.Queue(INBOX_MESSAGES)
         self.inbox_bytes = 0
@@ -107,12 +108,12 @@ class StageConnection:
                                  f"{msg.activation_rows} x {msg.activation_width}")
             rows = msg.activation_array()
         return Step(session, msg.pos_start, msg.token_count, tokens, rows, msg.activation_dtype,
-                    sample, None if self.is_final else self.out_dtype,
+                    sample, None if self.is_final else self.codec.dtype_for(msg.token_count),
                     msg.seq_id if window else None)
 
     def forwarded(self, msg: StageMessage, rows: np.ndarray) -> StageMessage:
         """`msg` with this stage's output activation in place of its input."""
-        return msg.with_activation(rows, self.out_dtype, self.config.stage_index)
+        return msg.with_activation(rows, activation_dtype_of(rows), self.config.stage_index)
 
     def summary(self, session_id: int) -> RequestSummary:
         return self.summaries.setdefault(session_id, RequestSummary())

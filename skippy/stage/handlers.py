@@ -34,6 +34,7 @@ from ..protocol.stats import is_empty
 from ..runtime import SampleMode, StepResult, Timed
 from ..telemetry import Span
 from .downstream import DownstreamLink
+from .link_probe import on_link_probe
 from .shared_writer import WorkerSend
 
 if TYPE_CHECKING:
@@ -351,7 +352,8 @@ async def on_stage_status(conn: StageConnection, msg: StageMessage, span: Span) 
     await conn.reply(StageReply.of_status(StageStatusReport(
         config.stage_index, config.layer_start, config.layer_end, len(conn.runtime.sessions),
         config.lane_count,
-        conn.runtime.metric_values(connections=len(conn.server.connections) - 1))))  # not this query
+        conn.runtime.metric_values(connections=len(conn.server.connections) - 1),  # not this query
+        conn.server.measurement.probe)))
 
 
 HANDLERS: dict[MessageKind, Handler] = {
@@ -368,6 +370,7 @@ HANDLERS: dict[MessageKind, Handler] = {
     K.DiscardStaleWindows:     on_discard,
     K.PredictionReturnOpen:    on_return_open,
     K.GetStageStatus:          on_stage_status,
+    K.LinkProbe:               on_link_probe,
 }
 del K
 assert set(HANDLERS) == set(MessageKind), "every kind needs a handler"

@@ -18,6 +18,7 @@ from ..telemetry import Telemetry
 from . import tls
 from .connection import StageConnection
 from .downstream import REPLY_TIMEOUT_S
+from .measure import StageMeasurement
 from .prediction_return import ReturnStreams
 
 log = logging.getLogger("skippy.stage")
@@ -39,6 +40,10 @@ class StageServer:
         self.returns = ReturnStreams(driver_endpoint, auth_token=config.auth_token)
         self.connections: dict[int, StageConnection] = {}
         self.refusals: list[str] = []      # handshake refusals, newest last (also logged)
+        # its forward and its link to the stage below, measured once it is up (measure.py)
+        self.measurement = StageMeasurement(
+            runtime, activation_dtype=config.activation_dtype, auth_token=config.auth_token,
+            downstream=None if config.downstream is None else config.downstream.endpoints)
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -58,6 +63,7 @@ class StageServer:
         log.info("stage %d (%s) listening on %s, layers [%d, %d)", self.config.stage_index,
                  self.config.stage_id, self.endpoint, self.config.layer_start,
                  self.config.layer_end)
+        self.measurement.start()
         return self.endpoint
 
     def repoint(self, downstream: PeerEndpoint | None) -> None:
@@ -106,6 +112,7 @@ class StageServer:
         """Stop listening and end every connection (abort: drop them like a crash would)."""
         if self._server is not None:
             self._server.close()
+        await self.measurement.close()
         for connection in list(self.connections.values()):
             if abort:
                 connection.writer.transport.abort()

@@ -3,23 +3,18 @@
    one from Python (RMS norm, fused q/k/v matmul, RoPE, cache write + attention, output
    matmul summed into the residual, RMS norm, gate/up matmul, SwiGLU, down matmul summed
    into the residual), so its rows are bit for bit the loop's. Each of those ~9 calls a
-   layer cost a few microseconds of Python and ctypes: with 30 layers that was a quarter
-   of a token's time on 2 cores, and the interpreter lock stayed with the worker thread
-   between them. Here the lock is released once for the whole step.
+   layer costs a few microseconds of Python and ctypes, a large share of a small model's
+   token, and the interpreter lock would stay with the worker thread between them. Here the lock is released once for the whole step.
 
    And the step is one OpenMP parallel region, where it was ~150 (each matmul and each
    attention its own): the team meets at barriers of its own between the pieces, spinning,
    and the workers go back to libgomp's pool only once the step is done. A region's start
    wakes workers that libgomp put to sleep after GOMP_SPINCOUNT pauses, and stages sharing
    a machine keep that spin short (model/threads.py) so a waiting stage leaves the cores to
-   the computing one. The layers' call, A/B in the same decode steps (2 cores, bundled
-   model, 3 ms between calls as in a 2-stage chain): 2958 against 3092 us at 1,000 spins,
-   2817 against 2932 at the default; per layer in a 2-stage chain, slower than in one
-   process (7-9%) where it had been 17-20%.
+   the computing one (docs/decisions.md, "The one-call step is one OpenMP parallel region").
 
-   desc: LAYER_FIELDS int64 per layer (see DecodeLayers in qkernel.py): the two norms'
-   weights, then each matmul's codes, scales, offsets, bits and levels (q/k/v, output,
-   gate/up, down), then the layer's attention window (0: all keys). */
+   The model's layers are skippy_layer structures (skippy_kernels.h; qkernel.DecodeLayers
+   builds them once per model). */
 
 #include <math.h>
 #include <omp.h>
@@ -28,6 +23,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "skippy_kernels.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define cpu_relax() _mm_pause()
@@ -35,32 +32,11 @@
 #define cpu_relax() ((void)0)
 #endif
 
-#define LAYER_FIELDS 23
-/* a teammate this late has lost its core: let it have ours. A pause takes ~140 cycles on an
-   Intel Xeon (512: ~25 us); 4096 there left a core spinning ~200 us while its teammate waited
-   for it, and a 2-stage chain served one stream 1.06x faster with 512 and matmul_share's
-   claiming (bench/serve_ab.py, 6 rounds; 8 streams and one process alike) */
+/* a teammate this late has lost its core: let it have ours, rather than spin while it waits
+   for the core we hold (docs/decisions.md, "Matmul blocks claimed four at a time") */
 #define SPINS_BEFORE_YIELD 512
 #define SHARED_QUANTIZE_ROWS 8  /* past this many rows the team shares the quantizing, as skippy_qmatmul does */
 #define STEAL_BLOCKS 4 /* blocks of 16 rows a thread claims at a time (matmul_share) */
-
-int skippy_qmatmul_check(int M, int K, int bits, int levels, int N);
-size_t skippy_qmatmul_scratch_bytes(int M, int K);
-void skippy_qmatmul_quantize(const float *x, int M, int K, int levels, void *scratch, int r0, int r1);
-void skippy_qmatmul_blocks(const void *scratch, int M, int K, const uint8_t *w, const uint16_t *wd,
-                           const uint16_t *wm, int bits, int levels, int N, float *y, int accumulate, int b0, int b1);
-void skippy_rms_norm(const float *x, int rows, int D, const float *w, float eps, float *out);
-void skippy_rope(float *x, int T, int row_heads, int heads, int hd, const float *cos, const float *sin);
-int skippy_decode_attention_span(int S, int H, int KVH, int hd, const int *capacity, const int *pos);
-void skippy_decode_attention_task(int task, const float *qkv, int H, int KVH, int hd, void *const *k, void *const *v,
-                                  const int *capacity, const int *pos, int layer, int window, int f16, float scale,
-                                  float *scores, float *out);
-void skippy_decode_attention_store(int task, const float *qkv, int H, int KVH, int hd, void *const *k,
-                                   void *const *v, const int *capacity, const int *pos, int layer, int f16);
-void skippy_decode_attention_rows(int task, int g0, int rows, const float *qkv, int H, int KVH, int hd,
-                                  void *const *k, void *const *v, const int *capacity, const int *pos, int layer,
-                                  int window, int f16, float scale, float *scores, float *out);
-void skippy_swiglu(const float *gate_up, int T, int F, float *out);
 
 /* The team's meeting point between the step's pieces: it spins (see above: libgomp's own
    barriers sleep after GOMP_SPINCOUNT pauses) */
@@ -88,24 +64,22 @@ static void barrier_wait(Barrier *b, int team) {
     }
 }
 
-/* y [M, N] (=, or += with accumulate) x [M, K] times the matmul whose five fields start
-   at w, x already quantized into scratch. Each thread owns one contiguous share of the
-   16-row blocks (a stream the prefetchers follow; dealing them out a few at a time from a
-   shared counter made the step 13% slower) and claims it STEAL_BLOCKS at a time from its
-   own counter; a thread done with its share claims what is left of the others'. A teammate
-   that loses its core to another process (the API loop, the other stage) then delays the
-   step by the blocks it holds, not by its whole share. cursor: one counter a thread, each
-   on its own cache line, set by its thread to its share's start ahead of the barrier
-   that the matmul's input is quantized behind (cursor_reset). */
-static void matmul_share(const void *scratch, int M, int K, const int64_t *w, int N, float *y, int accumulate,
-                         int tid, int team, Cursor *cursor) {
-    const int blocks = N / 16;
+/* y [M, w->rows] (=, or += with accumulate) x [M, w->cols] . W^T, x already quantized into
+   scratch. Each thread owns one contiguous share of the 16-row blocks (a stream the
+   prefetchers follow; dealing them out a few at a time from a shared counter made the step
+   13% slower) and claims it STEAL_BLOCKS at a time from its own counter; a thread done with
+   its share claims what is left of the others'. A teammate that loses its core to another
+   process (the API loop, the other stage) then delays the step by the blocks it holds, not
+   by its whole share. cursor: one counter a thread, each on its own cache line, set by its
+   thread to its share's start ahead of the barrier that the matmul's input is quantized
+   behind (cursor_reset). */
+static void matmul_share(const void *scratch, int M, const skippy_matmul *w, float *y, int accumulate, int tid,
+                         int team, Cursor *cursor) {
+    const int blocks = w->rows / 16;
     for (int i = 0; i < team; i++) {
         const int owner = (tid + i) % team, end = (int)((int64_t)blocks * (owner + 1) / team);
         for (int b0; (b0 = atomic_fetch_add_explicit(&cursor[owner].next, STEAL_BLOCKS, memory_order_relaxed)) < end;)
-            skippy_qmatmul_blocks(scratch, M, K, (const uint8_t *)(intptr_t)w[0], (const uint16_t *)(intptr_t)w[1],
-                                  (const uint16_t *)(intptr_t)w[2], (int)w[3], (int)w[4], N, y, accumulate, b0,
-                                  b0 + STEAL_BLOCKS < end ? b0 + STEAL_BLOCKS : end);
+            skippy_qmatmul_blocks(scratch, M, w, y, accumulate, b0, b0 + STEAL_BLOCKS < end ? b0 + STEAL_BLOCKS : end);
     }
 }
 
@@ -119,16 +93,25 @@ static void cursor_reset(Cursor *cursor, int N, int tid, int team) {
 /* x [M, K], written by thread 0, quantized into scratch for the matmul whose fields start
    at w, then a barrier: past SHARED_QUANTIZE_ROWS rows the team shares the groups, else
    thread 0 quantizes them (a barrier costs more than the work) */
-static void quantize_for(const float *x, int M, int K, const int64_t *w, void *scratch, int tid, int team,
+static void quantize_for(const float *x, int M, const skippy_matmul *w, void *scratch, int tid, int team,
                          Barrier *barrier) {
-    const int groups = M * (K / 32);
+    const int K = w->cols, groups = M * (K / 32);
     if (M > SHARED_QUANTIZE_ROWS) {
         barrier_wait(barrier, team);
-        skippy_qmatmul_quantize(x, M, K, (int)w[4], scratch, (int)((int64_t)groups * tid / team),
+        skippy_qmatmul_quantize(x, M, K, w->levels, scratch, (int)((int64_t)groups * tid / team),
                                 (int)((int64_t)groups * (tid + 1) / team));
     } else if (tid == 0) {
-        skippy_qmatmul_quantize(x, M, K, (int)w[4], scratch, 0, groups);
+        skippy_qmatmul_quantize(x, M, K, w->levels, scratch, 0, groups);
     }
+    barrier_wait(barrier, team);
+}
+
+/* cursor_reset, quantize, share the blocks, barrier: one matmul of the step by the whole team */
+static void team_matmul(const float *x, int M, const skippy_matmul *w, float *y, int accumulate, void *scratch,
+                        int tid, int team, Barrier *barrier, Cursor *cursor) {
+    cursor_reset(cursor, w->rows, tid, team);
+    quantize_for(x, M, w, scratch, tid, team, barrier);
+    matmul_share(scratch, M, w, y, accumulate, tid, team, cursor);
     barrier_wait(barrier, team);
 }
 
@@ -189,62 +172,70 @@ int skippy_greedy_pick(float *x, int n, const int *ids, const float *vals, int n
     return at;
 }
 
-static int matmul_ok(int M, int K, const int64_t *w, int N) {
-    return skippy_qmatmul_check(M, K, (int)w[3], (int)w[4], N) == 0;
+static int matmul_ok(int M, const skippy_matmul *w, int K, int N) {
+    return skippy_qmatmul_check(M, w) == 0 && w->cols == K && w->rows == N;
 }
 
-/* x [S, D]: one row per session, updated in place through num_layers layers; k, v,
-   capacity, pos, f16: the sessions' caches as skippy_decode_attention takes them;
-   cos_table, sin_table [table_rows, hd]: RoPE at every position, each row's read here at its
-   position (slicing them in Python cost ~35 us a step, after a forward evicted the interpreter's
-   caches). With `head` (the final stage), the region goes on to the output: RMS norm by
-   out_norm, then the head's matmul (its five fields as a layer's) into logits [S, vocab], as
-   compute_logits' two calls compute them. Its own region used to start ~60 us after this one
-   ended: past the co-located stages' short spin, so it began by waking a sleeping worker.
+/* Checks everything the step's kernels would refuse, before x changes: 0 or -1 */
+static int check_step(const skippy_decode_model *model, const skippy_sessions *sessions, const float *logits,
+                      const skippy_picks *picks, int *most_biases) {
+    const int S = sessions->count, D = model->hidden, H = model->heads, KVH = model->kv_heads, hd = model->head_dim;
+    const int row = (H + 2 * KVH) * hd, F = model->ffn;
+    if (skippy_decode_attention_span(sessions, H, KVH, hd) < 0 || model->num_layers < 0) return -1;
+    for (int s = 0; s < S; s++)
+        if (sessions->pos[s] >= model->table_rows) return -1;
+    for (int l = 0; l < model->num_layers; l++) {
+        const skippy_layer *layer = &model->layers[l];
+        if (!matmul_ok(S, &layer->qkv, D, row) || !matmul_ok(S, &layer->out, H * hd, D)
+            || !matmul_ok(S, &layer->gate_up, D, 2 * F) || !matmul_ok(S, &layer->down, F, D))
+            return -1;
+    }
+    if (logits && (!model->head || !matmul_ok(S, model->head, D, model->head->rows))) return -1;
+    *most_biases = 0;
+    if (picks) {
+        if (!logits || picks->from[0] != 0) return -1;
+        for (int s = 0; s < S; s++) {
+            const int nb = picks->from[s + 1] - picks->from[s];
+            if (nb < 0) return -1;
+            *most_biases = nb > *most_biases ? nb : *most_biases;
+        }
+        for (int j = 0; j < picks->from[S]; j++)
+            if (picks->ids[j] < 0 || picks->ids[j] >= model->head->rows) return -1;
+    }
+    return 0;
+}
+
+/* x [S, hidden]: one row per session, updated in place through the model's layers; the
+   sessions' caches as skippy_decode_attention takes them; RoPE read from the model's tables
+   at each row's position (slicing them in Python is slow after a forward has evicted the
+   interpreter's caches). With `logits` [S, vocab] (a model with a head: the final stage),
+   the region goes on to the output: RMS norm by out_norm, then the head's matmul, as
+   compute_logits' two calls compute them. A region of its own would start after the
+   co-located stages' short spin has ended, and so begin by waking a sleeping worker.
    One parallel region for the whole step: one thread runs the row-sized pieces (norms,
    RoPE, SwiGLU, quantizing a matmul's input), the team shares each matmul's blocks and
    the attention's (session, kv head) tasks (or their query rows), every piece computing
-   exactly as its standalone kernel does. With pick_from (offsets [S + 1] into pick_ids and
-   pick_vals, each row's logit_bias), the rows with picks[s] != 0 get their greedy token in
-   picks[s] (the sampler's: first_max of the logits plus the bias), the others -1. Returns
-   0, -1 for arguments a kernel refuses (checked before x changes), -2 when out of memory. */
-int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, int num_layers,
-                         const int64_t *desc, void *const *k, void *const *v, const int *capacity, const int *pos,
-                         int f16, const float *cos_table, const float *sin_table, int table_rows, float eps,
-                         float scale, const float *out_norm, const int64_t *head, int vocab, float *logits,
-                         const int *pick_from, const int *pick_ids, const float *pick_vals, int *picks) {
-    const int row = (H + 2 * KVH) * hd, max_t = skippy_decode_attention_span(S, H, KVH, hd, capacity, pos);
-    if (max_t < 0 || num_layers < 0) return -1;
-    for (int s = 0; s < S; s++)
-        if (pos[s] < 0 || pos[s] >= table_rows) return -1;
-    for (int l = 0; l < num_layers; l++) {
-        const int64_t *d = desc + (size_t)l * LAYER_FIELDS;
-        if (!matmul_ok(S, D, d + 2, row) || !matmul_ok(S, H * hd, d + 7, D) || !matmul_ok(S, D, d + 12, 2 * F)
-            || !matmul_ok(S, F, d + 17, D))
-            return -1;
-    }
-    if (head && !matmul_ok(S, D, head, vocab)) return -1;
-    int most_biases = 0;
-    if (pick_from) {
-        if (!head || pick_from[0] != 0) return -1;
-        for (int s = 0; s < S; s++) {
-            const int nb = pick_from[s + 1] - pick_from[s];
-            if (nb < 0) return -1;
-            most_biases = nb > most_biases ? nb : most_biases;
-        }
-        for (int j = 0; j < pick_from[S]; j++)
-            if (pick_ids[j] < 0 || pick_ids[j] >= vocab) return -1;
-    }
+   exactly as its standalone kernel does. With `picks`, the rows that ask get their greedy
+   token (the sampler's: first_max of the logits plus the bias), the others -1. Returns 0,
+   -1 for arguments a kernel refuses (checked before x changes), -2 when out of memory. */
+int skippy_decode_layers(const skippy_decode_model *model, float *x, const skippy_sessions *sessions, float *logits,
+                         const skippy_picks *picks) {
+    int most_biases;
+    if (check_step(model, sessions, logits, picks, &most_biases)) return -1;
+    const int S = sessions->count, D = model->hidden, H = model->heads, KVH = model->kv_heads, hd = model->head_dim;
+    const int F = model->ffn, row = (H + 2 * KVH) * hd, vocab = logits ? model->head->rows : 0;
+    const int max_t = skippy_decode_attention_span(sessions, H, KVH, hd);
+    const float eps = model->eps, scale = model->scale;
     const int widest = D > H * hd ? (D > F ? D : F) : (H * hd > F ? H * hd : F);
     const int group = H / KVH, team_max = omp_get_max_threads();
     const size_t scores = (size_t)group * max_t;
+    /* the greedy picks: each thread's (index, value) per row, and room to patch in a row's biases */
+    const size_t pick_parts = picks ? (size_t)team_max * S : 0;
     float *h = malloc(sizeof(float) * ((size_t)S * ((size_t)D + row + (size_t)H * hd + 3 * (size_t)F + 2 * (size_t)hd)
                                        + scores * team_max));
     void *scratch = malloc(skippy_qmatmul_scratch_bytes(S, widest));
-    atomic_int *next = calloc((size_t)num_layers, sizeof(atomic_int)); /* each layer's next attention task */
+    atomic_int *next = calloc((size_t)model->num_layers + 1, sizeof(atomic_int)); /* each layer's next attention task */
     Cursor *cursor = aligned_alloc(64, sizeof(Cursor) * (size_t)team_max);
-    /* the greedy picks: each thread's (index, value) per row, and room to patch in a row's biases */
-    const size_t pick_parts = pick_from ? (size_t)team_max * S : 0;
     int *part_at = malloc(sizeof(int) * (pick_parts + 1));
     float *part_value = malloc(sizeof(float) * (pick_parts + (size_t)team_max * most_biases + 1));
     if (!h || !scratch || !next || !cursor || !part_at || !part_value) {
@@ -256,8 +247,8 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
           *act = gate_up + (size_t)S * 2 * F, *cos = act + (size_t)S * F, *sin = cos + (size_t)S * hd,
           *score_rows = sin + (size_t)S * hd;
     for (int s = 0; s < S; s++) {
-        memcpy(cos + (size_t)s * hd, cos_table + (size_t)pos[s] * hd, sizeof(float) * hd);
-        memcpy(sin + (size_t)s * hd, sin_table + (size_t)pos[s] * hd, sizeof(float) * hd);
+        memcpy(cos + (size_t)s * hd, model->cos + (size_t)sessions->pos[s] * hd, sizeof(float) * hd);
+        memcpy(sin + (size_t)s * hd, model->sin + (size_t)sessions->pos[s] * hd, sizeof(float) * hd);
     }
     Barrier barrier = {0, 0};
     #pragma omp parallel num_threads(team_max)
@@ -265,61 +256,44 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
         const int tid = omp_get_thread_num(), team = omp_get_num_threads();
         /* the attention's (session, kv head) tasks beyond a whole number per thread are each
            split by their query rows among the team, after the others (their stores first, on
-           thread 0): 3 kv heads of one row on 2 threads took two heads' time. After a
-           512-token prompt the threads' waits at the attention's barrier fell from 409 to 50
-           us a token and bare decode ran 1.04x (8 interleaved pairs); after 64 or 200
-           tokens 1.01x and 1.00x. Parts of one row each (every part reading the head's keys
-           and values again) left 151 us of waits and ran 1.014x. */
+           thread 0): whole, 3 kv heads of one row on 2 threads take two heads' time. Splitting a
+           row's keys instead would read the head's keys and values once per part
+           (docs/decisions.md, "Uneven attention tasks split by query rows"). */
         const int whole = team > 1 && group > 1 ? S * KVH - (S * KVH) % team : S * KVH,
                   parts = group < team ? group : team, tasks = whole + (S * KVH - whole) * parts;
         float *my_scores = score_rows + scores * tid;
-        for (int l = 0; l < num_layers; l++) {
-            const int64_t *d = desc + (size_t)l * LAYER_FIELDS;
-            if (tid == 0) skippy_rms_norm(x, S, D, (const float *)(intptr_t)d[0], eps, h);
-            cursor_reset(cursor, row, tid, team);
-            quantize_for(h, S, D, d + 2, scratch, tid, team, &barrier);
-            matmul_share(scratch, S, D, d + 2, row, qkv, 0, tid, team, cursor);
-            barrier_wait(&barrier, team);
+        for (int l = 0; l < model->num_layers; l++) {
+            const skippy_layer *layer = &model->layers[l];
+            if (tid == 0) skippy_rms_norm(x, S, D, layer->attn_norm, eps, h);
+            team_matmul(h, S, &layer->qkv, qkv, 0, scratch, tid, team, &barrier, cursor);
             if (tid == 0) {
                 skippy_rope(qkv, S, H + 2 * KVH, H + KVH, hd, cos, sin);
                 for (int task = whole; task < S * KVH; task++)
-                    skippy_decode_attention_store(task, qkv, H, KVH, hd, k, v, capacity, pos, l, f16);
+                    skippy_decode_attention_store(task, qkv, sessions, H, KVH, hd, l);
             }
             barrier_wait(&barrier, team);
             for (int task; (task = atomic_fetch_add_explicit(&next[l], 1, memory_order_relaxed)) < tasks;) {
                 if (task < whole)
-                    skippy_decode_attention_task(task, qkv, H, KVH, hd, k, v, capacity, pos, l, (int)d[22], f16, scale,
-                                                 my_scores, attn);
+                    skippy_decode_attention_task(task, qkv, sessions, H, KVH, hd, l, layer->window, scale, my_scores,
+                                                 attn);
                 else {
                     const int part = (task - whole) % parts, g0 = group * part / parts;
                     skippy_decode_attention_rows(whole + (task - whole) / parts, g0, group * (part + 1) / parts - g0,
-                                                 qkv, H, KVH, hd, k, v, capacity, pos, l, (int)d[22], f16, scale,
-                                                 my_scores, attn);
+                                                 qkv, sessions, H, KVH, hd, l, layer->window, scale, my_scores, attn);
                 }
             }
             barrier_wait(&barrier, team);
-            cursor_reset(cursor, D, tid, team);
-            quantize_for(attn, S, H * hd, d + 7, scratch, tid, team, &barrier);
-            matmul_share(scratch, S, H * hd, d + 7, D, x, 1, tid, team, cursor);
-            barrier_wait(&barrier, team);
-            if (tid == 0) skippy_rms_norm(x, S, D, (const float *)(intptr_t)d[1], eps, h);
-            cursor_reset(cursor, 2 * F, tid, team);
-            quantize_for(h, S, D, d + 12, scratch, tid, team, &barrier);
-            matmul_share(scratch, S, D, d + 12, 2 * F, gate_up, 0, tid, team, cursor);
-            barrier_wait(&barrier, team);
+            team_matmul(attn, S, &layer->out, x, 1, scratch, tid, team, &barrier, cursor);
+            if (tid == 0) skippy_rms_norm(x, S, D, layer->ffn_norm, eps, h);
+            team_matmul(h, S, &layer->gate_up, gate_up, 0, scratch, tid, team, &barrier, cursor);
             if (tid == 0) skippy_swiglu(gate_up, S, F, act);
-            cursor_reset(cursor, D, tid, team);
-            quantize_for(act, S, F, d + 17, scratch, tid, team, &barrier);
-            matmul_share(scratch, S, F, d + 17, D, x, 1, tid, team, cursor);
-            barrier_wait(&barrier, team);
+            team_matmul(act, S, &layer->down, x, 1, scratch, tid, team, &barrier, cursor);
         }
-        if (head) {
-            if (tid == 0) skippy_rms_norm(x, S, D, out_norm, eps, h);
-            cursor_reset(cursor, vocab, tid, team);
-            quantize_for(h, S, D, head, scratch, tid, team, &barrier);
-            matmul_share(scratch, S, D, head, vocab, logits, 0, tid, team, cursor);
-            if (pick_from) {
-                barrier_wait(&barrier, team); /* a teammate may still write blocks it took from this thread's share */
+        if (logits) {
+            if (tid == 0) skippy_rms_norm(x, S, D, model->out_norm, eps, h);
+            /* its barrier: a teammate may still write blocks it took from this thread's share */
+            team_matmul(h, S, model->head, logits, 0, scratch, tid, team, &barrier, cursor);
+            if (picks) {
                 /* each thread picks within the logits it just wrote, while its caches hold them:
                    read once more after the call, a row's 192 KiB came from the other core's caches
                    and from memory, ~130 us of a one-row step's sampling */
@@ -329,18 +303,18 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
                 for (int s = 0; s < S; s++) {
                     const size_t part = (size_t)tid * S + s;
                     part_at[part] = -1;
-                    if (picks[s] && lo < hi)
-                        part_at[part] = pick_range(logits + (size_t)s * vocab, lo, hi, pick_ids + pick_from[s],
-                                                   pick_vals + pick_from[s], pick_from[s + 1] - pick_from[s],
+                    if (picks->picked[s] && lo < hi)
+                        part_at[part] = pick_range(logits + (size_t)s * vocab, lo, hi, picks->ids + picks->from[s],
+                                                   picks->values + picks->from[s], picks->from[s + 1] - picks->from[s],
                                                    saved, &part_value[part]);
                 }
                 if (tid == 0) team_used = team;
             }
         }
     }
-    for (int s = 0; pick_from && s < S; s++) {
-        if (!picks[s]) {
-            picks[s] = -1;
+    for (int s = 0; picks && s < S; s++) {
+        if (!picks->picked[s]) {
+            picks->picked[s] = -1;
             continue;
         }
         /* the threads' ranges in order: the first NaN, else the first of the largest */
@@ -352,7 +326,7 @@ int skippy_decode_layers(float *x, int S, int D, int H, int KVH, int hd, int F, 
             if (part_at[part] < 0) continue;
             if (at < 0 || (value != value && top == top) || (top == top && value > top)) at = part_at[part], top = value;
         }
-        picks[s] = at;
+        picks->picked[s] = at;
     }
     free(h), free(scratch), free(next), free(cursor), free(part_at), free(part_value);
     return 0;

@@ -2,8 +2,7 @@
    GeGLU and one query row's
    attention over a session's KV cache. A decode step runs them on a single row,
    where torch's dispatch and thread wake-ups cost several times their arithmetic
-   (F.rms_norm took 28 us on 576 numbers; SDPA plus the 16-bit cache's upcast ~90 us
-   a layer). float32 rows, float16 or float32 caches; attention in AVX-512 or AVX2
+   (docs/decisions.md, 2026-12-01). float32 rows, float16 or float32 caches; attention in AVX-512 or AVX2
    where the CPU has it (on an AVX2-only EPYC its plain C took half of a decode step),
    plain C that the compiler vectorizes elsewhere (`omp simd` lets it reorder a sum,
    as any vector kernel does). exp is glibc's vector expf where either is. */
@@ -13,8 +12,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "skippy_kernels.h"
+
+/* Rows are shared among threads past this many (a prompt's; a row computes alike either way):
+   a long prompt's per-row work on one thread leaves the other cores idle, while a decode
+   step's few rows cost less than waking the team */
+#define PARALLEL_ROWS 16
+
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows r < rows of D */
 void skippy_rms_norm(const float *x, int rows, int D, const float *w, float eps, float *out) {
+    #pragma omp parallel for schedule(static) if (rows > PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
         const float *v = x + (size_t)r * D;
         float ss = 0.f;
@@ -153,6 +160,8 @@ static inline __attribute__((always_inline)) void scores_vec(const int gt, const
                                                               const float *qj, const void *k, int f16, int T,
                                                               float scale, float *sj) {
     vec dot[3][4];
+    for (int g = 0; g < gt; g++) /* set by i == 0 below; said here for the compiler's sake */
+        for (int j = 0; j < kt; j++) dot[g][j] = vzero();
     for (int i = 0; i < n; i++) {
         vec q[3];
         for (int g = 0; g < gt; g++) q[g] = vloadu(qj + (g0 + g) * (VL * n) + VL * i);
@@ -291,12 +300,13 @@ int skippy_attend_rows(const float *qkv, int n, int row_heads, int H, int KVH, i
 
 /* The longest span a session of skippy_decode_attention attends over (max pos[s] + 1),
    or -1 for arguments it refuses */
-int skippy_decode_attention_span(int S, int H, int KVH, int hd, const int *capacity, const int *pos) {
-    if (hd > MAX_HEAD_DIM || H % KVH || S < 1) return -1;
+int skippy_decode_attention_span(const skippy_sessions *sessions, int H, int KVH, int hd) {
+    if (hd > MAX_HEAD_DIM || KVH < 1 || H % KVH || sessions->count < 1) return -1;
     int max_t = 0;
-    for (int s = 0; s < S; s++) {
-        if (pos[s] < 0 || pos[s] >= capacity[s]) return -1;
-        max_t = pos[s] + 1 > max_t ? pos[s] + 1 : max_t;
+    for (int s = 0; s < sessions->count; s++) {
+        const int pos = sessions->pos[s];
+        if (pos < 0 || pos >= sessions->capacity[s]) return -1;
+        max_t = pos + 1 > max_t ? pos + 1 : max_t;
     }
     return max_t;
 }
@@ -307,68 +317,64 @@ int skippy_decode_attention_span(int S, int H, int KVH, int hd, const int *capac
    group with `scores` [rows, its span], into out [S, H * hd]. A row's sums are the ones it
    has among its whole group's (attend_group sums every row alike), so the bits are the
    whole task's whichever thread runs which rows. */
-void skippy_decode_attention_store(int task, const float *qkv, int H, int KVH, int hd, void *const *k,
-                                   void *const *v, const int *capacity, const int *pos, int layer, int f16) {
+void skippy_decode_attention_store(int task, const float *qkv, const skippy_sessions *sessions, int H, int KVH,
+                                   int hd, int layer) {
     const int s = task / KVH, j = task % KVH;
     const float *q = qkv + (size_t)s * (H + 2 * KVH) * hd;
-    const size_t at = (((size_t)layer * KVH + j) * capacity[s] + pos[s]) * hd;
+    const size_t at = (((size_t)layer * KVH + j) * sessions->capacity[s] + sessions->pos[s]) * hd;
     const float *kr = q + (size_t)(H + j) * hd, *vr = q + (size_t)(H + KVH + j) * hd;
     for (int i = 0; i < hd; i++) {
-        if (f16) {
-            ((_Float16 *)k[s])[at + i] = (_Float16)kr[i];
-            ((_Float16 *)v[s])[at + i] = (_Float16)vr[i];
+        if (sessions->f16) {
+            ((_Float16 *)sessions->k[s])[at + i] = (_Float16)kr[i];
+            ((_Float16 *)sessions->v[s])[at + i] = (_Float16)vr[i];
         } else {
-            ((float *)k[s])[at + i] = kr[i];
-            ((float *)v[s])[at + i] = vr[i];
+            ((float *)sessions->k[s])[at + i] = kr[i];
+            ((float *)sessions->v[s])[at + i] = vr[i];
         }
     }
 }
 
-void skippy_decode_attention_rows(int task, int g0, int rows, const float *qkv, int H, int KVH, int hd,
-                                  void *const *k, void *const *v, const int *capacity, const int *pos, int layer,
-                                  int window, int f16, float scale, float *scores, float *out) {
-    const int s = task / KVH, j = task % KVH, group = H / KVH;
+void skippy_decode_attention_rows(int task, int g0, int rows, const float *qkv, const skippy_sessions *sessions,
+                                  int H, int KVH, int hd, int layer, int window, float scale, float *scores,
+                                  float *out) {
+    const int s = task / KVH, j = task % KVH, group = H / KVH, pos = sessions->pos[s], f16 = sessions->f16;
     const float *q = qkv + (size_t)s * (H + 2 * KVH) * hd + (size_t)(j * group + g0) * hd;
-    const int first = window > 0 && pos[s] + 1 > window ? pos[s] + 1 - window : 0;
-    const size_t from = (((size_t)layer * KVH + j) * capacity[s] + first) * hd;
-    attend_group(q, rows, hd, cache_at(k[s], f16, from), cache_at(v[s], f16, from), f16, pos[s] + 1 - first, scale,
-                 scores, out + (size_t)s * H * hd + (size_t)(j * group + g0) * hd);
+    const int first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+    const size_t from = (((size_t)layer * KVH + j) * sessions->capacity[s] + first) * hd;
+    attend_group(q, rows, hd, cache_at(sessions->k[s], f16, from), cache_at(sessions->v[s], f16, from), f16,
+                 pos + 1 - first, scale, scores, out + (size_t)s * H * hd + (size_t)(j * group + g0) * hd);
 }
 
 /* The whole task: its store, then all of its group's rows, with `scores` [H / KVH, its span] */
-void skippy_decode_attention_task(int task, const float *qkv, int H, int KVH, int hd, void *const *k, void *const *v,
-                                  const int *capacity, const int *pos, int layer, int window, int f16, float scale,
-                                  float *scores, float *out) {
-    skippy_decode_attention_store(task, qkv, H, KVH, hd, k, v, capacity, pos, layer, f16);
-    skippy_decode_attention_rows(task, 0, H / KVH, qkv, H, KVH, hd, k, v, capacity, pos, layer, window, f16, scale,
-                                 scores, out);
+void skippy_decode_attention_task(int task, const float *qkv, const skippy_sessions *sessions, int H, int KVH,
+                                  int hd, int layer, int window, float scale, float *scores, float *out) {
+    skippy_decode_attention_store(task, qkv, sessions, H, KVH, hd, layer);
+    skippy_decode_attention_rows(task, 0, H / KVH, qkv, sessions, H, KVH, hd, layer, window, scale, scores, out);
 }
 
 /* A batch of decode rows, one per session, in one call: for session s, store row s's
    k and v heads of qkv [S, H + 2 KVH, hd] (q, k, v heads in that order, RoPE applied)
-   at position pos[s] of layer `layer` in its cache k[s], v[s] ([layers, KVH,
-   capacity[s], hd], float16 when f16, else float32), then attend its q heads over
-   positions [0, pos[s]] exactly as skippy_attend_rows does (so a session's row is the
+   at its position of layer `layer` in its cache (skippy_sessions), then attend its q heads
+   over positions [0, pos[s]] exactly as skippy_attend_rows does (so a session's row is the
    same alone or batched); with a sliding `window` > 0, over the last `window` of them
    only. out [S, H * hd]. The float16 store rounds to nearest even, as torch's copy does. */
-int skippy_decode_attention(const float *qkv, int S, int H, int KVH, int hd, void *const *k, void *const *v,
-                            const int *capacity, const int *pos, int layer, int window, int f16, float scale,
-                            float *out) {
-    const int max_t = skippy_decode_attention_span(S, H, KVH, hd, capacity, pos);
+int skippy_decode_attention(const float *qkv, const skippy_sessions *sessions, int H, int KVH, int hd, int layer,
+                            int window, float scale, float *out) {
+    const int max_t = skippy_decode_attention_span(sessions, H, KVH, hd);
     if (max_t < 0) return -1;
-    const int group = H / KVH;
+    const int group = H / KVH, tasks = sessions->count * KVH;
     int status = 0;
     /* one task per (session, kv head): a lone decode row's heads split across the threads
        too (its attention had run on one thread while the others waited); each task's
        arithmetic is the same however they are dealt out */
-    #pragma omp parallel for schedule(dynamic) if (S * KVH > 1) reduction(| : status)
-    for (int task = 0; task < S * KVH; task++) {
+    #pragma omp parallel for schedule(dynamic) if (tasks > 1) reduction(| : status)
+    for (int task = 0; task < tasks; task++) {
         float *scores = malloc(sizeof(float) * group * max_t);
         if (!scores) {
             status |= 1;
             continue;
         }
-        skippy_decode_attention_task(task, qkv, H, KVH, hd, k, v, capacity, pos, layer, window, f16, scale, scores, out);
+        skippy_decode_attention_task(task, qkv, sessions, H, KVH, hd, layer, window, scale, scores, out);
         free(scores);
     }
     return status ? -2 : 0;
@@ -380,6 +386,7 @@ int skippy_decode_attention(const float *qkv, int S, int H, int KVH, int hd, voi
    x = x * cos + swap_halves(x) * sin. */
 void skippy_rope(float *x, int T, int row_heads, int heads, int hd, const float *cos, const float *sin) {
     const int half = hd / 2;
+    #pragma omp parallel for schedule(static) if (T > PARALLEL_ROWS)
     for (int t = 0; t < T; t++) {
         const float *c = cos + (size_t)t * hd, *s = sin + (size_t)t * hd;
         for (int h = 0; h < heads; h++) {
@@ -395,6 +402,7 @@ void skippy_rope(float *x, int T, int row_heads, int heads, int hd, const float 
 
 /* out [T, F] = silu(gate) * up, from gate_up [T, 2F] (gate first) */
 void skippy_swiglu(const float *gate_up, int T, int F, float *out) {
+    #pragma omp parallel for schedule(static) if (T > PARALLEL_ROWS)
     for (int t = 0; t < T; t++) {
         const float *g = gate_up + (size_t)t * 2 * F, *u = g + F;
         float *o = out + (size_t)t * F;
@@ -409,6 +417,7 @@ void skippy_swiglu(const float *gate_up, int T, int F, float *out) {
    the same vector exp as SwiGLU, no tanh */
 void skippy_geglu(const float *gate_up, int T, int F, float *out) {
     const float c = 2.f * 0.7978845608028654f; /* 2 sqrt(2/pi) */
+    #pragma omp parallel for schedule(static) if (T > PARALLEL_ROWS)
     for (int t = 0; t < T; t++) {
         const float *g = gate_up + (size_t)t * 2 * F, *u = g + F;
         float *o = out + (size_t)t * F;
@@ -416,12 +425,6 @@ void skippy_geglu(const float *gate_up, int T, int F, float *out) {
         exp_n(o, F, o);
         for (int i = 0; i < F; i++) o[i] = g[i] / (1.f + o[i]) * u[i];
     }
-}
-
-static inline float f16_bits(uint16_t bits) {
-    _Float16 value;
-    memcpy(&value, &bits, 2);
-    return (float)value;
 }
 
 /* Rows `ids` [n] of a GGUF embedding in the file's legacy blocks of 32 (raw: the memory-mapped
@@ -446,7 +449,7 @@ int skippy_embed_rows(const uint8_t *raw, int64_t row_bytes, int64_t rows, int k
         for (int b = 0; b < cols / 32; b++, block += kind, o += 32) {
             uint16_t bits;
             memcpy(&bits, block, 2);
-            const float d = f16_bits(bits);
+            const float d = skippy_f16_to_f32(bits);
             if (kind == 34) {
                 const float m = -128.f * d;
                 for (int i = 0; i < 32; i++) o[i] = d * (float)((int)(int8_t)block[2 + i] + 128) + m;
@@ -455,7 +458,7 @@ int skippy_embed_rows(const uint8_t *raw, int64_t row_bytes, int64_t rows, int k
             float m;
             if (has_min) {
                 memcpy(&bits, block + 2, 2);
-                m = f16_bits(bits);
+                m = skippy_f16_to_f32(bits);
             } else {
                 m = (five ? -16.f : -8.f) * d;
             }

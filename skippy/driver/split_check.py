@@ -1,0 +1,45 @@
+"""Predicted against measured, per stage (`/v1/stages`): is the split still the one to have?
+
+A stage's probe (stage/measure.py) predicts its decode forward: affine in the rows of a
+forward, through one row and a prompt chunk. Its metrics measure the forwards it actually
+ran: their mean time and the mean batch they held. When the two differ by more than DRIFT
+on any stage, the split was planned from figures that no longer hold (another load on the
+host, a thermal limit, a neighbour's forwards on shared cores), and stage 0 asks the
+planner for the split the measured times give (launch/planner.py, handed in by the
+launcher: the driver does not plan).
+"""
+
+from __future__ import annotations
+
+from ..protocol.stage_metrics import StageMetricValues
+from ..protocol.stage_probe import StageProbe
+
+DRIFT = 0.15
+MIN_FORWARDS = 16  # decode forwards a stage must have run before its mean says anything
+
+
+def predicted_forward_s(probe: StageProbe, rows: float) -> float:
+    """The probe's line through (1, row) and (chunk_rows, chunk) at `rows` rows."""
+    row, chunk = probe.row_ns / 1e9, probe.chunk_ns / 1e9
+    slope = max(chunk - row, 0.0) / (probe.chunk_rows - 1) if probe.chunk_rows > 1 else row
+    return row + (rows - 1) * slope
+
+
+def compare(probe: StageProbe, metrics: StageMetricValues) -> dict[str, float] | None:
+    """{predicted and measured mean decode forward (ms), the rows it held, measured / predicted - 1},
+    or None before the stage has measured itself and run MIN_FORWARDS decode forwards."""
+    forwards = metrics.histograms["forward_us.decode"]
+    batches = metrics.histograms["batch_steps"]
+    if not probe.row_ns or forwards.count < MIN_FORWARDS:
+        return None
+    # each step records its batch's forward; the rows it held are taken as the mean batch (exact
+    # for one stream, and for batches of one size)
+    rows = batches.total / batches.count if batches.count else 1.0
+    measured = forwards.total / forwards.count / 1e6
+    predicted = predicted_forward_s(probe, rows)
+    return {"predicted_decode_forward_ms": predicted * 1e3, "measured_decode_forward_ms": measured * 1e3,
+            "decode_rows": rows, "off_by": measured / predicted - 1}
+
+
+def drifted(comparisons: list[dict[str, float] | None]) -> bool:
+    return any(c is not None and abs(c["off_by"]) > DRIFT for c in comparisons)

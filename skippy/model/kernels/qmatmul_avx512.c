@@ -1,0 +1,381 @@
+/* qmatmul.c's block kernels on AVX512-VNNI, and on AMX tiles for 16 rows of x at a time
+   (qmatmul.c has the layout and the arithmetic). */
+
+#include "qmatmul.h"
+
+#ifdef SKIPPY_VNNI
+#include <immintrin.h>
+#include <stdlib.h>
+#ifdef SKIPPY_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define M_TILE 8 /* rows of x sharing one unpacking of a block's codes */
+/* groups of a block fetched ahead, into L2: the hardware prefetchers alone leave the cores
+   waiting at every new block, a non-temporal hint (the AVX2 path's) drops lines before a tile
+   of rows is done with them, and fetching into L1 from further ahead evicts the lines the
+   kernel is still reading (docs/decisions.md, "Weight prefetch into L2, 12 groups ahead");
+   overridable for experiments */
+#ifndef PREFETCH_GROUPS
+#define PREFETCH_GROUPS 12
+#endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T1
+#endif
+
+/* acc += codes . (4 signed bytes at q, in every lane), the bytes broadcast by the
+   instruction's own memory operand: GCC emits a separate vpbroadcastd otherwise */
+static inline __m512i dot4(__m512i acc, __m512i codes, const int8_t *q) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*(const int32_t *)q));
+    return acc;
+}
+
+/* Q6K's top 2 bits of the codes in chunk c's bytes (bits 2c, 2c+1 of `top`), moved to bits 4-5 */
+static inline __m512i top_bits(__m512i top, int c) {
+    const __m512i shifted = c < 2 ? _mm512_slli_epi16(top, 4 - 2 * c) : c == 2 ? top : _mm512_srli_epi16(top, 2);
+    return _mm512_and_si512(shifted, _mm512_set1_epi8(0x30));
+}
+
+/* A group's codes of the block's 16 rows in 8 registers, 4 of each row's codes a lane: cw[j]
+   holds k = 4j .. 4j + 3 for SKIPPY_Q8; for the nibble formats cw[2c] holds k = 4c .. (the
+   group's first half) and cw[2c + 1] k = 16 + 4c .. (its second half) */
+static inline __attribute__((always_inline)) void unpack(const int format, const uint8_t *codes, __m512i cw[8]) {
+    if (format == SKIPPY_Q8) {
+        for (int c = 0; c < 8; c++) cw[c] = _mm512_loadu_si512(codes + c * 64);
+        return;
+    }
+    const __m512i low4 = _mm512_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        const __m512i raw = _mm512_loadu_si512(codes + c * 64);
+        cw[2 * c] = _mm512_and_si512(raw, low4);
+        cw[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+    }
+    if (format == SKIPPY_Q6K) {
+        const __m512i first = _mm512_loadu_si512(codes + 256), second = _mm512_loadu_si512(codes + 320);
+        for (int c = 0; c < 4; c++) {
+            cw[2 * c] = _mm512_or_si512(cw[2 * c], top_bits(first, c));
+            cw[2 * c + 1] = _mm512_or_si512(cw[2 * c + 1], top_bits(second, c));
+        }
+    }
+}
+
+/* where cw[j]'s 4 k start in the group */
+static inline int k_of(const int format, int j) {
+    return format == SKIPPY_Q8 ? 4 * j : 4 * (j / 2) + 16 * (j % 2);
+}
+
+/* Group g's scales per lane: d and the offset's m (Q4, Q8, Q4K), or each half's d (Q6K: d and m).
+   The K formats' super-block factors are read at a super-block's first group into *sd, *sm. With
+   one level (and not Q6K), d comes times 128: group_sum then skips shifting the sums (the same bits). */
+static inline __attribute__((always_inline)) void group_scales(const int format, const int levels,
+                                                               const skippy_part *p, int b, int G, int g, __m512 *sd,
+                                                               __m512 *sm, __m512 *d, __m512 *m) {
+    const size_t at = (size_t)b * G + g;
+    const __m512 times = _mm512_set1_ps(levels == 1 && format != SKIPPY_Q6K ? 128.f : 1.f);
+    if (format == SKIPPY_Q4 || format == SKIPPY_Q8) {
+        *d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p->scale + at * LANES))), times);
+        *m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p->offset + at * LANES)));
+        return;
+    }
+    const size_t super = (size_t)b * (G / GROUPS_PER_SUPER) + g / GROUPS_PER_SUPER;
+    if (g % GROUPS_PER_SUPER == 0) {
+        const int fields = format == SKIPPY_Q4K ? 2 : 1;
+        *sd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p->scale + super * fields * LANES)));
+        if (format == SKIPPY_Q4K)
+            *sm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p->scale + (super * 2 + 1) * LANES)));
+    }
+    const __m128i first = _mm_loadu_si128((const __m128i *)(p->sub + at * 2 * LANES));
+    const __m128i second = _mm_loadu_si128((const __m128i *)(p->sub + at * 2 * LANES + LANES));
+    if (format == SKIPPY_Q4K) {
+        *d = _mm512_mul_ps(_mm512_mul_ps(*sd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first))), times);
+        *m = _mm512_mul_ps(*sm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second)));
+    } else {
+        *d = _mm512_mul_ps(*sd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)));
+        *m = _mm512_mul_ps(*sd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)));
+    }
+}
+
+/* the weights stream from memory once a step: fetch group g + PREFETCH_GROUPS's codes and scales */
+static inline __attribute__((always_inline)) void prefetch_ahead(const int format, const skippy_part *p, int b,
+                                                                 int G, int g, const uint8_t *codes) {
+    const int bytes = skippy_group_bytes(format);
+    if (PREFETCH_GROUPS == 0) return;
+    for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(codes + PREFETCH_GROUPS * bytes + l), PREFETCH_HINT);
+    if (g & 1) return; /* a line holds two groups' scales: +0.5-0.8% against one a group (3 interleaved runs) */
+    const size_t ahead = (size_t)b * G + g + PREFETCH_GROUPS;
+    if (format == SKIPPY_Q4 || format == SKIPPY_Q8) {
+        _mm_prefetch((const char *)(p->scale + ahead * LANES), PREFETCH_HINT);
+        _mm_prefetch((const char *)(p->offset + ahead * LANES), PREFETCH_HINT);
+        return;
+    }
+    _mm_prefetch((const char *)(p->sub + ahead * 2 * LANES), PREFETCH_HINT);
+    if (g % GROUPS_PER_SUPER == 0) {
+        const size_t super = (size_t)b * (G / GROUPS_PER_SUPER) + (g + PREFETCH_GROUPS) / GROUPS_PER_SUPER;
+        _mm_prefetch((const char *)(p->scale + super * (format == SKIPPY_Q4K ? 2 : 1) * LANES), PREFETCH_HINT);
+    }
+}
+
+/* One row's group, its integer sums (qmatmul.c's) to float into acc, the same steps on every
+   path: lo, hi [2]: the two levels' dot products per half of the group (halves summed but for
+   Q6K); qg: the row's group in the scratch; r its index. */
+static inline __attribute__((always_inline)) __m512 group_sum(const int format, const int levels, __m512 acc,
+                                                              const __m512i lo[2], const __m512i hi[2], __m512 d,
+                                                              __m512 m, const skippy_rows *x, size_t r) {
+    const __m512 dr = _mm512_set1_ps(x->dx[2 * r + 1]);
+    if (format == SKIPPY_Q6K) {
+        __m512 t[2];
+        for (int h = 0; h < 2; h++) {
+            __m512i both = _mm512_slli_epi32(lo[h], 7);
+            if (levels == 2) both = _mm512_add_epi32(both, hi[h]);
+            t[h] = _mm512_cvtepi32_ps(_mm512_sub_epi32(both, _mm512_set1_epi32(32 * x->qh[2 * r + h])));
+        }
+        return _mm512_fmadd_ps(_mm512_fmadd_ps(t[1], m, _mm512_mul_ps(t[0], d)), dr, acc);
+    }
+    if (levels == 2) { /* 128 lo + hi: the dot product in units of dr, exact */
+        const __m512i both = _mm512_add_epi32(_mm512_slli_epi32(lo[0], 7), hi[0]);
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(both), d), dr, acc);
+    } else { /* d128 = 128 d: float(128 lo) d and float(lo) (128 d) are one and the same rounding */
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo[0]), d), dr, acc);
+    }
+    return _mm512_fmadd_ps(m, _mm512_set1_ps(x->sx[r]), acc);
+}
+
+/* block b of part p against rows [m0, m1): a group's codes are unpacked once into registers,
+   then each row of x runs its dot products over them */
+static inline __attribute__((always_inline)) void block(const int format, const int levels, const skippy_part *p,
+                                                        int b, const skippy_rows *x, int m0, int m1, float *y, int N,
+                                                        int accumulate) {
+    const int G = x->G, bytes = skippy_group_bytes(format);
+    const int halves = format == SKIPPY_Q6K ? 2 : 1;
+    for (int t0 = m0; t0 < m1; t0 += M_TILE) {
+        const int MT = m1 - t0 < M_TILE ? m1 - t0 : M_TILE;
+        __m512 acc[M_TILE];
+        for (int j = 0; j < M_TILE; j++) acc[j] = _mm512_setzero_ps();
+        const uint8_t *codes = p->codes + (size_t)b * G * bytes;
+        __m512 sd = _mm512_setzero_ps(), sm = _mm512_setzero_ps();
+        for (int g = 0; g < G; g++, codes += bytes) {
+            if (t0 == m0) prefetch_ahead(format, p, b, G, g, codes); /* later tiles find the codes in L1 */
+            __m512i cw[8];
+            unpack(format, codes, cw);
+            __m512 d, m;
+            group_scales(format, levels, p, b, G, g, &sd, &sm, &d, &m);
+            for (int j = 0; j < MT; j++) {
+                const size_t r = (size_t)(t0 + j) * G + g;
+                const int8_t *qg = x->q + r * 2 * GROUP;
+                __m512i lo[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, hi[2] = {lo[0], lo[0]};
+                for (int c = 0; c < 8; c++) {
+                    const int h = halves == 2 ? c % 2 : 0, k = k_of(format, c);
+                    lo[h] = dot4(lo[h], cw[c], qg + k);
+                    if (levels == 2) hi[h] = dot4(hi[h], cw[c], qg + GROUP + k);
+                }
+                acc[j] = group_sum(format, levels, acc[j], lo, hi, d, m, x, r);
+            }
+        }
+        for (int j = 0; j < MT; j++) {
+            float *out = y + (size_t)(t0 + j) * N;
+            __m512 r = acc[j];
+            if (accumulate) r = _mm512_add_ps(r, _mm512_loadu_ps(out));
+            _mm512_storeu_ps(out, r);
+        }
+    }
+}
+
+/* format and levels as constants in each call: the compiler drops what they do not use */
+#define EACH_FORMAT_AND_LEVEL(kernel, ...)                                                                       \
+    switch (p->format * 2 + levels - 1) {                                                                        \
+    case SKIPPY_Q4 * 2: kernel(SKIPPY_Q4, 1, __VA_ARGS__); break;                                              \
+    case SKIPPY_Q4 * 2 + 1: kernel(SKIPPY_Q4, 2, __VA_ARGS__); break;                                          \
+    case SKIPPY_Q8 * 2: kernel(SKIPPY_Q8, 1, __VA_ARGS__); break;                                              \
+    case SKIPPY_Q8 * 2 + 1: kernel(SKIPPY_Q8, 2, __VA_ARGS__); break;                                          \
+    case SKIPPY_Q4K * 2: kernel(SKIPPY_Q4K, 1, __VA_ARGS__); break;                                            \
+    case SKIPPY_Q4K * 2 + 1: kernel(SKIPPY_Q4K, 2, __VA_ARGS__); break;                                        \
+    case SKIPPY_Q6K * 2: kernel(SKIPPY_Q6K, 1, __VA_ARGS__); break;                                            \
+    default: kernel(SKIPPY_Q6K, 2, __VA_ARGS__); break;                                                         \
+    }
+
+void skippy_block_vnni(const skippy_part *p, int b, const skippy_rows *x, int m0, int m1, float *y, int N,
+                       int accumulate, int levels) {
+    EACH_FORMAT_AND_LEVEL(block, p, b, x, m0, m1, y, N, accumulate)
+}
+
+#ifdef SKIPPY_AMX
+/* AMX: 16 rows of x against a block's 16 rows per tile multiply. A group's product is the
+   same exact integer sums as vpdpbusd's (tdpbsud: signed activations times unsigned codes,
+   K = 32 a group, or 16 a half group for Q6K's two scales), stored and taken through
+   group_sum's float steps in the same order: the same bits as block(). The block's codes are
+   unpacked once into bytes in the tiles' layout (row c of a group's B tile: k = 4c .. 4c + 3
+   of each of the 16 rows), then every tile of 16 rows of x runs over them. */
+
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_state; /* 0 not asked yet, 1 granted, -1 refused or turned off */
+
+/* The OS hands out tile registers only to a process that asks (Linux 5.16+; each thread's
+   first tile instruction then grows its saved state) */
+int skippy_amx_ready(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state == 0) {
+        unsigned long granted = 0;
+        const char *off = getenv("SKIPPY_AMX");
+        const int asked = !(off && off[0] == '0') && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+                          && syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &granted) == 0;
+        state = asked && (granted >> XFEATURE_XTILEDATA & 1) ? 1 : -1;
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state == 1;
+}
+
+/* The unpacked codes of the block being multiplied: a buffer per thread, grown as needed and
+   kept (the threads are OpenMP's pool, alive as long as the process) */
+static __thread uint8_t *tiles_buffer;
+static __thread size_t tiles_capacity;
+
+static uint8_t *unpacked_buffer(size_t bytes) {
+    if (bytes > tiles_capacity) {
+        free(tiles_buffer);
+        tiles_buffer = aligned_alloc(64, bytes);
+        tiles_capacity = tiles_buffer ? bytes : 0;
+    }
+    return tiles_buffer;
+}
+
+/* A group's tile multiplies for 16 rows of x on tile set (A, B, C0, C1): the codes' tile at
+   `tile`, the rows' group at qg (rows `stride` apart). One level: C0 = q . codes; two: C1 = r . codes
+   too; Q6K (one level): C0, C1 = each half group's q . codes. Tile numbers are immediates. */
+#define ISSUE(A, B, C0, C1)                                                                                        \
+    do {                                                                                                           \
+        _tile_loadd(B, tile, 64);                                                                                  \
+        _tile_loadd(A, qg, stride);                                                                                \
+        _tile_zero(C0);                                                                                            \
+        _tile_dpbsud(C0, A, B);                                                                                    \
+        if (halves == 2) {                                                                                         \
+            _tile_loadd(B, tile + 256, 64);                                                                        \
+            _tile_loadd(A, qg + 16, stride);                                                                       \
+            _tile_zero(C1);                                                                                        \
+            _tile_dpbsud(C1, A, B);                                                                                \
+        } else if (levels == 2) {                                                                                  \
+            _tile_loadd(A, qg + GROUP, stride);                                                                    \
+            _tile_zero(C1);                                                                                        \
+            _tile_dpbsud(C1, A, B);                                                                                \
+        }                                                                                                          \
+    } while (0)
+
+/* Two sets of tiles, (0, 1, 2, 3) and (4, 5, 6, 7): group g + 1's multiplies run on the tile
+   unit while group g's sums go through the float steps. Q6K with two levels needs four sums
+   a group, so it takes one set of six tiles (A 0, B 1, sums 2, 3, 6, 7) and no overlap. */
+static inline __attribute__((always_inline)) void block_amx(const int format, const int levels, const skippy_part *p,
+                                                            int b, const skippy_rows *x, int m0, int m1, float *y,
+                                                            int N, int accumulate, uint8_t *unpacked) {
+    const int G = x->G, bytes = skippy_group_bytes(format), halves = format == SKIPPY_Q6K ? 2 : 1;
+    const int k_tile = GROUP / halves, overlap = !(halves == 2 && levels == 2);
+    tile_config config = {0};
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;      /* C */
+    config.colsb[0] = config.colsb[4] = (uint16_t)k_tile;                        /* A */
+    config.rows[1] = config.rows[5] = (uint8_t)(k_tile / 4);                     /* B */
+    _tile_loadconfig(&config);
+    const uint8_t *codes = p->codes + (size_t)b * G * bytes;
+    for (int g = 0; g < G; g++, codes += bytes) {
+        __m512i cw[8];
+        unpack(format, codes, cw);
+        for (int c = 0; c < 8; c++) _mm512_store_si512(unpacked + (size_t)g * 512 + k_of(format, c) / 4 * 64, cw[c]);
+    }
+    _Alignas(64) int32_t sums[2][4][16][16]; /* [set][C0, C1 (, Q6K's two levels: 2, 3)][row][lane] */
+    const size_t stride = (size_t)G * 2 * GROUP;
+    for (int t0 = m0; t0 + 16 <= m1; t0 += 16) {
+        __m512 acc[16];
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+        __m512 sd = _mm512_setzero_ps(), sm = _mm512_setzero_ps();
+        const int8_t *rows_q = x->q + (size_t)t0 * G * 2 * GROUP;
+        if (overlap) {
+            const uint8_t *tile = unpacked;
+            const int8_t *qg = rows_q;
+            ISSUE(0, 1, 2, 3);
+        }
+        for (int g = 0; g < G; g++) {
+            const int set = overlap ? g & 1 : 0;
+            if (overlap && g + 1 < G) {
+                const uint8_t *tile = unpacked + (size_t)(g + 1) * 512;
+                const int8_t *qg = rows_q + (size_t)(g + 1) * 2 * GROUP;
+                if (set == 0) ISSUE(4, 5, 6, 7);
+                else ISSUE(0, 1, 2, 3);
+            }
+            if (overlap) {
+                if (set == 0) {
+                    _tile_stored(2, sums[0][0], 64);
+                    if (halves == 2 || levels == 2) _tile_stored(3, sums[0][1], 64);
+                } else {
+                    _tile_stored(6, sums[1][0], 64);
+                    if (halves == 2 || levels == 2) _tile_stored(7, sums[1][1], 64);
+                }
+            } else { /* Q6K, two levels: each half group's q and r */
+                const uint8_t *tile = unpacked + (size_t)g * 512;
+                const int8_t *qg = rows_q + (size_t)g * 2 * GROUP;
+                _tile_loadd(1, tile, 64);
+                _tile_loadd(0, qg, stride);
+                _tile_zero(2);
+                _tile_dpbsud(2, 0, 1);
+                _tile_loadd(0, qg + GROUP, stride);
+                _tile_zero(6);
+                _tile_dpbsud(6, 0, 1);
+                _tile_loadd(1, tile + 256, 64);
+                _tile_loadd(0, qg + 16, stride);
+                _tile_zero(3);
+                _tile_dpbsud(3, 0, 1);
+                _tile_loadd(0, qg + GROUP + 16, stride);
+                _tile_zero(7);
+                _tile_dpbsud(7, 0, 1);
+                _tile_stored(2, sums[0][0], 64);
+                _tile_stored(3, sums[0][1], 64);
+                _tile_stored(6, sums[0][2], 64);
+                _tile_stored(7, sums[0][3], 64);
+            }
+            __m512 d, m;
+            group_scales(format, levels, p, b, G, g, &sd, &sm, &d, &m);
+            int32_t(*s)[16][16] = sums[set];
+            for (int j = 0; j < 16; j++) {
+                const __m512i zero = _mm512_setzero_si512();
+                __m512i lo[2] = {_mm512_load_si512(s[0][j]), zero}, hi[2] = {zero, zero};
+                if (halves == 2) lo[1] = _mm512_load_si512(s[1][j]);
+                if (levels == 2 && halves == 1) hi[0] = _mm512_load_si512(s[1][j]);
+                if (levels == 2 && halves == 2) hi[0] = _mm512_load_si512(s[2][j]), hi[1] = _mm512_load_si512(s[3][j]);
+                acc[j] = group_sum(format, levels, acc[j], lo, hi, d, m, x, (size_t)(t0 + j) * G + g);
+            }
+        }
+        for (int j = 0; j < 16; j++) {
+            float *out = y + (size_t)(t0 + j) * N;
+            __m512 r = acc[j];
+            if (accumulate) r = _mm512_add_ps(r, _mm512_loadu_ps(out));
+            _mm512_storeu_ps(out, r);
+        }
+    }
+    _tile_release();
+}
+
+int skippy_block_amx(const skippy_part *p, int b, const skippy_rows *x, int m0, int m1, float *y, int N,
+                     int accumulate, int levels) {
+    if (m1 - m0 < 16 || !skippy_amx_ready()) return m0;
+    uint8_t *unpacked = unpacked_buffer((size_t)x->G * 512);
+    if (!unpacked) return m0;
+    EACH_FORMAT_AND_LEVEL(block_amx, p, b, x, m0, m1, y, N, accumulate, unpacked)
+    return m0 + (m1 - m0) / 16 * 16;
+}
+#else
+int skippy_amx_ready(void) { return 0; }
+
+int skippy_block_amx(const skippy_part *p, int b, const skippy_rows *x, int m0, int m1, float *y, int N,
+                     int accumulate, int levels) {
+    (void)p, (void)b, (void)x, (void)m1, (void)y, (void)N, (void)accumulate, (void)levels;
+    return m0;
+}
+#endif
+#endif

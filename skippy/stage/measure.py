@@ -1,0 +1,155 @@
+"""What a stage measures of itself and of its link at start, and the codec that reads it.
+
+`StageMeasurement` runs once, in the background after the stage is up, at its first quiet
+moment: its forward on its own kernels (model/probe.py, on the runtime's worker) and the
+link to the stage below (link_probe.py). The StageStatus reply carries the result (`probe`), which is what the
+split planner (launch/planner.py) plans from and what `/v1/stages` shows. Processes on one
+machine take turns with the compute probe (a file lock): stages that share cores would
+otherwise each measure the others' forwards too, where in a chain they compute in turn.
+
+`LinkCodec` is the wire dtype of each frame this stage sends down: the configured one, or
+under `--activation-dtype auto` the codec's choice for that frame from the measured link
+and forward (protocol/activation_codec.py: auto_dtype).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..model.probe import ForwardTimes, cpu_share, measure_forward, memory_available
+from ..protocol import ActivationDtype
+from ..protocol.activation_codec import auto_dtype
+from ..protocol.stage_probe import StageProbe
+from .link_probe import LinkTimes, dial_downstream, measure_link
+
+log = logging.getLogger("skippy.stage")
+
+PROBE_LOCK = Path(tempfile.gettempdir()) / "skippy-probe.lock"
+CHUNK_ROWS = 64      # the prompt chunk the probe times (with one row, a forward's cost is affine in rows)
+LOCK_POLL_S = 0.05
+QUIET_S = 0.5        # no session open this long: the probe may take the worker
+
+
+class LinkCodec:
+    """The dtype of the rows this stage sends downstream, frame by frame."""
+
+    def __init__(self, setting: str, width: int):
+        self.setting, self.width = setting, width
+        self.forward: ForwardTimes | None = None  # this stage's own, measured
+        self.link: LinkTimes | None = None        # to the stage below, measured
+
+    def dtype_for(self, rows: int) -> ActivationDtype:
+        if self.setting != "auto":
+            return ActivationDtype[self.setting]
+        if self.forward is None or self.link is None:
+            return ActivationDtype.f32  # until measured: as a chain always sent them
+        return auto_dtype(rows, self.width, self.link.bytes_per_s, self.compute_s(rows))
+
+    def compute_s(self, rows: int) -> float:
+        """This stage's forward of `rows` rows, affine between the probe's one row and chunk."""
+        f = self.forward
+        return f.row_s + (rows - 1) * (f.chunk_s - f.row_s) / (f.chunk_rows - 1)
+
+
+class StageMeasurement:
+    def __init__(self, runtime, *, activation_dtype: str, downstream: str | Sequence[str] | None,
+                 auth_token: str | None):
+        """`runtime`: the stage's StageRuntime; `downstream`: the next stage's endpoints (its
+        own, then its standbys'), None on the final stage."""
+        self.runtime, self.downstream, self.auth_token = runtime, downstream, auth_token
+        self.codec = LinkCodec(activation_dtype, runtime.model.args.hidden_size)
+        self._cpu_share_milli = round(cpu_share() * 1000)
+        self._task: asyncio.Task | None = None
+        self.done = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        writer = None
+        try:
+            if self.downstream:  # the stage below may still be loading: wait until it answers
+                (await dial_downstream(self.downstream, self.auth_token))[1].close()
+            await self._quiet()
+            async with _machine_turn():  # a link probe's bytes cost CPU too
+                model = self.runtime.model
+                self.codec.forward = await self.runtime.call(lambda: measure_forward(model, CHUNK_ROWS))
+                if self.downstream:
+                    reader, writer = await dial_downstream(self.downstream, self.auth_token)
+                    self.codec.link = await measure_link(reader, writer)
+            probe = self.probe
+            log.info("stage measured: decode row %.2f ms, %d-row chunk %.1f ms, link rtt %.2f ms %.0f Mbit/s, "
+                     "sends %s rows / %s chunks", probe.row_ns / 1e6, probe.chunk_rows, probe.chunk_ns / 1e6,
+                     probe.link_rtt_ns / 1e6, probe.link_bytes_per_s * 8 / 1e6,
+                     self.codec.dtype_for(1).name, self.codec.dtype_for(CHUNK_ROWS).name)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a stage serves without its measurements
+            log.warning("stage measurement failed: %s: %s", type(error).__name__, error)
+        finally:
+            if writer is not None:
+                writer.close()
+            self.done.set()
+
+    async def _quiet(self) -> None:
+        """Wait for a moment without sessions: the probe's forwards would delay a request's
+        and be timed beside them (a chain that starts with work measures once it is idle)."""
+        quiet_since = None
+        while True:
+            now = asyncio.get_running_loop().time()
+            if self.runtime.sessions:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= QUIET_S:
+                return
+            await asyncio.sleep(QUIET_S / 4)
+
+    @property
+    def probe(self) -> StageProbe:
+        """What is measured so far (0: not yet)."""
+        forward, link, codec = self.codec.forward, self.codec.link, self.codec
+        sends = self.downstream is not None
+        return StageProbe(
+            row_ns=0 if forward is None else round(forward.row_s * 1e9),
+            chunk_ns=0 if forward is None else round(forward.chunk_s * 1e9),
+            chunk_rows=0 if forward is None else forward.chunk_rows,
+            row_cpu_ns=0 if forward is None else round(forward.row_cpu_s * 1e9),
+            threads=0 if forward is None else forward.threads, cpu_share_milli=self._cpu_share_milli,
+            cpu_ns=time.process_time_ns(),
+            weight_bytes=self.runtime.model.parameter_bytes, memory_available_bytes=memory_available(),
+            link_rtt_ns=0 if link is None else round(link.rtt_s * 1e9),
+            link_bytes_per_s=0 if link is None else round(link.bytes_per_s),
+            row_dtype=int(codec.dtype_for(1)) if sends else -1,
+            chunk_dtype=int(codec.dtype_for(CHUNK_ROWS)) if sends else -1)
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is None or task.done():
+            return  # (a stage started under another event loop, since closed, ended it there)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def _machine_turn():
+    """This machine's probe lock, polled so a cancelled wait holds nothing."""
+    fd = os.open(PROBE_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                await asyncio.sleep(LOCK_POLL_S)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
