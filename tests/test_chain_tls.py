@@ -17,7 +17,7 @@ import pytest
 from frontend_support import ServeProcess
 from skippy.launch.local_chain import free_ports
 from skippy.protocol import StageConfig, TlsConfig
-from skippy.stage import tls
+from skippy.stage import certificates, tls
 from skippy.stage.downstream import LinkBroken, open_connection, query_stage_status
 from test_standby_stages import start_stage
 
@@ -66,7 +66,7 @@ def test_a_chain_off_loopback_runs_over_mutual_tls(tmp_path):
             assert await query_stage_status(stage_endpoint, stage1.auth_token) is not None
             tls.use(None)  # plain TCP to a TLS listener: refused
             assert await query_stage_status(stage_endpoint, stage1.auth_token) is None
-            other = tls.issue_certificates(tmp_path / "other" / "tls", {"stranger": host})["stranger"]
+            other = certificates.issue_certificates(tmp_path / "other" / "tls", {"stranger": host})["stranger"]
             tls.use(other.resolved(tmp_path / "other"))  # a certificate from another CA: refused
             with pytest.raises(LinkBroken, match="certificate"):
                 await open_connection(stage_endpoint, auth_token=stage1.auth_token)
@@ -115,8 +115,8 @@ def test_a_listener_logs_each_refused_tls_handshake_once_and_keeps_serving(tmp_p
     """Every way a dialer fails TLS gets one WARNING naming its address and why; a repeat
     within a minute is counted, not logged; good dialers are served throughout."""
     host = local_address()
-    right = tls.issue_certificates(tmp_path / "a" / "tls", {"stage": host, "peer": host})
-    stranger = tls.issue_certificates(tmp_path / "b" / "tls", {"stranger": host})["stranger"].resolved(tmp_path / "b")
+    right = certificates.issue_certificates(tmp_path / "a" / "tls", {"stage": host, "peer": host})
+    stranger = certificates.issue_certificates(tmp_path / "b" / "tls", {"stranger": host})["stranger"].resolved(tmp_path / "b")
     monkeypatch.setattr(tls, "_refusals", {})
 
     async def echo(reader, writer):

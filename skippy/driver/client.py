@@ -110,6 +110,7 @@ class ChainClient:
         self.recovery_timeout_s = recovery_timeout_s  # 0: a broken chain fails the request at once
         # False once the chain cannot heal (a supervisor gave up on a stage): fail at once
         self.can_recover: Callable[[], bool] = lambda: True
+        self._chain_back = asyncio.Event()  # set (and replaced) by chain_changed: waiting requests try now
         self.telemetry = telemetry or Telemetry("skippy-stage0")
         self.runtime = StageRuntime(model, lane_count=concurrency, ctx_size=ctx_size,
                                     telemetry=self.telemetry, batch_wait_s=batch_wait_s,
@@ -335,7 +336,13 @@ class ChainClient:
                 if not waiting:
                     waiting = True
                     log.warning("the chain broke under a request (%s); waiting for it to be whole again", error)
-                await asyncio.sleep(RECOVERY_RETRY_S)
+                with contextlib.suppress(TimeoutError):  # the next try: in a while, or once a stage is back
+                    await asyncio.wait_for(self._chain_back.wait(), RECOVERY_RETRY_S)
+
+    def chain_changed(self) -> None:
+        """A stage is back (restarted, or moved): requests waiting for the chain try again now."""
+        self._chain_back.set()
+        self._chain_back = asyncio.Event()
 
     async def generate(self, prompt_ids: Sequence[int], *, on_token: Callable[[int], None] | None = None,
                        **options) -> GenerationResult:

@@ -1,11 +1,4 @@
-"""A stage process: TCP server, message handlers, downstream link, prediction return."""
+"""A stage process: TCP server, message handlers, downstream link, prediction return.
 
-from .downstream import DownstreamLink, LinkBroken
-from .handlers import HANDLERS, StageError
-from .prediction_return import PredictionHub, ReturnListener, ReturnStreams
-from .server import StageServer
-
-__all__ = [
-    "DownstreamLink", "HANDLERS", "LinkBroken", "PredictionHub", "ReturnListener",
-    "ReturnStreams", "StageError", "StageServer",
-]
+The package imports nothing itself: a process that needs only a light part (the Ray actor
+that hosts a stage uses `tls` and `lifecycle`) must not load torch with it."""

@@ -8,6 +8,7 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -19,13 +20,12 @@ from ..runtime.stage_cache import StagePrefixCache
 from ..telemetry import Telemetry
 from . import link, tls
 from .fetch import provide_model
+from .lifecycle import EXIT_ADDRESS_IN_USE, READY_PREFIX
 from .server import StageServer
 
 log = logging.getLogger("skippy.stage")
 
 WEIGHT_DTYPES = {"auto": "auto", "f32": "float32", "f16": "float16", "bf16": "bfloat16", "int4": "int4", "int8": "int8"}
-READY_PREFIX = "skippy: stage ready:"   # launchers wait for this line on stdout
-EXIT_ADDRESS_IN_USE = 98                 # exit status when the bind address is taken
 
 
 def bind_listener(config: StageConfig) -> socket.socket:
@@ -63,8 +63,11 @@ def load_stage_runtime(config: StageConfig, telemetry: Telemetry) -> StageRuntim
     return runtime
 
 
-async def serve_stage(config: StageConfig, topology: Topology | None = None) -> None:
-    """Load this stage's layers, listen, print the ready line, serve until SIGINT/SIGTERM."""
+async def serve_stage(config: StageConfig, topology: Topology | None = None,
+                      reload: Callable[[], StageConfig] | None = None) -> None:
+    """Load this stage's layers, listen, print the ready line, serve until SIGINT/SIGTERM.
+    SIGHUP: read the config again (`reload`) and dial its downstream from now on (the next
+    stage moved to another host; whoever moved it rewrote the file)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     tls.check_exposure(f"stage {config.stage_index}", config.bind_host, auth_token=config.auth_token,
@@ -85,6 +88,8 @@ async def serve_stage(config: StageConfig, topology: Topology | None = None) -> 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: _repoint(server, reload))
     print(f"{READY_PREFIX} {config.stage_id} index {config.stage_index} layers "
           f"[{config.layer_start}, {config.layer_end}) on {endpoint}", flush=True)
     try:
@@ -92,3 +97,10 @@ async def serve_stage(config: StageConfig, topology: Topology | None = None) -> 
     finally:
         await server.close()
         telemetry.shutdown()
+
+
+def _repoint(server: StageServer, reload: Callable[[], StageConfig]) -> None:
+    try:
+        server.repoint(reload().downstream)
+    except (OSError, ValueError) as error:  # a bad file: keep serving as before, and say why
+        log.error("stage %d: SIGHUP: config not reloaded: %s", server.config.stage_index, error)

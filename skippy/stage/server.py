@@ -13,7 +13,7 @@ import itertools
 import logging
 import socket
 
-from ..protocol import ProtocolError, StageConfig, Topology, server_handshake
+from ..protocol import PeerEndpoint, ProtocolError, StageConfig, Topology, server_handshake
 from ..runtime.engine import StageRuntime
 from ..telemetry import Telemetry
 from . import tls
@@ -70,6 +70,16 @@ class StageServer:
                  self.config.layer_end)
         self.measurement.start()
         return self.endpoint
+
+    def repoint(self, downstream: PeerEndpoint | None) -> None:
+        """Dial `downstream` from now on: the next stage moved (a Ray stage placed on another node).
+        Connections that hold a link keep it; a link to a lost stage is broken and its lane re-dialed."""
+        if (downstream is None) != (self.config.downstream is None):
+            raise ValueError(f"stage {self.config.stage_index}: a final stage cannot gain a downstream, "
+                             "nor another stage lose one")
+        self.config = self.config.model_copy(update={"downstream": downstream})
+        log.warning("stage %d: the next stage is now at %s", self.config.stage_index,
+                    ", ".join(downstream.endpoints) if downstream else "none")
 
     async def serve_forever(self) -> None:
         if self._server is None:
