@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import ipaddress
 import logging
 import os
 import tempfile
@@ -41,15 +42,18 @@ QUIET_S = 0.5        # no session open this long: the probe may take the worker
 class LinkCodec:
     """The dtype of the rows this stage sends downstream, frame by frame."""
 
-    def __init__(self, setting: str, width: int):
-        self.setting, self.width = setting, width
+    def __init__(self, setting: str, width: int, *, loopback: bool = False):
+        self.setting, self.width, self.loopback = setting, width, loopback
         self.forward: ForwardTimes | None = None  # this stage's own, measured
         self.link: LinkTimes | None = None        # to the stage below, measured
 
     def dtype_for(self, rows: int) -> ActivationDtype:
         if self.setting != "auto":
             return ActivationDtype[self.setting]
-        if self.forward is None or self.link is None:
+        # A loopback link costs a copy, whatever a probe on a busy machine reads: f32 keeps a
+        # chain on one machine bit for bit one process's (a probe under load read it slow, and
+        # greedy text then changed with the machine's load).
+        if self.loopback or self.forward is None or self.link is None:
             return ActivationDtype.f32  # until measured: as a chain always sent them
         return auto_dtype(rows, self.width, self.link.bytes_per_s, self.compute_s(rows))
 
@@ -59,13 +63,28 @@ class LinkCodec:
         return f.row_s + (rows - 1) * (f.chunk_s - f.row_s) / (f.chunk_rows - 1)
 
 
+def _endpoints(downstream: str | Sequence[str]) -> list[str]:
+    return [downstream] if isinstance(downstream, str) else list(downstream)
+
+
+def _is_loopback(endpoint: str) -> bool:
+    host = endpoint.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: measured like any link
+
+
 class StageMeasurement:
     def __init__(self, runtime, *, activation_dtype: str, downstream: str | Sequence[str] | None,
                  auth_token: str | None):
         """`runtime`: the stage's StageRuntime; `downstream`: the next stage's endpoints (its
         own, then its standbys'), None on the final stage."""
         self.runtime, self.downstream, self.auth_token = runtime, downstream, auth_token
-        self.codec = LinkCodec(activation_dtype, runtime.model.args.hidden_size)
+        self.codec = LinkCodec(activation_dtype, runtime.model.args.hidden_size,
+                               loopback=bool(downstream) and all(map(_is_loopback, _endpoints(downstream))))
         self._cpu_share_milli = round(cpu_share() * 1000)
         self._task: asyncio.Task | None = None
         self.done = asyncio.Event()
