@@ -221,14 +221,13 @@ class RayChain:
         for the stages that fetch their layers), waits until every actor reports its stage
         ready, then dials. A failure on either side ends the other."""
         stages = asyncio.create_task(self.placement.start(on_stage_ready))
-        await asyncio.sleep(0)  # the actors are asked for first: stage 0's load below holds the loop
         try:
+            await asyncio.sleep(0)  # the actors are asked for first: stage 0's load below holds the loop
             self.client = await connect_topology(self.topology, self.model_path, auth_token=self.auth_token,
                                                  wait_for_chain=lambda: stages, **self._stage0_options)
         finally:
-            if not stages.done():  # stage 0 failed before it waited for them
-                stages.cancel()
-                await asyncio.gather(stages, return_exceptions=True)
+            stages.cancel()  # stage 0 failed before it waited for them (nothing, once they are done)
+            await asyncio.gather(stages, return_exceptions=True)
 
     def _connect(self) -> str:
         """Join the cluster and check it is safe to use; this node's address."""
