@@ -166,8 +166,8 @@ def add_chain_options(parser: argparse.ArgumentParser) -> None:
 
 def add_stage_wait_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage-wait", dest="stage_wait_s", type=float, default=None,
-                        help="with --topology: seconds to wait for the other stages to be up (still fetching or "
-                             "loading their layers) before failing (default 3600; 0 = fail at once)")
+                        help="with --topology or --ray: seconds to wait for the other stages to be up (still fetching "
+                             "or loading their layers) before failing (default 3600; 0 = fail at once)")
 
 
 def add_split(parser: argparse.ArgumentParser) -> None:

@@ -39,6 +39,9 @@ class RayCluster:
     # a directory the worker nodes do not see (an empty tmpfs over it in their mount namespace):
     # a model file there is on the head only, as on machines that do not share a disk
     hidden_on_workers: Path | None = None
+    # each worker node's own skippy cache (SKIPPY_CACHE_DIR=<this>/<node index>), as on separate
+    # machines: a stage that fetches its layers finds only what its node fetched
+    worker_caches: Path | None = None
     started: list[Host] = field(default_factory=list)
 
     @property
@@ -73,10 +76,16 @@ class RayCluster:
             command[4:4] = ["sh", "-c", 'mount -t tmpfs -o size=64k,mode=0755 skippy-hidden "$1" && shift && '
                             'exec "$@"', "sh", str(self.hidden_on_workers)]
         env = self.env(**FAST_HEALTH_CHECKS) if index == 0 else self.env()
+        if index > 0 and self.worker_caches is not None:  # the raylet's environment is its workers'
+            env["SKIPPY_CACHE_DIR"] = str(self.node_cache(index))
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise AssertionError(f"ray start on {host.address} failed:\n{done.stdout}\n{done.stderr}")
         self.started.append(host)
+
+    def node_cache(self, index: int) -> Path:
+        """Worker node `index`'s skippy cache (with `worker_caches`)."""
+        return self.worker_caches / str(index)
 
     def kill_host(self, host: Host, sig: int = signal.SIGKILL) -> list[int]:
         """Signal every process in `host`'s namespace (a lost machine: raylet, agents, actors)."""
@@ -114,14 +123,14 @@ def process_in(host: Host, marker: str) -> int | None:
 
 @contextlib.contextmanager
 def ray_cluster(num_hosts: int, num_nodes: int, *, token: str | None, head_cpus: int = 0,
-                hidden_on_workers: Path | None = None) -> Iterator[RayCluster]:
+                hidden_on_workers: Path | None = None, worker_caches: Path | None = None) -> Iterator[RayCluster]:
     """`num_hosts` namespaces; Ray on the first `num_nodes` (the head first, with `head_cpus`
     CPUs; 1 CPU per worker); the rest are for nodes started later (`start_node`). Every Ray
     process is stopped and the namespaces removed afterwards. `hidden_on_workers`: a directory
-    only the head sees."""
+    only the head sees; `worker_caches`: where each worker node keeps its own skippy cache."""
     temp = Path(tempfile.mkdtemp(prefix="skr"))
     with namespace_hosts(num_hosts) as hosts:
-        cluster = RayCluster(hosts, temp, token, hidden_on_workers)
+        cluster = RayCluster(hosts, temp, token, hidden_on_workers, worker_caches)
         try:
             cluster.start_node(0, num_cpus=head_cpus)
             for index in range(1, num_nodes):

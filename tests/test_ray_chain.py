@@ -2,8 +2,9 @@
 three worker nodes and, for the node-loss test, a spare that joins later; token authentication
 on. The server runs on the first worker and places one stage per worker node, over mutual TLS.
 A second cluster, a head and a worker without token authentication, is refused, and with
---insecure shows a worker without the model file failing its stage's start. Needs root, iproute2 and Ray (`pip install 'skippy[ray]'`; CI installs it). The kill-to-next-
-token median over many kills is bench/ray_recovery.py's; here one kill of each kind."""
+--insecure shows a worker without the model file fetching its stage's layers from stage 0 and
+serving. Needs root, iproute2 and Ray (`pip install 'skippy[ray]'`; CI installs it). The
+kill-to-next-token median over many kills is bench/ray_recovery.py's; here one kill of each kind."""
 
 from __future__ import annotations
 
@@ -49,12 +50,30 @@ def served(cluster, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def one_process_ids() -> list[int]:
+    """PROMPT's 12 greedy token ids from `skippy generate` in one process: the reference."""
+    done = subprocess.run([*CLI, "generate", "--raw", "--json", "--max-tokens", "12", PROMPT],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["completion_ids"]
+
+
+def greedy_ids(served: ServedOnRay) -> list[int]:
+    """PROMPT's 12 greedy token ids through the served chain."""
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    asked = run_in(served.host.namespace, sys.executable, "-c", POST, served.url, json.dumps(body),
+                   env=served.cluster.env())
+    assert asked.returncode == 0, asked.stderr
+    return json.loads(asked.stdout)["choices"][0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
 def expected(served) -> str:
     """The 120-token story through the chain, uninterrupted (the kills must not change it)."""
     return served.stream()[0]
 
 
-def test_three_stages_on_three_nodes_answer_as_one_process(served, cluster):
+def test_three_stages_on_three_nodes_answer_as_one_process(served, cluster, one_process_ids):
     print(f"\nserve --ray: API ready {served.ready_s:.1f} s after the command; {served.ready_line.strip()}")
     assert "3 stages ready on Ray in" in served.log()
     stages = served.stages()
@@ -63,12 +82,7 @@ def test_three_stages_on_three_nodes_answer_as_one_process(served, cluster):
     assert nodes[0] == served.host.address  # stage 0 where skippy serve runs
     assert all(stage["endpoint"].startswith(f"{stage['node_ip']}:") and stage["state"] == "ready"
                for stage in stages)
-    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
-    asked = run_in(served.host.namespace, sys.executable, "-c", POST, served.url, json.dumps(body), env=cluster.env())
-    assert asked.returncode == 0, asked.stderr
-    one_process = subprocess.run([*CLI, "generate", "--raw", "--json", "--max-tokens", "12", PROMPT],
-                                 capture_output=True, text=True, timeout=300)
-    assert json.loads(asked.stdout)["choices"][0]["token_ids"] == json.loads(one_process.stdout)["completion_ids"]
+    assert greedy_ids(served) == one_process_ids
 
     # the links are mutual TLS: a plain TCP peer is refused, and the stage says why
     host, port = stages[1]["endpoint"].rsplit(":", 1)
@@ -131,11 +145,13 @@ def test_ctrl_c_leaves_no_actor_no_placement_group_no_stage(served, cluster):
 
 @pytest.fixture(scope="module")
 def open_cluster(tmp_path_factory):
-    """A head (1 CPU) and a worker, without token authentication; and a copy of the model in a
-    directory the worker does not see (its mount namespace hides it)."""
+    """A head (1 CPU) and a worker, without token authentication; a copy of the model in a
+    directory the worker does not see (its mount namespace hides it); the worker's own, empty
+    skippy cache."""
     model = tmp_path_factory.mktemp("head-only") / bundled_model_path().name
     shutil.copyfile(bundled_model_path(), model)
-    with ray_cluster(2, 2, token=None, head_cpus=1, hidden_on_workers=model.parent) as made:
+    with ray_cluster(2, 2, token=None, head_cpus=1, hidden_on_workers=model.parent,
+                     worker_caches=tmp_path_factory.mktemp("worker-caches")) as made:
         yield made, model
 
 
@@ -148,17 +164,28 @@ def test_a_cluster_without_token_auth_is_refused_off_loopback(open_cluster):
     assert skippy_left_on(unsecured) == {"actors": [], "groups": []}  # refused before placing anything
 
 
-def test_a_node_without_the_model_file_fails_the_start_naming_it(open_cluster):
-    """(--insecure: this cluster has no token.) The worker's stage fails to start, naming the
-    node and the fix; nothing is left on the cluster. Once a stage fetches its layers from
-    stage 0, this node must serve instead."""
+def test_a_node_without_the_model_file_fetches_its_layers_and_serves(open_cluster, one_process_ids, tmp_path):
+    """(--insecure: this cluster has no token.) The worker has no model file: its stage fetches
+    its slice from stage 0 over the chain's link into the node's cache, and the chain answers
+    as one process does."""
     unsecured, model = open_cluster
-    done = run_in(unsecured.head.namespace, *CLI, "serve", "--ray", unsecured.address, "--stages", "2",
-                  "--model", str(model), "--insecure", "--port", "9401", env=unsecured.env())
-    assert done.returncode == 2, done.stderr
-    assert "without token authentication (--insecure)" in done.stderr  # warned, then used
-    assert f"the model {model} is not on node {unsecured.hosts[1].address}" in done.stderr, done.stderr
-    assert "Fix: give every node the file at that path" in done.stderr
+    worker = unsecured.hosts[1]
+    served = ServedOnRay(unsecured, unsecured.head, ["--stages", "2", "--model", str(model), "--insecure"],
+                         tmp_path / "serve.log", port=9401)
+    try:
+        print(f"\nserve --ray, worker fetching its layers: API ready {served.ready_s:.1f} s after the command")
+        assert "without token authentication (--insecure)" in served.log()  # warned, then used
+        stage = served.stages()[1]
+        assert stage["node_ip"] == worker.address
+        assert greedy_ids(served) == one_process_ids
+        # the slice its node fetched (each tenth of the way, and the end, in the serve log)
+        fetched = list(unsecured.node_cache(1).glob("models/*/layers-*.gguf"))
+        assert [path.name for path in fetched] == [f"layers-{stage['layer_start']}-{stage['layer_end']}.gguf"]
+        assert fetched[0].stat().st_size < model.stat().st_size  # its slice, not the file
+        assert wait_for(lambda: f"cached as {fetched[0]}" in served.log(), 10), served.log()[-3000:]
+        assert f"stage 1 fetching layers [{stage['layer_start']}, {stage['layer_end']}) from" in served.log()
+    finally:
+        assert served.stop(signal.SIGINT) == 0
     assert skippy_left_on(unsecured) == {"actors": [], "groups": []}
 
 

@@ -18,7 +18,7 @@ import os
 import secrets
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ..driver.client import ChainClient
@@ -137,19 +137,22 @@ def stage_kv_cache(kv_cache: KvCacheConfig, stage_index: int) -> KvCacheConfig:
 
 
 async def connect_topology(topology: Topology, model_path: str | Path, *,
-                           auth_token: str | None = None, stage_wait_s: float = 0.0, **options) -> ChainClient:
+                           auth_token: str | None = None, stage_wait_s: float = 0.0,
+                           wait_for_chain: Callable[[], Awaitable] | None = None, **options) -> ChainClient:
     """Stage 0 for a running chain: load layers [0, k), listen on the topology's stage-0
     endpoint for the direct return (and serve the model's tensors to stages that have no
     copy: stage/holder.py), wait up to `stage_wait_s` for the other stages to be up
-    (stage_wait.py), connect the lanes to stage 1."""
+    (stage_wait.py; or await `wait_for_chain`, a launcher that knows when they are),
+    connect the lanes to stage 1."""
     check_model(model_path, topology.model_fingerprint, "stage 0")
     first = topology.stages[0]
     downstream = topology.stages[1].endpoints if len(topology.stages) > 1 else None
     holder = TensorHolder(model_path, topology, where="stage 0")
-    wait = functools.partial(wait_for_stages, topology, auth_token, stage_wait_s) if stage_wait_s > 0 else None
+    if wait_for_chain is None and stage_wait_s > 0:
+        wait_for_chain = functools.partial(wait_for_stages, topology, auth_token, stage_wait_s)
     return await start_stage0(model_path, (first.layer_start, first.layer_end), downstream=downstream,
                               auth_token=auth_token, return_bind=first.endpoint, holder=holder,
-                              wait_for_chain=wait, **options)
+                              wait_for_chain=wait_for_chain, **options)
 
 
 async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = None, *,

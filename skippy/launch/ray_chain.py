@@ -15,7 +15,9 @@ restarted on its own while requests wait and replay (driver/client.py).
     4. a StageHost actor per stage 1..N-1 in its bundle (stage_host.py): it makes its own
        key, the driver signs a certificate for the node it landed on, then starts the
        stage with its config (this happens again after every restart);
-    5. stage 0 here, as for any topology.
+    5. stage 0 here, as for any topology, at the same time: a node without the model file
+       fetches its stage's slice from stage 0 (stage/fetch.py, holder.py), so stage 0 loads
+       and listens while the actors start, and dials once every actor says its stage is ready.
 
 The supervisor watches every stage through `RayActors`, the Placement (placement.py): Ray
 restarts a dead stage's actor at once, on its node; if the node was lost, the placement
@@ -143,16 +145,18 @@ class RayChain:
                  dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
                  log_level: str = "WARNING", otlp_endpoint: str | None = None, otlp_protocol: str = "http",
                  kv_cache: KvCacheConfig | None = None, max_restarts: int = 5, insecure: bool = False,
-                 on_placed: Callable[[str], None] = lambda line: None, **client_options):
+                 stage_wait_s: float = 3600.0, on_placed: Callable[[str], None] = lambda line: None,
+                 **client_options):
         """`threads`: torch threads of every stage (default: its bundle's CPUs). `insecure`: use
-        a cluster without token authentication off loopback anyway. `on_placed`: told, in words,
-        where the stages went once Ray placed them."""
+        a cluster without token authentication off loopback anyway. `stage_wait_s`: how long a
+        stage's start may take, fetching its layers from stage 0 included. `on_placed`: told, in
+        words, where the stages went once Ray placed them."""
         if num_stages < 2:
             raise ValueError(f"Expected at least 2 stages on Ray, got {num_stages}")
         self.model_path, self.num_stages, self.settings = Path(model_path), num_stages, settings
         self.threads, self.weights, self.log_level = threads, weights, log_level
         self.kv_cache, self.max_restarts, self.on_placed = kv_cache, max_restarts, on_placed
-        self.insecure = insecure
+        self.insecure, self.stage_wait_s = insecure, stage_wait_s
         self.chain_id = f"chain-{secrets.token_hex(4)}"
         self.auth_token = secrets.token_urlsafe(32)
         self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
@@ -198,10 +202,9 @@ class RayChain:
             threads = [self.threads or max(1, int(bundle.get("CPU", 1))) for bundle in bundles]
             torch.set_num_threads(threads[0])  # stage 0, here
             self.placement = RayActors(self.group, bundles, configs, self.topology, ca_dir, threads,
-                                       chain_id=self.chain_id, log_level=self.log_level)
-            await self.placement.start(on_stage_ready)
-            self.client = await connect_topology(self.topology, self.model_path, auth_token=self.auth_token,
-                                                 **self._stage0_options)
+                                       chain_id=self.chain_id, log_level=self.log_level,
+                                       ready_timeout_s=self.stage_wait_s)
+            await self._start_stages(on_stage_ready)
             self.placement.client = self.client
         except BaseException:
             await self.close()
@@ -212,6 +215,19 @@ class RayChain:
         self.supervisor.start()
         self.client.can_recover = self.supervisor.can_heal
         return self.client
+
+    async def _start_stages(self, on_stage_ready: Callable[[], None]) -> None:
+        """The actors' stages and stage 0 at once: stage 0 loads and listens (holding the model
+        for the stages that fetch their layers), waits until every actor reports its stage
+        ready, then dials. A failure on either side ends the other."""
+        stages = asyncio.create_task(self.placement.start(on_stage_ready))
+        try:
+            await asyncio.sleep(0)  # the actors are asked for first: stage 0's load below holds the loop
+            self.client = await connect_topology(self.topology, self.model_path, auth_token=self.auth_token,
+                                                 wait_for_chain=lambda: stages, **self._stage0_options)
+        finally:
+            stages.cancel()  # stage 0 failed before it waited for them (nothing, once they are done)
+            await asyncio.gather(stages, return_exceptions=True)
 
     def _connect(self) -> str:
         """Join the cluster and check it is safe to use; this node's address."""
@@ -294,9 +310,11 @@ class RayActors:
     stage before it (or stage 0's lanes) is re-pointed to it."""
 
     def __init__(self, group, bundles: list[dict[str, float]], configs: list[StageConfig], topology: Topology,
-                 ca_dir: Path, threads: list[int], *, chain_id: str, log_level: str):
+                 ca_dir: Path, threads: list[int], *, chain_id: str, log_level: str,
+                 ready_timeout_s: float = STARTUP_TIMEOUT_S):
         self.group, self.bundles, self.configs, self.topology = group, bundles, configs, topology
         self.ca_dir, self.threads, self.chain_id, self.log_level = ca_dir, threads, chain_id, log_level
+        self.ready_timeout_s = ready_timeout_s  # a stage's start, a fetch of its layers included
         self.endpoints = [stage.endpoint for stage in topology.stages]
         self.node_ips = [stage.host for stage in topology.stages]
         self.actors: list = [None] * len(configs)     # index 0: stage 0 is this process
@@ -351,7 +369,7 @@ class RayActors:
                                                      info["public_key"])
                 started = await self.actors[index].start.remote(
                     self._config(index).model_dump_json(), self.topology.model_dump_json(), cert,
-                    (self.ca_dir / "ca.pem").read_bytes(), self.threads[index])
+                    (self.ca_dir / "ca.pem").read_bytes(), self.threads[index], self.ready_timeout_s)
         except Exception as error:
             self._sentinels[index], self._failures[index] = None, f"could not start: {_cause(error)}"
             raise RuntimeError(f"stage {index} on {info['node_ip']}: {_cause(error)}") from None

@@ -59,7 +59,8 @@ class ServeConfig(BaseModel):
     # --topology: listen off loopback without a chain token or TLS; --ray: use a cluster without
     # token authentication (warned)
     insecure: bool = False
-    stage_wait_s: float = Field(3600.0, ge=0)  # with --topology: wait this long for stages still fetching or loading
+    # with --topology or --ray: wait this long for stages still fetching or loading
+    stage_wait_s: float = Field(3600.0, ge=0)
     dtype: str = "auto"
     device: str = "auto"
     repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
@@ -95,6 +96,8 @@ class ServeConfig(BaseModel):
         if self.ray is not None and len(self.ray.stage_resources) not in (1, self.num_stages):
             raise ValueError(f"Expected one --ray-stage-resources bundle or {self.num_stages}, "
                              f"got {len(self.ray.stage_resources)}")
+        if self.ray is not None and self.stage_wait_s <= 0:  # every stage's start (and its fetch) is bounded by it
+            raise ValueError(f"Expected --stage-wait > 0 with --ray, got {self.stage_wait_s:g}")
         if self.ray is not None and self.split == "auto":  # RayChain plans by its bundles' CPUs or --weights
             raise ValueError("Expected --split equal with --ray: a measured split is not applied on Ray yet "
                              "(--ray-stage-resources per stage, or --weights, shape the split there)")
@@ -178,7 +181,8 @@ async def build_backend(config: ServeConfig):
                   kv_cache=config.kv_cache(config.num_stages), max_restarts=config.max_restarts)
     if config.ray is not None:
         chain = RayChain(config.model, config.num_stages, config.ray, weights=config.weights,
-                         insecure=config.insecure, on_placed=_say, **common, **every_stage, **options)
+                         insecure=config.insecure, stage_wait_s=config.stage_wait_s, on_placed=_say,
+                         **common, **every_stage, **options)
     else:
         chain = LocalChain(config.model, config.num_stages, split=config.split, **common, **every_stage, **options)
     description = f"Starting {config.num_stages} stages of {Path(config.model).name}"

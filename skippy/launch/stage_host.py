@@ -13,6 +13,10 @@ again on the same node finds them and starts the stage at once, without waiting 
 driver to notice (Ray tells a caller about the new actor a second after it is up). On another
 node there are none, and the driver starts it as the first time, for its new address.
 
+A node needs no copy of the model: a stage without the file at the plan's path fetches its
+slice from stage 0 into the node's cache (stage/fetch.py), so a start may take as long as that
+fetch (the driver's `ready_timeout_s`, serve's --stage-wait).
+
 It imports no torch, nor even the protocol's models (the config stays JSON here): Ray starts
 this process again when a stage dies, and that start is part of the stream's pause.
 """
@@ -61,6 +65,7 @@ class StageHost:
         self._down_reason = ""
         self._stderr: collections.deque[str] = collections.deque(maxlen=ERROR_LINES)
         self._forker = _Forker()
+        self._ready_timeout_s = STARTUP_TIMEOUT_S
         threads = self._kept_start()
         if threads is None:
             shutil.rmtree(self.directory, ignore_errors=True)  # another node's, or an earlier chain's
@@ -79,7 +84,10 @@ class StageHost:
             config = json.loads(self.config_path.read_text())
         except (OSError, ValueError):
             return None
-        return kept["threads"] if config["bind_addr"] == self.endpoint else None
+        if config["bind_addr"] != self.endpoint:
+            return None
+        self._ready_timeout_s = kept.get("ready_timeout_s", STARTUP_TIMEOUT_S)
+        return kept["threads"]
 
     def describe(self) -> dict:
         """Where this actor runs, and the public key its certificate must name. `starting`:
@@ -99,14 +107,16 @@ class StageHost:
         return self.directory / "stage.json"
 
     def start(self, config_json: str, topology_json: str, cert_pem: bytes, ca_pem: bytes,
-              threads: int) -> dict:
-        """Write the stage's files (owner-only), start `skippy stage`, return once it is ready."""
+              threads: int, ready_timeout_s: float = STARTUP_TIMEOUT_S) -> dict:
+        """Write the stage's files (owner-only), start `skippy stage`, return once it is ready
+        (within `ready_timeout_s`: a start may include fetching its layers)."""
         if self._child is not None and self._child.poll() is None:
             raise RuntimeError(f"stage {self.stage_index} is already running on {self.node_ip}")
-        config = json.loads(config_json)  # a StageConfig, validated by the stage itself
-        if not Path(config["model_path"]).is_file():
-            raise FileNotFoundError(f"stage {self.stage_index}: the model {config['model_path']} is not on node "
-                                    f"{self.node_ip}. Fix: give every node the file at that path")
+        # A StageConfig, validated by the stage itself. A node without the file at its
+        # `model_path` is fine: the stage fetches its slice from stage 0 (the topology's first
+        # endpoint, a holder) into this node's cache (stage/fetch.py), where a restart on this
+        # node finds it.
+        config = json.loads(config_json)
         tls = self.directory / "tls"
         tls.mkdir(mode=0o700, exist_ok=True)
         write_private(tls / "ca.pem", ca_pem)
@@ -115,7 +125,9 @@ class StageHost:
         config["tls"] = {"ca_file": "tls/ca.pem", "cert_file": "tls/stage.pem", "key_file": "tls/stage.key"}
         write_private(self.config_path, json.dumps(config).encode())
         write_private(self.directory / "topology.json", topology_json.encode())
-        write_private(self.directory / "start.json", json.dumps({"threads": threads}).encode())
+        write_private(self.directory / "start.json",
+                      json.dumps({"threads": threads, "ready_timeout_s": ready_timeout_s}).encode())
+        self._ready_timeout_s = ready_timeout_s
         self._launch(threads)
         return self.wait_ready()
 
@@ -133,10 +145,10 @@ class StageHost:
 
     def wait_ready(self) -> dict:
         """Return once the stage started last is ready; raise if it exited before."""
-        if not self._settled.wait(STARTUP_TIMEOUT_S):
-            self._child.kill()
+        if not self._settled.wait(self._ready_timeout_s):
+            self._child.kill()  # its last lines say where it was: loading, or fetching (and from whom)
             raise RuntimeError(f"stage {self.stage_index} on {self.node_ip}: not ready within "
-                               f"{STARTUP_TIMEOUT_S:g} s")
+                               f"{self._ready_timeout_s:g} s (--stage-wait); its last lines:\n" + "".join(self._stderr))
         if self._start_error:
             raise RuntimeError(self._start_error)
         return {"stage_pid": self._child.pid, "ready_s": self._ready_s}
