@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import ipaddress
 import logging
 import os
 import tempfile
@@ -26,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..model.probe import ForwardTimes, cpu_share, measure_forward, memory_available
-from ..protocol import ActivationDtype
+from ..protocol import ActivationDtype, is_loopback, parse_endpoint
 from ..protocol.activation_codec import auto_dtype
 from ..protocol.stage_probe import StageProbe
 from .link_probe import LinkTimes, dial_downstream, measure_link
@@ -63,28 +62,15 @@ class LinkCodec:
         return f.row_s + (rows - 1) * (f.chunk_s - f.row_s) / (f.chunk_rows - 1)
 
 
-def _endpoints(downstream: str | Sequence[str]) -> list[str]:
-    return [downstream] if isinstance(downstream, str) else list(downstream)
-
-
-def _is_loopback(endpoint: str) -> bool:
-    host = endpoint.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: measured like any link
-
-
 class StageMeasurement:
     def __init__(self, runtime, *, activation_dtype: str, downstream: str | Sequence[str] | None,
                  auth_token: str | None):
         """`runtime`: the stage's StageRuntime; `downstream`: the next stage's endpoints (its
         own, then its standbys'), None on the final stage."""
-        self.runtime, self.downstream, self.auth_token = runtime, downstream, auth_token
-        self.codec = LinkCodec(activation_dtype, runtime.model.args.hidden_size,
-                               loopback=bool(downstream) and all(map(_is_loopback, _endpoints(downstream))))
+        self.downstream = [downstream] if isinstance(downstream, str) else downstream
+        self.runtime, self.auth_token = runtime, auth_token
+        self.codec = LinkCodec(activation_dtype, runtime.model.args.hidden_size, loopback=bool(self.downstream) and all(
+            is_loopback(parse_endpoint(endpoint)[0]) for endpoint in self.downstream))
         self._cpu_share_milli = round(cpu_share() * 1000)
         self._task: asyncio.Task | None = None
         self.done = asyncio.Event()
