@@ -54,7 +54,8 @@ class Chain:
             if line.startswith("skippy: stage ready"):
                 break
         serve = subprocess.Popen([*cli, "serve", "--port", "0", "--topology", str(out / "topology.json"),
-                                  "--threads", str(threads), "--kv-cache-mem", "0", *insecure],
+                                  "--threads", str(threads), "--kv-cache-mem", "0", *insecure,
+                                  *(["--model", model] if model else [])],
                                  stdout=subprocess.PIPE, text=True)
         self.processes.append(serve)
         for line in serve.stdout:

@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chain-auth-token", default=None,
                        help="the stages' transport token (with --topology; default: the plan's stage-0.json)")
     serve.add_argument("--insecure", action="store_true", default=None,
-                       help="with --topology: listen off loopback without a chain token or TLS anyway (warned)")
+                       help="with --topology: listen off loopback without a chain token or TLS anyway; with "
+                            "--ray: use a cluster without token authentication anyway (warned)")
+    add_stage_wait_option(serve)
     serve.add_argument("--threads", type=int, default=None, help="torch threads in every stage (this one too)")
     serve.add_argument("--max-restarts", type=int, default=5,
                        help="restart a local stage process that dies or hangs at most this often (0 = never)")
@@ -88,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-mem", dest="kv_cache_bytes", type=byte_size, default=1 << 30,
                        help="prefix-cache memory, all stages together (e.g. 512MiB; 0 = no prefix cache)")
     add_kv_disk_options(serve, "all stages together, split evenly")
+    add_ray_options(serve)
     add_model_options(serve)
     add_speculative_options(serve)
     serve.set_defaults(run=run_serve)
@@ -112,6 +115,32 @@ def add_kv_disk_options(parser: argparse.ArgumentParser, budget_scope: str) -> N
                         help=f"disk bytes for the prefix cache ({budget_scope}; e.g. 8GiB)")
 
 
+def add_ray_options(parser: argparse.ArgumentParser) -> None:
+    """`serve --ray`: the stages on a Ray cluster's nodes (pip install 'skippy[ray]'; docs/operations.md)."""
+    parser.add_argument("--ray", default=None, metavar="auto|HOST:PORT",
+                        help="place, start and restart stages 1..N-1 on a Ray cluster (auto: the one this node "
+                             "belongs to); stage 0 and the API run here")
+    parser.add_argument("--ray-placement", default="spread", choices=["spread", "pack"],
+                        help="spread (default): every stage on its own node; pack: several on one node allowed")
+    parser.add_argument("--ray-stage-resources", type=json_resources, default=None, metavar="JSON",
+                        help='each stage\'s Ray resources, e.g. \'{"CPU": 8, "memory": 34e9}\' (default 1 CPU), or '
+                             "a JSON list with one per stage (the layer split then follows their CPUs)")
+    parser.add_argument("--ray-port", type=int, default=7200, help="stage i listens on this port + i (default 7200)")
+    parser.add_argument("--ray-placement-timeout", dest="ray_placement_timeout_s", type=float, default=120.0,
+                        help="seconds to wait for the cluster to have room for every stage (default 120)")
+    parser.add_argument("--weights", type=lambda text: [float(w) for w in text.split(",")], default=None,
+                        help="with --ray: each stage's relative share of the layers, comma-separated")
+
+
+def json_resources(text: str) -> list[dict[str, float]]:
+    """--ray-stage-resources: one JSON object of resources, or a list of them."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"Expected JSON like {{\"CPU\": 4}}, got {text!r} ({error})") from None
+    return value if isinstance(value, list) else [value]
+
+
 def add_speculative_options(parser: argparse.ArgumentParser) -> None:
     """Speculative decoding: stage 0 proposes tokens and the chain verifies several per trip."""
     parser.add_argument("--speculative", default="off", choices=["off", "ngram-suffix", "ngram-simple", "draft"],
@@ -132,6 +161,13 @@ def add_chain_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads in every stage process")
     add_activation_dtype(parser)
     add_split(parser)
+    add_stage_wait_option(parser)
+
+
+def add_stage_wait_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stage-wait", dest="stage_wait_s", type=float, default=None,
+                        help="with --topology or --ray: seconds to wait for the other stages to be up (still fetching "
+                             "or loading their layers) before failing (default 3600; 0 = fail at once)")
 
 
 def add_split(parser: argparse.ArgumentParser) -> None:
@@ -154,7 +190,15 @@ def add_stage_commands(commands) -> None:
     stage.add_argument("--threads", type=int, default=None, help="torch threads")
     stage.add_argument("--model", dest="model_path", default=None,
                        help="this host's copy of the model (default: the config's model_path); it must be the file "
-                            "the chain was planned for")
+                            "the chain was planned for. With no file there, the stage fetches its layers from a "
+                            "holder (stage 0) into --model-cache once")
+    stage.add_argument("--model-cache", default=None, metavar="DIR",
+                       help="where this stage keeps the slice of the model it fetched "
+                            "(default: ~/.cache/skippy/models/<fingerprint>/)")
+    stage.add_argument("--fetch-from", dest="model_sources", default=None, metavar="HOST:PORT[,HOST:PORT]",
+                       type=lambda text: [e.strip() for e in text.split(",") if e.strip()],
+                       help="stages holding the model file to fetch this stage's layers from, in order "
+                            "(default: stage 0's endpoint in --topology)")
     stage.add_argument("--otlp-endpoint", default=None, help="export spans over OTLP, e.g. http://127.0.0.1:4318")
     stage.add_argument("--otlp-protocol", default=None, choices=["http", "grpc"],
                        help="OTLP over HTTP/protobuf or gRPC (overrides the config; default http)")
@@ -262,11 +306,24 @@ def serve_config(args: argparse.Namespace, **overrides):
 def run_serve(args: argparse.Namespace) -> int:
     from .model.threads import spin_for_co_located_stages
 
-    if args.num_stages > 1 and not args.topology:
+    if args.num_stages > 1 and not args.topology and not args.ray:
         spin_for_co_located_stages(model_path(args), args.dtype)  # before torch loads
     from .launch.serve import serve
 
-    return serve(serve_config(args))
+    return serve(serve_config(args, ray=ray_settings(args)))
+
+
+def ray_settings(args: argparse.Namespace):
+    """serve's --ray options, or None without --ray: --ray is RaySettings' address, and each
+    --ray-X option its field X (by name, as serve_config's, so none is lost)."""
+    if args.ray is None:
+        return None
+    from .launch.ray_chain import RaySettings
+
+    given = {name.removeprefix("ray_"): value for name, value in vars(args).items()
+             if name.startswith("ray_") and name.removeprefix("ray_") in RaySettings.model_fields
+             and value is not None}
+    return RaySettings(address=args.ray, **given)
 
 
 def run_stage(args: argparse.Namespace) -> int:
@@ -280,7 +337,7 @@ def run_stage(args: argparse.Namespace) -> int:
     from .stage.process import serve_stage
 
     topology = Topology.load(args.topology) if args.topology else None
-    asyncio.run(serve_stage(config, topology))
+    asyncio.run(serve_stage(config, topology, reload=lambda: stage_config(args)))
     return 0
 
 
@@ -293,6 +350,9 @@ def stage_config(args: argparse.Namespace):
     config = StageConfig.load(args.config)
     given = {name: value for name, value in vars(args).items()
              if name in StageConfig.model_fields and value is not None}
+    if args.model_path is not None and not Path(args.model_path).exists():  # a typo, not a wish to fetch
+        raise ValueError(f"--model {args.model_path}: no such file. Fix: leave --model out to fetch this stage's "
+                         f"layers from a holder of the file (docs/operations.md).")
     if config.tls is not None:  # its files sit beside the config (the plan's tls/)
         given["tls"] = config.tls.resolved(Path(args.config).parent)
     wire = {field: getattr(args, f"wire_{field}") for field in LinkConditioning.model_fields}

@@ -104,16 +104,27 @@ def start_in(namespace: str, *command: str, log_path, cgroup: Path | None = None
     """`command` in `namespace` (and in the cgroup whose cgroup.procs is `cgroup`, from its
     first instruction), once it prints a line with "ready" (stderr to `log_path`); its stdout
     is drained from then on. The caller terminates it."""
+    return wait_ready(spawn_in(namespace, *command, log_path=log_path, cgroup=cgroup), log_path)
+
+
+def spawn_in(namespace: str, *command: str, log_path, env: dict | None = None,
+             cgroup: Path | None = None) -> subprocess.Popen:
+    """`command` in `namespace` (and `cgroup`, as start_in), not waited for (stderr to
+    `log_path`; `wait_ready` reads its stdout)."""
     argv = ["ip", "netns", "exec", namespace, *command]
     if cgroup is not None:
         argv = ["sh", "-c", f'echo $$ > {cgroup} && exec "$@"', "sh", *argv]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE,
-                               stderr=open(log_path, "w"), text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def wait_ready(process: subprocess.Popen, log_path) -> subprocess.Popen:
+    """`process` once it prints a line with "ready"; its stdout is drained from then on."""
     for line in process.stdout:
         if "ready" in line:
             threading.Thread(target=process.stdout.read, daemon=True).start()
             return process
-    raise AssertionError(f"{' '.join(command)} exited with {process.wait()}; see {log_path}")
+    raise AssertionError(f"{' '.join(process.args)} exited with {process.wait()}; see {log_path}")
 
 
 def run_beside(stage: tuple[str, list[str]], client: tuple[str, list[str]], *, log_path,

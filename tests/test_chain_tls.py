@@ -19,7 +19,7 @@ import pytest
 from frontend_support import ServeProcess
 from skippy.launch.local_chain import free_ports
 from skippy.protocol import StageConfig, TlsConfig
-from skippy.stage import tls
+from skippy.stage import certificates, tls
 from skippy.stage.transport import LinkBroken, Transport
 from test_standby_stages import start_stage
 
@@ -67,7 +67,7 @@ def test_a_chain_off_loopback_runs_over_mutual_tls(tmp_path):
             assert await Transport(tls_identity=right, auth_token=stage1.auth_token).query_status(stage_endpoint)
             # plain TCP to a TLS listener: refused
             assert await Transport(auth_token=stage1.auth_token).query_status(stage_endpoint) is None
-            other = tls.issue_certificates(tmp_path / "other" / "tls", {"stranger": host})["stranger"]
+            other = certificates.issue_certificates(tmp_path / "other" / "tls", {"stranger": host})["stranger"]
             stranger = Transport(tls_identity=other.resolved(tmp_path / "other"), auth_token=stage1.auth_token)
             with pytest.raises(LinkBroken, match="certificate"):  # a certificate from another CA: refused
                 await stranger.dial(stage_endpoint)
@@ -117,8 +117,8 @@ def test_a_listener_logs_each_refused_tls_handshake_once_and_keeps_serving(tmp_p
     """Every way a dialer fails TLS gets one WARNING naming its address and why; a repeat
     within a minute is counted, not logged; good dialers are served throughout."""
     host = local_address()
-    right = tls.issue_certificates(tmp_path / "a" / "tls", {"stage": host, "peer": host})
-    stranger = tls.issue_certificates(tmp_path / "b" / "tls", {"stranger": host})["stranger"].resolved(tmp_path / "b")
+    right = certificates.issue_certificates(tmp_path / "a" / "tls", {"stage": host, "peer": host})
+    stranger = certificates.issue_certificates(tmp_path / "b" / "tls", {"stranger": host})["stranger"].resolved(tmp_path / "b")
 
     async def dial(port: int, context: ssl.SSLContext | None, data: bytes = b"") -> bool:
         """Whether the listener answered READY over this TLS context (None: plain TCP)."""

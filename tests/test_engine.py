@@ -16,7 +16,7 @@ import pytest
 from chain_support import run
 from skippy.protocol import MessageKind, StageMessage, StageReply, encode_message, encode_reply
 from skippy.protocol.decode_frames import MessageReader
-from skippy.stage import tls
+from skippy.stage import certificates, tls
 from skippy.stage.channel import Channel
 from skippy.stage.downlink import DownLink
 from skippy.stage.engine import Engine, EngineClosed
@@ -67,7 +67,7 @@ def frames(count: int, width: int = 600) -> list[StageMessage]:
 
 def tls_pair(tmp_path) -> tuple[ssl.SSLSocket, ssl.SSLSocket]:
     """Two ends of a mutual-TLS connection over a socket pair, handshaken."""
-    issued = tls.issue_certificates(tmp_path / "tls", {"a": "127.0.0.1", "b": "127.0.0.1"})
+    issued = certificates.issue_certificates(tmp_path / "tls", {"a": "127.0.0.1", "b": "127.0.0.1"})
     a, b = (issued[name].resolved(tmp_path) for name in "ab")
     server_context = tls._contexts(a, ssl.Purpose.CLIENT_AUTH)
     client_context = tls._contexts(b, ssl.Purpose.SERVER_AUTH)

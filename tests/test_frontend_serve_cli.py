@@ -24,11 +24,14 @@ def test_serve_defaults():
 
 
 def test_every_serve_option_is_a_config_field():
-    """run_serve hands the options to ServeConfig by name: one named otherwise would be lost."""
+    """run_serve hands the options to ServeConfig by name (--ray-X to its RaySettings' X): one
+    named otherwise would be lost."""
+    from skippy.launch.ray_chain import RaySettings
     from skippy.launch.serve import ServeConfig
 
     args = vars(build_parser().parse_args(["serve"]))
-    assert set(args) - {"command", "run"} <= set(ServeConfig.model_fields)
+    ray_options = {"ray"} | {f"ray_{field}" for field in RaySettings.model_fields}
+    assert set(args) - {"command", "run"} <= set(ServeConfig.model_fields) | ray_options
 
 
 def test_sigterm_while_loading_leaves_no_stage_behind():

@@ -100,6 +100,9 @@ def test_the_codec_picks_each_frames_dtype_from_the_measurements():
     odd.forward, odd.link = codec.forward, codec.link
     assert odd.dtype_for(64) == ActivationDtype.f16
     assert LinkCodec("q8", 576).dtype_for(1) == ActivationDtype.q8  # a fixed dtype is that dtype
+    local = LinkCodec("auto", 576, loopback=True)  # measured slow (a busy machine): still f32
+    local.forward, local.link = codec.forward, codec.link
+    assert (local.dtype_for(1), local.dtype_for(64)) == (ActivationDtype.f32, ActivationDtype.f32)
 
 
 @pytest.mark.slow

@@ -336,6 +336,8 @@ class StageInfo(BaseModel):
     restarts: int = 0
     last_failure: str = ""
     standbys: list[StandbyInfo] = []  # the same layers elsewhere; requests fail over to them
+    node_ip: str = ""  # the Ray node it runs on ("" when not on a cluster)
+    moves: int = 0  # restarts that came back on another node
     # a live view's figures (driver/stage_figures.py): tokens_per_s, decode_forward_ms, queue_wait_ms,
     # queue_depth, prefix_cache_hit_rate, kv bytes, totals; stage 0 adds speculative_acceptance
     figures: dict[str, float] = {}

@@ -95,6 +95,8 @@ class StageStatus:
     restarts: int = 0       # times a supervisor started it again
     last_failure: str = ""  # why it last went down
     standbys: tuple[StandbyStatus, ...] = ()  # the same layers elsewhere (topology standby_endpoints)
+    node_ip: str = ""       # the cluster node it runs on ("" when not on a cluster)
+    moves: int = 0          # restarts that came back on another host
     metrics: StageMetricValues | None = None  # the stage's own counters and histograms (None: no answer)
     figures: dict[str, float] = field(default_factory=dict)  # rates and means for a live view (stage_figures)
     probe: StageProbe | None = None  # what it measured of its forward and its link (None: no answer)

@@ -36,8 +36,8 @@ class ChainBackend:
                  advise: Callable[[list[StageStatus]], dict] | None = None):
         """`topology` None: stage 0 holds the whole model in this process. `on_close` stops
         what started the chain. `health`: per stage, its supervisor's `StageHealth` (state,
-        restarts, last failure) when something restarts the stages. `advise`: the split the
-        stages' measured times give (launch/measured_split.py), asked when they drift."""
+        restarts, last failure, where it runs now) when something restarts the stages. `advise`:
+        the split the stages' measured times give (launch/measured_split.py), asked when they drift."""
         layers = client.runtime.model.layers
         first = "in-process" if topology is None else topology.stages[0].endpoint
         self._first = StageStatus("stage-0", layers.start, layers.end, first, "ready", 0)
@@ -108,31 +108,40 @@ class ChainBackend:
     async def status(self) -> list[StageStatus]:
         """Stage 0, then every stage below as its own status answers say (a supervisor's view
         of a restarting or failed one first), with its standbys'."""
-        endpoints = [endpoint for stage in self._remote for endpoint in stage.endpoints]
+        homes = [self._endpoint(index, stage) for index, stage in enumerate(self._remote, start=1)]
+        endpoints = [e for home, stage in zip(homes, self._remote) for e in (home, *stage.standby_endpoints)]
         reports = iter(await asyncio.gather(*(self.client.transport.query_status(e) for e in endpoints)))
         sessions, metrics = await self.client.local_status()
         proposed, accepted = self._drafts
         probe = self.client.measurement.probe
         statuses = [dataclasses.replace(self._first, active_sessions=sessions, metrics=metrics,
+                                        node_ip=self._health[0].node_ip if self._health else "",
                                         figures=self._figures.figures(self._first.stage_id, metrics, probe.cpu_ns,
                                             speculative_acceptance=accepted / proposed if proposed else 0.0),
                                         probe=probe, predicted_vs_measured=compare(probe, metrics))]
-        for index, stage in enumerate(self._remote, start=1):
+        for index, (stage, home) in enumerate(zip(self._remote, homes), start=1):
             report = next(reports)
-            state, restarts, last_failure = "down" if report is None else "ready", 0, ""
+            state, restarts, last_failure, where = "down" if report is None else "ready", 0, "", {}
             if self._health is not None:
                 health = self._health[index]
                 state = state if health.state == "ready" else health.state
                 restarts, last_failure = health.restarts, health.last_failure
+                where = dict(node_ip=health.node_ip, moves=health.moves)
             standbys = tuple(StandbyStatus(endpoint, "down" if r is None else "ready", _sessions(r))
                              for endpoint, r in zip(stage.standby_endpoints, reports))
             metrics = None if report is None else report.metrics
             figures = {} if metrics is None else self._figures.figures(stage.stage_id, metrics, report.probe.cpu_ns)
             probe = None if report is None else report.probe
-            statuses.append(StageStatus(stage.stage_id, stage.layer_start, stage.layer_end, stage.endpoint, state,
-                                        _sessions(report), restarts, last_failure, standbys, metrics,
-                                        figures, probe, None if report is None else compare(probe, metrics)))  # fmt: skip
+            statuses.append(StageStatus(stage.stage_id, stage.layer_start, stage.layer_end, home, state,
+                                        _sessions(report), restarts, last_failure, standbys, metrics=metrics,
+                                        figures=figures, probe=probe,
+                                        predicted_vs_measured=None if report is None else compare(probe, metrics),
+                                        **where))  # fmt: skip
         return statuses
+
+    def _endpoint(self, index: int, stage) -> str:
+        """Where stage `index` listens now: its supervisor's view (it may have moved), else the topology's."""
+        return (self._health[index].endpoint if self._health is not None else "") or stage.endpoint
 
     async def split_advice(self, statuses: list[StageStatus]) -> dict | None:
         """When a stage's decode forward is more than split_check.DRIFT off what its probe

@@ -20,7 +20,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..model.grammar import GrammarCompiler
@@ -35,6 +35,7 @@ from ..runtime.stage_cache import StagePrefixCache
 from ..runtime.stage_runtime import StageRuntime
 from ..stage.downlink import DownLink
 from ..stage.engine import Engine, EngineClosed
+from ..stage.holder import TensorHolder
 from ..stage.returns import ReturnInbox, ReturnListener
 from ..stage.transport import LinkBroken, Transport
 from ..tasks import to_the_end
@@ -97,7 +98,8 @@ class ChainClient:
                  prefix_cache: StagePrefixCache | None = None,
                  speculative: SpeculativeSettings = SpeculativeSettings(),
                  draft_model: StageModel | None = None,
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, holder: TensorHolder | None = None,
+                 wait_for_chain: Callable[[Transport], Awaitable[None]] | None = None):
         """`prefix_cache`: stage 0's prefix KV cache; with it a prompt first tries a chain
         restore (session.ChainSession.prefill). `speculative`: the default speculative
         decoding of a request (decoder.py); `draft_model`: the whole small model the
@@ -105,7 +107,10 @@ class ChainClient:
         `grammars`: the grammar engine for response_format: stage 0 compiles each grammar
         before its request runs (`check_grammar`), and samples with it when it holds the
         head; the final stage compiles its own. None: requests with a grammar are refused.
-        `tls`, `link_conditioning`: this process's TLS identity and WAN knob (stage/transport.py)."""
+        `tls`, `link_conditioning`: this process's TLS identity and WAN knob (stage/transport.py).
+        `holder`: serves this process's model file to stages that fetch their layers, on the
+        return listener's port (stage/holder.py). `wait_for_chain(transport)`: awaited once the
+        listener is up and before the lanes dial, so stages still fetching or loading are waited for."""
         if not model.layers.is_first:
             raise ValueError(f"Expected the first stage's layers [0, k), got {model.layers}")
         if (downstream is None) != model.layers.is_last:
@@ -118,6 +123,7 @@ class ChainClient:
         self.timeouts = timeouts
         # False once the chain cannot heal (a supervisor gave up on a stage): fail at once
         self.can_recover: Callable[[], bool] = lambda: True
+        self._chain_back = asyncio.Event()  # set (and replaced) by chain_changed: waiting requests try now
         self.telemetry = telemetry or Telemetry("skippy-stage0")
         self.transport = Transport(tls_identity=tls, auth_token=auth_token, conditioning=link_conditioning,
                                    timeouts=timeouts)
@@ -132,7 +138,7 @@ class ChainClient:
                                             transport=self.transport, downstream=downstream)
         self.speculative, self.draft_model = speculative, draft_model
         self.check_speculative(speculative)
-        self.return_bind = return_bind
+        self.return_bind, self.holder, self.wait_for_chain = return_bind, holder, wait_for_chain
         self.return_endpoint: str | None = None
         self.engine: Engine | None = None
         self.inbox: ReturnInbox | None = None
@@ -153,8 +159,10 @@ class ChainClient:
         self.env = SessionEnv(SlotEnv(self.engine, self.runtime, self.prefill_chunk, self.timeouts.reply_s,
                                       self.measurement.codec), self.telemetry, self.inbox)
         if self.downstream is not None:
-            self.listener = ReturnListener(self.inbox, self.transport, self.return_bind)
+            self.listener = ReturnListener(self.inbox, self.transport, self.return_bind, holder=self.holder)
             self.return_endpoint = await self.listener.start()
+            if self.wait_for_chain is not None:
+                await self.wait_for_chain(self.transport)
         for lane_id in range(1, self.num_lanes + 1):
             lane = Lane(lane_id, NoStagesBelow() if self.downstream is None else None)
             self._all_lanes.append(lane)
@@ -369,7 +377,13 @@ class ChainClient:
                 if not waiting:
                     waiting = True
                     log.warning("the chain broke under a request (%s); waiting for it to be whole again", error)
-                await asyncio.sleep(RECOVERY_RETRY_S)
+                with contextlib.suppress(TimeoutError):  # the next try: in a while, or once a stage is back
+                    await asyncio.wait_for(self._chain_back.wait(), RECOVERY_RETRY_S)
+
+    def chain_changed(self) -> None:
+        """A stage is back (restarted, or moved): requests waiting for the chain try again now."""
+        self._chain_back.set()
+        self._chain_back = asyncio.Event()
 
     async def generate(self, prompt_ids: Sequence[int], *, on_token: Callable[[int], None] | None = None,
                        **options) -> GenerationResult:

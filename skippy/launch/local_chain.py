@@ -5,20 +5,20 @@
   and holds stage 0 in this process as a `ChainClient`.
 * `connect_topology` builds stage 0 for stages that are already running anywhere.
 * `start_stage0` is stage 0 in every case: for those two, or holding the whole model.
-* `LocalChain(max_restarts=...)` keeps its stage processes alive (supervisor.py).
+* `LocalChain(max_restarts=...)` keeps its stage processes alive (supervisor.py over
+  placement.py's `LocalProcesses`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
+import functools
 import logging
 import os
 import secrets
 import socket
-import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ..driver.client import ChainClient
@@ -34,18 +34,17 @@ from ..protocol import (
 from ..runtime.batch_policy import ONE_WAVE_PEER_WAIT_FORWARDS, BatchSettings
 from ..runtime.stage_cache import StagePrefixCache
 from ..stage.build import WEIGHT_DTYPES
-from ..stage.process import EXIT_ADDRESS_IN_USE, READY_PREFIX
-from ..stage.tls import issue_certificates
+from ..stage.certificates import issue_certificates
+from ..stage.holder import TensorHolder
+from ..stage.transport import Transport
 from ..telemetry import Telemetry
 from .measured_split import model_cost, plan_from_measurements
+from .placement import LocalProcesses, PortTaken, stop_chain
+from .stage_wait import wait_for_stages
 from .supervisor import Supervisor
 
 log = logging.getLogger("skippy.launch")
 START_ATTEMPTS = 3   # a free port can be taken by someone else before its stage binds it
-
-
-class PortTaken(RuntimeError):
-    pass
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -62,7 +61,8 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[float] | None = None,
                ranges: list[tuple[int, int]] | None = None, args: ModelArgs | None = None,
-               standbys: dict[int, list[str]] | None = None, **stage_options) -> tuple[Topology, list[StageConfig]]:
+               standbys: dict[int, list[str]] | None = None, topology_id: str | None = None,
+               **stage_options) -> tuple[Topology, list[StageConfig]]:
     """Topology and stage configs for one stage per endpoint; endpoint 0 is the driver's
     return listener, the others are where stages 1..N-1 listen (their bind address).
     The split counts the output head's weights as layers of the last stage, so every
@@ -83,7 +83,7 @@ def plan_chain(model_path: str | Path, endpoints: list[str], *, weights: list[fl
                             standby_endpoints=standbys.get(i, []))
               for i, (endpoint, (start, end)) in enumerate(zip(endpoints, ranges))]
     fingerprint = model_fingerprint(model_path)
-    topology = Topology(topology_id=f"chain-{secrets.token_hex(4)}", model_id=Path(model_path).stem, stages=stages,
+    topology = Topology(topology_id=topology_id or f"chain-{secrets.token_hex(4)}", model_id=Path(model_path).stem, stages=stages,
                         model_fingerprint=fingerprint)
 
     def peer(i: int) -> PeerEndpoint | None:
@@ -137,14 +137,22 @@ def stage_kv_cache(kv_cache: KvCacheConfig, stage_index: int) -> KvCacheConfig:
 
 
 async def connect_topology(topology: Topology, model_path: str | Path, *,
-                           auth_token: str | None = None, **options) -> ChainClient:
+                           auth_token: str | None = None, stage_wait_s: float = 0.0,
+                           wait_for_chain: Callable[[Transport], Awaitable] | None = None, **options) -> ChainClient:
     """Stage 0 for a running chain: load layers [0, k), listen on the topology's stage-0
-    endpoint for the direct return, connect the lanes to stage 1."""
+    endpoint for the direct return (and serve the model's tensors to stages that have no
+    copy: stage/holder.py), wait up to `stage_wait_s` for the other stages to be up
+    (stage_wait.py; or await `wait_for_chain`, a launcher that knows when they are),
+    connect the lanes to stage 1."""
     check_model(model_path, topology.model_fingerprint, "stage 0")
     first = topology.stages[0]
     downstream = topology.stages[1].endpoints if len(topology.stages) > 1 else None
+    holder = TensorHolder(model_path, topology, where="stage 0")
+    if wait_for_chain is None and stage_wait_s > 0:
+        wait_for_chain = functools.partial(wait_for_stages, topology, stage_wait_s)
     return await start_stage0(model_path, (first.layer_start, first.layer_end), downstream=downstream,
-                              auth_token=auth_token, return_bind=first.endpoint, **options)
+                              auth_token=auth_token, return_bind=first.endpoint, holder=holder,
+                              wait_for_chain=wait_for_chain, **options)
 
 
 async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = None, *,
@@ -209,7 +217,7 @@ class LocalChain:
         self.auth_token = secrets.token_hex(16)  # loopback, but still not open to anyone
         self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
                                    ctx_size=ctx_size, lane_count=lane_count,
-                                   weight_dtype=_WEIGHT_NAMES[dtype], repack_weights=repack, device=device,
+                                   weight_dtype=WEIGHT_NAMES[dtype], repack_weights=repack, device=device,
                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS,
                                    decode_waves=num_stages, threads=threads,
                                    omp_spin_count=int(co_located_spin_count(model_path, dtype)),
@@ -226,11 +234,16 @@ class LocalChain:
             raise ValueError(f"Expected a split of 'equal' or 'auto', got {split!r}")
         self.split, self.plan, self.first_plan = split, None, None  # the measured plan and the split's before it
         self._ranges: list[tuple[int, int]] | None = None  # None: equal bytes
-        self._plan()
         self._dir = tempfile.TemporaryDirectory(prefix="skippy-chain-")
-        self.processes: list[asyncio.subprocess.Process] = []
+        self._plan()
         self.client: ChainClient | None = None
-        self.supervisor = None if max_restarts is None else Supervisor(self, max_restarts=max_restarts)
+        self.max_restarts = max_restarts
+        self.supervisor: Supervisor | None = None
+
+    @property
+    def processes(self):
+        """The stage processes, stage 1 first (bench scripts read their pids)."""
+        return self.placement.processes
 
     def _plan(self) -> None:
         """Pick free loopback ports and build the topology and every stage's config."""
@@ -240,6 +253,7 @@ class LocalChain:
         stage_kv = self.kv_cache or KvCacheConfig(mode="disabled")
         self.configs = [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)})
                         for c in configs]
+        self.placement = LocalProcesses(Path(self._dir.name), self.configs, log_level=self.log_level)
 
     async def start(self, on_stage_ready: Callable[[], None] = lambda: None) -> ChainClient:
         """Start every stage and stage 0; `on_stage_ready` is called as each child stage is up."""
@@ -253,7 +267,7 @@ class LocalChain:
                     self.client = await self._connect()
                     break
                 except PortTaken as error:
-                    await self._stop_stages()
+                    await self.placement.stop()
                     if attempt == START_ATTEMPTS:
                         raise RuntimeError(f"{error} ({START_ATTEMPTS} attempts)") from None
                     log.warning("%s; retrying on other ports", error)
@@ -263,7 +277,9 @@ class LocalChain:
         except BaseException:
             await self.close()
             raise
-        if self.supervisor is not None:
+        if self.max_restarts is not None:
+            self.supervisor = Supervisor(self.placement, self.num_stages, self.client.transport,
+                                         max_restarts=self.max_restarts, on_back=self.client.chain_changed)
             self.supervisor.start()
             self.client.can_recover = self.supervisor.can_heal
         return self.client
@@ -283,7 +299,7 @@ class LocalChain:
             return
         await self.client.close()
         self.client = None
-        await self._stop_stages()
+        await self.placement.stop()
         self._ranges = list(self.plan.ranges)
         self._plan()
         await self._start_stages(on_stage_ready)
@@ -299,64 +315,13 @@ class LocalChain:
             raise PortTaken(f"stage 0's port {self.configs[0].bind_port} was taken") from error
 
     async def _start_stages(self, on_ready: Callable[[], None]) -> None:
-        paths = write_plan(self.topology, self.configs, self._dir.name)
-        for config_path in paths[2:]:
-            self.processes.append(await self._spawn(config_path, paths[0]))
-        for config, process in zip(self.configs[1:], self.processes):  # they load at once; ready in turn
-            await self._wait_ready(config, process)
-            on_ready()
-
-    async def restart_stage(self, index: int) -> None:
-        """Start stage `index` (1..N-1) again from its config, on its own port; returns once it
-        is ready. The lanes through it are broken and re-dialed by their next request."""
-        out = Path(self._dir.name)
-        process = await self._spawn(out / f"stage-{index}.json", out / "topology.json")
-        self.processes[index - 1] = process
-        await self._wait_ready(self.configs[index], process)
-
-    async def _spawn(self, config_path: Path, topology_path: Path):
-        command = [sys.executable, "-m", "skippy.cli", "--log-level", self.log_level, "stage",
-                   "--config", str(config_path), "--topology", str(topology_path)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the spin: the config's (StageConfig.omp_spin_count)
-        return await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE, env=env)
-
-    async def _wait_ready(self, config: StageConfig, process) -> None:
-        async def ready() -> None:
-            while line := await process.stdout.readline():
-                if line.decode(errors="replace").startswith(READY_PREFIX):
-                    return
-            code = await process.wait()
-            if code == EXIT_ADDRESS_IN_USE:
-                raise PortTaken(f"stage {config.stage_index}'s port {config.bind_port} was taken")
-            raise RuntimeError(f"stage {config.stage_index} exited with code {code} before it "
-                               "was ready (its error is above)")
-
-        try:
-            await asyncio.wait_for(ready(), config.timeouts.startup_s)
-        except TimeoutError:
-            raise RuntimeError(f"stage {config.stage_index} not ready within "
-                               f"{config.timeouts.startup_s:g} s") from None
+        write_plan(self.topology, self.configs, self._dir.name)
+        await self.placement.start(on_ready)
 
     async def close(self) -> None:
-        if self.supervisor is not None:
-            await self.supervisor.close()  # first: a stage stopped below is not a failure
-        if self.client is not None:
-            await self.client.close()
-            self.client = None
-        await self._stop_stages()
+        await stop_chain(self.supervisor, self.client, self.placement)
+        self.client = None
         self._dir.cleanup()
-
-    async def _stop_stages(self) -> None:
-        for process in self.processes:
-            if process.returncode is None:
-                process.terminate()
-        for process in self.processes:
-            try:
-                await asyncio.wait_for(process.wait(), 10)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
-        self.processes.clear()
 
     async def __aenter__(self) -> ChainClient:
         return await self.start()
@@ -365,4 +330,4 @@ class LocalChain:
         await self.close()
 
 
-_WEIGHT_NAMES = {name: short for short, name in WEIGHT_DTYPES.items()}  # --dtype -> StageConfig.weight_dtype
+WEIGHT_NAMES = {name: short for short, name in WEIGHT_DTYPES.items()}  # --dtype -> StageConfig.weight_dtype

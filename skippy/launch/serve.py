@@ -3,6 +3,8 @@
     --stages 1          stage 0 holds the whole model, in this process (a chain of one)
     --stages N (N>1)    LocalChain: stages 1..N-1 as child processes on loopback, stage 0 here
     --topology FILE     stage 0 here, stages 1..N-1 already running where the file says
+    --ray ADDRESS       RayChain: stages 1..N-1 placed, started and restarted on a Ray cluster's
+                        nodes (ray_chain.py), stage 0 here
 
 Every case is the same stage-0 engine (`ChainClient` behind `ChainBackend`), so the
 prefix cache, speculation and batching work alike on one stage and on N.
@@ -20,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -30,6 +33,7 @@ from ..api.app import DEFAULT_MAX_BODY_BYTES, ApiSettings, create_app
 from ..console import progress_bar
 from ..driver.backend import GenerationBackend, StageStatus
 from ..tasks import to_the_end
+from .ray_chain import RaySettings
 
 GRACEFUL_SHUTDOWN_S = 5
 DEFAULT_LANES = 8
@@ -46,12 +50,18 @@ class ServeConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(9337, ge=0, le=65535)
     topology: Path | None = None
+    ray: RaySettings | None = None  # --ray: the stages on a Ray cluster
+    weights: list[float] | None = Field(None, min_length=1)  # --ray: each stage's share of the layers
     ctx_size: int | None = Field(None, ge=1)  # default: the model's
     concurrency: int | None = Field(None, ge=1)  # generation lanes; default 8
     queue_size: int | None = Field(None, ge=0)
     auth_token: str | None = Field(None, repr=False)  # API bearer token
     chain_auth_token: str | None = Field(None, repr=False)  # the stages' transport token (with --topology)
-    insecure: bool = False  # with --topology: listen off loopback without a chain token or TLS (warned)
+    # --topology: listen off loopback without a chain token or TLS; --ray: use a cluster without
+    # token authentication (warned)
+    insecure: bool = False
+    # with --topology or --ray: wait this long for stages still fetching or loading
+    stage_wait_s: float = Field(3600.0, ge=0)
     dtype: str = "auto"
     device: str = "auto"
     repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
@@ -82,6 +92,18 @@ class ServeConfig(BaseModel):
     def _consistent(self) -> ServeConfig:
         if self.speculative == "draft" and self.draft_model is None:
             raise ValueError("Expected --draft-model PATH with --speculative draft")
+        if self.ray is not None and (self.topology is not None or self.num_stages < 2):
+            raise ValueError("Expected --ray with --stages N (N >= 2) and no --topology")
+        if self.ray is not None and len(self.ray.stage_resources) not in (1, self.num_stages):
+            raise ValueError(f"Expected one --ray-stage-resources bundle or {self.num_stages}, "
+                             f"got {len(self.ray.stage_resources)}")
+        if self.ray is not None and self.stage_wait_s <= 0:  # every stage's start (and its fetch) is bounded by it
+            raise ValueError(f"Expected --stage-wait > 0 with --ray, got {self.stage_wait_s:g}")
+        if self.ray is not None and self.split == "auto":  # RayChain plans by its bundles' CPUs or --weights
+            raise ValueError("Expected --split equal with --ray: a measured split is not applied on Ray yet "
+                             "(--ray-stage-resources per stage, or --weights, shape the split there)")
+        if self.weights is not None and len(self.weights) != self.num_stages:
+            raise ValueError(f"Expected {self.num_stages} --weights, one per stage, got {len(self.weights)}")
         self.speculative_settings()  # validates the mode, the window and the depth
         return self
 
@@ -140,6 +162,7 @@ async def build_backend(config: ServeConfig):
     from ..protocol import StageConfig, Topology, parse_endpoint
     from ..stage import tls
     from .local_chain import LocalChain, connect_topology, start_stage0
+    from .ray_chain import RayChain
 
     ctx_size = config.ctx_size or model_args(config.model).context_length
     every_stage = dict(dtype=config.dtype, device=config.device, repack=config.repack,
@@ -156,26 +179,35 @@ async def build_backend(config: ServeConfig):
         tls.check_exposure("stage 0's return listener", parse_endpoint(topology.driver_endpoint)[0],
                            auth_token=token, tls=tls_files, insecure=config.insecure)
         client = await connect_topology(topology, config.model, auth_token=token, tls=tls_files,
+                                        stage_wait_s=config.stage_wait_s,
                                         kv_cache=config.kv_cache(1), **every_stage, **options)
         return ChainBackend(client, topology, auth_token=token, advise=_advisor(config, ctx_size, False))
     if config.num_stages == 1:
         set_one_process_threads(config)
         client = await start_stage0(config.model, kv_cache=config.kv_cache(1), **every_stage, **options)
         return ChainBackend(client, None)
-    chain = LocalChain(config.model, config.num_stages, threads=config.threads, lane_count=config.num_lanes,
-                       log_level=config.log_level, kv_cache=config.kv_cache(config.num_stages),
-                       max_restarts=config.max_restarts, split=config.split,
-                       **every_stage, **options)  # fmt: skip
+    common = dict(threads=config.threads, lane_count=config.num_lanes, log_level=config.log_level,
+                  kv_cache=config.kv_cache(config.num_stages), max_restarts=config.max_restarts)
+    if config.ray is not None:
+        chain = RayChain(config.model, config.num_stages, config.ray, weights=config.weights,
+                         insecure=config.insecure, stage_wait_s=config.stage_wait_s, on_placed=_say,
+                         **common, **every_stage, **options)
+    else:
+        chain = LocalChain(config.model, config.num_stages, split=config.split, **common, **every_stage, **options)
     description = f"Starting {config.num_stages} stages of {Path(config.model).name}"
+    started = time.monotonic()
     with progress_bar(description, config.num_stages) as advance:
         client = await chain.start(on_stage_ready=advance)
         advance()  # stage 0, here, loads last
-    if chain.plan is not None:
+    if config.ray is not None:
+        _say(f"{config.num_stages} stages ready on Ray in {time.monotonic() - started:.1f} s")
+    elif chain.plan is not None:
         names = [f"stage {i}" for i in range(config.num_stages)]
         print(f"skippy: measured split (equal bytes predicted {chain.first_plan.tok_s:.1f} tok/s):\n"
               + chain.plan.describe(names), flush=True)
     return ChainBackend(client, chain.topology, auth_token=chain.auth_token, on_close=chain.close,
-                        health=chain.supervisor.health, advise=_advisor(config, ctx_size, True))  # fmt: skip
+                        health=chain.supervisor.health,
+                        advise=_advisor(config, ctx_size, use_all_hosts=config.ray is None))  # fmt: skip
 
 
 def _advisor(config: ServeConfig, ctx_size: int, use_all_hosts: bool):
@@ -185,6 +217,11 @@ def _advisor(config: ServeConfig, ctx_size: int, use_all_hosts: bool):
     model = model_cost(config.model, ctx_size=ctx_size, lane_count=config.num_lanes,
                        activation_dtype=config.activation_dtype)
     return advisor(model, use_all_hosts=use_all_hosts)
+
+
+def _say(line: str) -> None:
+    """One line of what the launcher did, on stderr (stdout carries the ready line)."""
+    print(f"skippy: {line}", file=sys.stderr, flush=True)
 
 
 async def generate_once(config: ServeConfig, prompt_ids, **options):

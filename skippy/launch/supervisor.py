@@ -1,28 +1,30 @@
-"""Local stage processes kept alive (`skippy serve --stages N`).
+"""Stages kept alive, wherever they run (placement.py: local processes or Ray actors).
 
-Each child stage has a watcher: it waits for the process to exit and asks it for its status
-(`GetStageStatus`, the protocol's own health query) every `probe_interval_s`. A stage that
-exits, or misses `probe_failures` answers in a row (it is then killed), is started again from
-its config on its own port, after a backoff that doubles with each restart in a row (a stage
-that stayed up `STABLE_S` starts the count again). Past `max_restarts` in a row the watcher
-gives up: the stage stays down, marked "failed" with its last failure, and the API's /readyz
-and every request answer 503 naming it.
+Each stage 1..N-1 has a watcher: it waits for the placement to report the stage down and asks
+the stage for its status (`GetStageStatus`, the protocol's own health query) every
+`probe_interval_s`. A stage that goes down, or misses `probe_failures` answers in a row (it is
+then killed), is started again from its config, after a backoff that doubles with each
+restart in a row (a stage that stayed up `STABLE_S` starts the count again). Past
+`max_restarts` in a row the watcher gives up: the stage stays down, marked "failed" with its
+last failure, and the API's /readyz and every request answer 503 naming it. A stage that comes
+back at another address (its Ray node was lost) counts a move.
 
-While a stage is down, requests fail fast with 503 (a lane to it is broken); once it is back,
-the next request re-dials its lane. Stage 0 runs in the serving process and is not supervised.
+While a stage is down, requests wait for it up to the recovery timeout and replay themselves
+onto it (driver/client.py); once it is back, the next request re-dials its lane. Stage 0 runs
+in the serving process and is not supervised.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .local_chain import LocalChain
+from ..protocol import parse_endpoint
+from ..stage.transport import Transport
+from .placement import Placement
 
 log = logging.getLogger("skippy.launch")
 
@@ -40,16 +42,25 @@ class StageHealth:
     restarts: int = 0       # in all
     in_a_row: int = 0       # restarts since it last stayed up STABLE_S
     last_failure: str = ""  # why it last went down ("" while it never has)
+    endpoint: str = ""      # where it listens now ("" : where the topology says)
+    node_ip: str = ""       # the cluster node it runs on ("" when not on a cluster)
+    moves: int = 0          # restarts that came back on another host
 
 
 class Supervisor:
-    def __init__(self, chain: LocalChain, *, max_restarts: int = MAX_RESTARTS,
-                 probe_interval_s: float = PROBE_INTERVAL_S, probe_failures: int = PROBE_FAILURES,
-                 backoff_s: float = BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S):
-        self.chain, self.max_restarts = chain, max_restarts
+    def __init__(self, placement: Placement, num_stages: int, transport: Transport | None, *,
+                 max_restarts: int = MAX_RESTARTS, probe_interval_s: float = PROBE_INTERVAL_S,
+                 probe_failures: int = PROBE_FAILURES, backoff_s: float = BACKOFF_S,
+                 max_backoff_s: float = MAX_BACKOFF_S, on_back: Callable[[], None] = lambda: None):
+        """`transport`: how stage 0 reaches the stages (None: plain, no token), for the status
+        queries. `on_back`: called when a stage is back (stage 0's waiting requests try the
+        chain at once)."""
+        self.placement, self.num_stages, self.transport = placement, num_stages, transport or Transport()
+        self.on_back = on_back
+        self.max_restarts = max_restarts
         self.probe_interval_s, self.probe_failures = probe_interval_s, probe_failures
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self.health = [StageHealth() for _ in range(chain.num_stages)]  # index 0: stage 0, never down
+        self.health = [StageHealth() for _ in range(num_stages)]  # index 0: stage 0, never down
         self._tasks: list[asyncio.Task] = []
 
     def can_heal(self) -> bool:
@@ -57,8 +68,10 @@ class Supervisor:
         return all(health.state != "failed" for health in self.health)
 
     def start(self) -> None:
+        for index, health in enumerate(self.health):
+            health.endpoint, health.node_ip = self.placement.endpoint(index), self.placement.node_ip(index)
         self._tasks = [asyncio.create_task(self._watch(index), name=f"skippy-supervise-{index}")
-                       for index in range(1, self.chain.num_stages)]
+                       for index in range(1, self.num_stages)]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -75,6 +88,7 @@ class Supervisor:
                 health.in_a_row = 0
             if health.in_a_row >= self.max_restarts:
                 health.state = "failed"
+                await self.placement.give_up(index)
                 log.error("stage %d %s; gave up after %d restart(s) in a row. Fix: see its log above, "
                           "then restart skippy serve", index, health.last_failure, health.in_a_row)
                 return
@@ -86,34 +100,30 @@ class Supervisor:
             health.restarts += 1
             health.in_a_row += 1
             try:
-                await self.chain.restart_stage(index)
+                endpoint = await self.placement.restart(index)
             except Exception as error:  # noqa: BLE001 - a failed restart is one more failure
                 log.warning("stage %d: restart failed: %s", index, error)
-                continue  # its process has exited: the next _failure returns at once
+                continue  # it is down: the next _failure returns at once
+            moved = parse_endpoint(endpoint)[0] != parse_endpoint(health.endpoint)[0]
+            health.moves += moved
+            health.endpoint, health.node_ip = endpoint, self.placement.node_ip(index)
             health.state = "ready"
-            log.warning("stage %d is back (restart %d)", index, health.restarts)
+            self.on_back()
+            log.warning("stage %d is back (restart %d)%s", index, health.restarts, f" on {endpoint}" * moved)
 
     async def _failure(self, index: int) -> str:
-        """Wait until stage `index` exits or stops answering; what happened, for the log."""
-        process, endpoint = self.chain.processes[index - 1], self.chain.topology.stages[index].endpoint
-        misses = 0
-        while True:
-            try:
-                code = await asyncio.wait_for(asyncio.shield(process.wait()), self.probe_interval_s)
-                return f"exited with {_describe_exit(code)}"
-            except TimeoutError:
-                pass
-            misses = 0 if await self.chain.client.transport.query_status(endpoint) else misses + 1
-            if misses >= self.probe_failures:
-                process.kill()
-                await process.wait()
-                return f"stopped answering status queries ({misses} in a row at {endpoint}; killed)"
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
+        """Wait until stage `index` goes down or stops answering; what happened, for the log."""
+        down = asyncio.ensure_future(self.placement.wait_down(index))
         try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"code {code}"
+            misses = 0
+            while True:
+                done, _ = await asyncio.wait({down}, timeout=self.probe_interval_s)
+                if done:
+                    return down.result()
+                endpoint = self.placement.endpoint(index)
+                misses = 0 if await self.transport.query_status(endpoint) else misses + 1
+                if misses >= self.probe_failures:
+                    await self.placement.kill(index)
+                    return f"stopped answering status queries ({misses} in a row at {endpoint}; killed)"
+        finally:
+            down.cancel()

@@ -20,17 +20,24 @@ from .gguf_loader import open_gguf
 def model_fingerprint(path: str | Path) -> str:
     """32 hex digits (blake2b-128) identifying the model at `path`."""
     path = Path(path)
-    digest = hashlib.blake2b(b"skippy-model-v1\0", digest_size=16)
-    if path.is_dir():
-        digest.update((path / "config.json").read_bytes())
-        for file in sorted(path.glob("*.safetensors")):
-            with file.open("rb") as handle:
-                (length,) = struct.unpack("<Q", handle.read(8))
-                digest.update(file.name.encode() + handle.read(length) + struct.pack("<Q", file.stat().st_size))
-    else:
+    if not path.is_dir():
         reader = open_gguf(path)
-        digest.update(memoryview(reader.data)[:reader.header_bytes])
-        digest.update(struct.pack("<Q", len(reader.data)))
+        return header_fingerprint(memoryview(reader.data)[:reader.header_bytes], len(reader.data))
+    digest = hashlib.blake2b(b"skippy-model-v1\0", digest_size=16)
+    digest.update((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            digest.update(file.name.encode() + handle.read(length) + struct.pack("<Q", file.stat().st_size))
+    return digest.hexdigest()
+
+
+def header_fingerprint(header, file_size: int) -> str:
+    """A GGUF's fingerprint from its header (every byte before the data) and its size: what a
+    stage that fetches its layers checks the holder's header against."""
+    digest = hashlib.blake2b(b"skippy-model-v1\0", digest_size=16)
+    digest.update(header)
+    digest.update(struct.pack("<Q", file_size))
     return digest.hexdigest()
 
 

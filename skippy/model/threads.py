@@ -55,6 +55,16 @@ CO_LOCATED_SPIN_COUNT = "10000"
 ONE_CALL_SPIN_COUNT = "1000"
 
 
+def lower_priority() -> None:
+    """This thread at the lowest CPU priority (nice 19): background work (a holder's reads, a
+    cached slice's check) takes the cores only when the model's threads leave them. Threads
+    it starts inherit it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+        pass  # not permitted here: at the process's priority, then
+
+
 def co_located_spin_count(model: str | Path | None = None, dtype: str = "auto") -> str:
     """GOMP_SPINCOUNT for stages of `model` (loaded with --dtype `dtype`) that share cores."""
     if model is not None and decodes_in_one_call(model, dtype):

@@ -12,7 +12,7 @@ from .constants import (
     expects_reply, is_control, is_generation_control, is_prefix_cache_control,
     is_session_control, requires_predicted_reply,
 )
-from .errors import AuthError, FrameError, ProtocolError, VersionMismatch
+from .errors import AuthError, FrameError, HandshakeTimeout, ProtocolError, VersionMismatch
 from .frames import (
     StageMessage, StageReply, StageStatusReport, activation_fields, cache_namespace_digest, decode_message,
     decode_reply, encode_message, encode_message_parts, encode_reply,
@@ -25,12 +25,13 @@ from .stats import (
     stage_mask,
 )
 from .stream import (
-    client_handshake, read_message, read_message_body, read_message_header, read_reply, server_handshake,
-    write_message, write_reply,
+    client_handshake, read_message, read_message_body, read_message_header, read_reply, read_tensor_frame,
+    server_handshake, write_message, write_reply, write_tensor_frame,
 )
+from .tensor_frames import TensorRefused
 
 __all__ = [
-    "ActivationDtype", "AuthError", "AuthPreamble", "FrameError", "KIND_INFO", "KvCacheConfig", "LinkConditioning",
+    "ActivationDtype", "AuthError", "AuthPreamble", "FrameError", "HandshakeTimeout", "KIND_INFO", "KvCacheConfig", "LinkConditioning",
     "MessageKind", "NO_STATS", "PROTOCOL_VERSION", "PeerEndpoint", "Phase", "ProtocolError", "Ready",
     "ReplyKind", "SamplingConfig", "StageConfig", "StageMessage", "StageReply", "StageReplyStats",
     "StageStatusReport", "StateFlags", "activation_fields", "Timeouts", "TlsConfig", "Topology", "TopologyStage", "VersionMismatch",
@@ -39,6 +40,7 @@ __all__ = [
     "expects_reply", "is_control", "is_loopback", "is_generation_control", "is_prefix_cache_control",
     "is_session_control", "merge", "merge_all", "parse_endpoint", "plan_layer_split",
     "prefill_compute_observation", "prefill_edge_observation", "read_message", "read_message_body",
-    "read_message_header", "read_reply",
-    "requires_predicted_reply", "server_handshake", "stage_mask", "write_message", "write_reply",
+    "read_message_header", "read_reply", "read_tensor_frame",
+    "requires_predicted_reply", "server_handshake", "stage_mask", "TensorRefused", "write_message", "write_reply",
+    "write_tensor_frame",
 ]

@@ -62,7 +62,7 @@ def _endpoints_parse(values: list[str]) -> list[str]:
     for value in values:
         parse_endpoint(value)
     if len(set(values)) != len(values):
-        raise ValueError(f"Expected distinct standby endpoints, got {values}")
+        raise ValueError(f"Expected distinct endpoints, got {values}")
     return values
 
 
@@ -165,6 +165,10 @@ class StageConfig(_Frozen):
     layer_end: int = Field(ge=1)               # half-open
     model_path: str
     model_fingerprint: str | None = None       # the planned model's (model/fingerprint.py); checked at start
+    # with no file at model_path: where this stage's slice is cached (None: cache_root()/models/<fingerprint>),
+    # and the holders it fetches it from (none named: stage 0's endpoint in the topology)
+    model_cache: str | None = None
+    model_sources: list[str] = []
     ctx_size: int = Field(2048, ge=1)
     lane_count: int = Field(4, ge=1)
     bind_addr: str = "127.0.0.1:0"             # loopback by default; port 0 = OS-chosen
@@ -199,6 +203,8 @@ class StageConfig(_Frozen):
     def _bind_addr_parses(cls, value: str) -> str:
         parse_endpoint(value, allow_port_zero=True)
         return value
+
+    _sources_parse = field_validator("model_sources")(_endpoints_parse)
 
     @field_validator("auth_token")
     @classmethod

@@ -24,6 +24,7 @@ PROTOCOL_VERSION = 6   # 2: the CACHE_NAMESPACE section; 3: a grammar in the sam
 # Magics are u32 written little-endian; the ASCII spelling is the value read
 # most-significant byte first, as the spec writes READY's 0x53524459 ("SRDY").
 AUTH_MAGIC    = 0x53415554  # "SAUT"  auth preamble, dialer -> server   (§2.1)
+FETCH_MAGIC   = 0x53464554  # "SFET"  the same preamble, opening the tensor side channel (§11)
 READY_MAGIC   = 0x53524459  # "SRDY"  READY, server -> dialer           (§2.1)
 MESSAGE_MAGIC = 0x534D5347  # "SMSG"  stage message, upstream -> down   (§2.2)
 REPLY_MAGIC   = 0x53525059  # "SRPY"  reply, downstream -> upstream     (§2.5)

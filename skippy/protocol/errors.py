@@ -15,6 +15,10 @@ class FrameError(ProtocolError):
     """A malformed, truncated, oversized or inconsistent frame."""
 
 
+class HandshakeTimeout(FrameError):
+    """No READY within the wait: the server is up but busy (a stage still loading) or hung."""
+
+
 class VersionMismatch(ProtocolError):
     """The peer speaks another protocol version; we fail closed (spec §2.11)."""
 

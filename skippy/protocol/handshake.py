@@ -2,7 +2,8 @@
 
 The dialer sends the preamble (only when the run has a token), the server checks
 it in constant time and answers READY, which carries the protocol version so a
-mismatched peer fails closed. The asyncio side lives in `stream.py`.
+mismatched peer fails closed. The asyncio side lives in `stream.py`. The same preamble
+with the magic FETCH_MAGIC opens the tensor side channel instead (tensor_frames.py, §11).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import hmac
 from dataclasses import dataclass
 
 from .constants import (
-    AUTH_MAGIC, AUTH_PREFIX, MAX_AUTH_TOKEN_BYTES, MIN_AUTH_TOKEN_BYTES, PROTOCOL_VERSION,
+    AUTH_MAGIC, AUTH_PREFIX, FETCH_MAGIC, MAX_AUTH_TOKEN_BYTES, MIN_AUTH_TOKEN_BYTES, PROTOCOL_VERSION,
     READY, READY_MAGIC,
 )
 from .errors import AuthError, FrameError, VersionMismatch
@@ -28,35 +29,49 @@ def token_bytes(token: str | bytes) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class AuthPreamble:
-    """u32 AUTH_MAGIC, u8 token length (1..64), then the token bytes."""
+    """u32 AUTH_MAGIC (or FETCH_MAGIC: the tensor side channel), u8 token length (1..64),
+    then the token bytes."""
 
     token: bytes
+    magic: int = AUTH_MAGIC
 
     def encode(self) -> bytes:
         raw = token_bytes(self.token)
-        return AUTH_PREFIX.pack(AUTH_MAGIC, len(raw)) + raw
+        return AUTH_PREFIX.pack(self.magic, len(raw)) + raw
 
     @classmethod
     def decode(cls, buf: bytes) -> AuthPreamble:
-        length = auth_token_length(buf[:AUTH_PREFIX.size])
+        magic, length = preamble_fields(buf[:AUTH_PREFIX.size])
         if len(buf) != AUTH_PREFIX.size + length:
             raise AuthError(f"auth preamble: expected {AUTH_PREFIX.size + length} bytes, "
                             f"got {len(buf)}")
-        return cls(bytes(buf[AUTH_PREFIX.size:]))
+        return cls(bytes(buf[AUTH_PREFIX.size:]), magic)
+
+    @property
+    def opens_tensors(self) -> bool:
+        return self.magic == FETCH_MAGIC
 
 
-def auth_token_length(prefix: bytes) -> int:
-    """Check the 5-byte preamble prefix and return how many token bytes follow."""
+def preamble_fields(prefix: bytes) -> tuple[int, int]:
+    """Check the 5-byte preamble prefix: (its magic, how many token bytes follow)."""
     if len(prefix) != AUTH_PREFIX.size:
         raise AuthError(f"auth preamble: expected {AUTH_PREFIX.size} prefix bytes, "
                         f"got {len(prefix)}")
     magic, length = AUTH_PREFIX.unpack(prefix)
-    if magic != AUTH_MAGIC:
-        raise AuthError(f"auth preamble magic: expected {AUTH_MAGIC:#010x}, got {magic:#010x} "
-                        "(does the dialer have the run's auth token?)")
+    if magic not in (AUTH_MAGIC, FETCH_MAGIC):
+        raise AuthError(f"auth preamble magic: expected {AUTH_MAGIC:#010x} or {FETCH_MAGIC:#010x}, got "
+                        f"{magic:#010x} (does the dialer have the run's auth token?)")
     if not MIN_AUTH_TOKEN_BYTES <= length <= MAX_AUTH_TOKEN_BYTES:
         raise AuthError(f"auth token length: expected {MIN_AUTH_TOKEN_BYTES}.."
                         f"{MAX_AUTH_TOKEN_BYTES}, got {length}")
+    return magic, length
+
+
+def auth_token_length(prefix: bytes) -> int:
+    """Check a data-plane preamble's 5-byte prefix and return how many token bytes follow."""
+    magic, length = preamble_fields(prefix)
+    if magic != AUTH_MAGIC:
+        raise AuthError(f"auth preamble magic: expected {AUTH_MAGIC:#010x}, got {magic:#010x}")
     return length
 
 

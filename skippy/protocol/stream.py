@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import asyncio
 
-from .constants import AUTH_PREFIX, MESSAGE_HEADER, READY, REPLY_HEADER, STATS_BLOCK
-from .errors import AuthError, FrameError
+from .constants import AUTH_MAGIC, AUTH_PREFIX, FETCH_MAGIC, MESSAGE_HEADER, READY, REPLY_HEADER, STATS_BLOCK
+from .errors import AuthError, FrameError, HandshakeTimeout
 from .frames import (
     MessageHeader, StageMessage, StageReply, decode_message_body, decode_reply_body, encode_message_parts,
     encode_reply, parse_message_header, parse_reply_header,
 )
-from .handshake import AuthPreamble, Ready, auth_token_length, check_auth, token_bytes
+from .handshake import AuthPreamble, Ready, check_auth, preamble_fields, token_bytes
+from .tensor_frames import (
+    TENSOR_HEADER, TensorFrame, TensorFrameKind, TensorRefused, decode_tensor_body, encode_tensor_frame,
+    parse_tensor_header,
+)
 
 HANDSHAKE_TIMEOUT_S = 20.0  # READY read timeout used by the direct-return dial (spec §2.7)
 ONE_WRITE_BYTES = 64 * 1024  # frames up to this size leave in one write (see write_message)
@@ -91,19 +95,23 @@ async def write_reply(writer: asyncio.StreamWriter, reply: StageReply) -> None:
 
 async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            token: str | bytes | None = None, *,
-                           timeout: float = HANDSHAKE_TIMEOUT_S) -> Ready:
+                           timeout: float = HANDSHAKE_TIMEOUT_S, tensors: bool = False) -> Ready:
     """Dialer side (spec §2.1): send the auth preamble if we have a token, then await READY.
+    `tensors`: open the tensor side channel instead (§11; it needs the token).
 
     Raises VersionMismatch if the server speaks another version, FrameError if it
-    closes (for example after refusing our token) or stays silent past `timeout`.
+    closes (for example after refusing our token), HandshakeTimeout if it stays silent
+    past `timeout`.
     """
+    if tensors and token is None:
+        raise AuthError("the tensor side channel needs the chain's auth token")
     if token is not None:
-        writer.write(AuthPreamble(token_bytes(token)).encode())
+        writer.write(AuthPreamble(token_bytes(token), FETCH_MAGIC if tensors else AUTH_MAGIC).encode())
         await writer.drain()
     try:
         data = await asyncio.wait_for(_read_exactly(reader, READY.size, "READY"), timeout)
     except TimeoutError:
-        raise FrameError(f"READY: none within {timeout} s") from None
+        raise HandshakeTimeout(f"READY: none within {timeout} s") from None
     except FrameError as error:
         raise FrameError(f"{error} (did the server refuse our auth token?)") from None
     return Ready.decode(data)
@@ -111,19 +119,22 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
 
 async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            expected_token: str | bytes | None = None, *,
-                           timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
+                           timeout: float = HANDSHAKE_TIMEOUT_S) -> bool:
     """Server side (spec §2.1): check the auth preamble if a token is configured, send READY.
+    True when the dialer opened the tensor side channel (§11): only a dialer with the
+    token can; a server without one reads no preamble, so it never is.
 
     Raises AuthError on a missing, malformed, late or wrong token; the caller
     then drops the connection without sending anything.
     """
+    preamble = None
     if expected_token is not None:
         expected = token_bytes(expected_token)
 
         async def read_preamble() -> AuthPreamble:
             prefix = await _read_exactly(reader, AUTH_PREFIX.size, "auth preamble")
-            return AuthPreamble(await _read_exactly(reader, auth_token_length(prefix),
-                                                    "auth token"))
+            magic, length = preamble_fields(prefix)
+            return AuthPreamble(await _read_exactly(reader, length, "auth token"), magic)
 
         try:
             preamble = await asyncio.wait_for(read_preamble(), timeout)
@@ -133,4 +144,26 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
             raise AuthError(str(error)) from None
         check_auth(preamble, expected)
     writer.write(Ready().encode())
+    await writer.drain()
+    return preamble is not None and preamble.opens_tensors
+
+
+async def read_tensor_frame(reader: asyncio.StreamReader, expected: TensorFrameKind, *,
+                            timeout: float | None = None) -> TensorFrame:
+    """The next frame on the tensor side channel, which must be of kind `expected`. A Refused
+    frame raises TensorRefused with the holder's reason; a clean EOF is a FrameError here."""
+    async def read() -> TensorFrame:
+        kind, length = parse_tensor_header(await _read_exactly(reader, TENSOR_HEADER.size, "tensor frame header"))
+        frame = decode_tensor_body(kind, await _read_exactly(reader, length, f"{kind.name} body"))
+        if kind == TensorFrameKind.Refused:
+            raise TensorRefused(frame.reason)
+        if kind != expected:
+            raise FrameError(f"tensor frame kind: expected {expected.name}, got {kind.name}")
+        return frame
+
+    return await asyncio.wait_for(read(), timeout)
+
+
+async def write_tensor_frame(writer: asyncio.StreamWriter, frame: TensorFrame) -> None:
+    writer.write(encode_tensor_frame(frame))
     await writer.drain()

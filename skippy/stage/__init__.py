@@ -1,8 +1,4 @@
-"""A stage process: its engine (model + data sockets), lanes, control handlers, server, transport."""
+"""A stage process: its engine (model + data sockets), lanes, control handlers, server, transport.
 
-from .engine import Engine, EngineClosed
-from .lane import StageError
-from .server import StageServer
-from .transport import LinkBroken, Transport
-
-__all__ = ["Engine", "EngineClosed", "LinkBroken", "StageError", "StageServer", "Transport"]
+The package imports nothing itself: a process that needs only a light part (the Ray actor
+that hosts a stage uses `certificates` and `lifecycle`) must not load torch with it."""

@@ -14,7 +14,7 @@ import torch
 
 from ..model.grammar import GrammarCompiler
 from ..model.loader import load_stage
-from ..protocol import StageConfig
+from ..protocol import StageConfig, Topology
 from ..runtime.batch_policy import BatchSettings
 from ..runtime.stage_cache import StagePrefixCache
 from ..runtime.stage_runtime import StageRuntime
@@ -27,10 +27,11 @@ WEIGHT_DTYPES = {"auto": "auto", "f32": "float32", "f16": "float16", "bf16": "bf
 @dataclass(frozen=True, slots=True)
 class StageSpec:
     """One stage, decided whole: its config (a file's, with the command line's overrides) and
-    where the final stage dials the direct prediction return (the topology's stage 0; None:
-    it relays predictions up its lane instead)."""
+    the chain's topology (where the final stage dials the direct prediction return, and whose
+    stages may fetch their layers from it; None: it relays predictions up its lane instead
+    and serves no tensors)."""
     config: StageConfig
-    driver_endpoint: str | None = None
+    topology: Topology | None = None
 
 
 def build_stage(spec: StageSpec) -> StageServer:
@@ -51,4 +52,4 @@ def build_stage(spec: StageSpec) -> StageServer:
     batch = BatchSettings(peer_wait_forwards=config.peer_wait_forwards, waves=config.decode_waves)
     runtime = StageRuntime(model, lane_count=config.lane_count, ctx_size=ctx_size, telemetry=telemetry, batch=batch,
                            prefix_cache=prefix_cache, grammars=grammars)
-    return StageServer(config, runtime, driver_endpoint=spec.driver_endpoint, telemetry=telemetry)
+    return StageServer(config, runtime, topology=spec.topology, telemetry=telemetry)

@@ -95,10 +95,10 @@ class RequestSummary:
     downstream_wait_ms: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LaneEnv:
     """What every lane of one stage shares."""
-    config: StageConfig
+    config: StageConfig                        # replaced whole when the next stage moves (StageServer.repoint)
     engine: Engine
     runtime: StageRuntime
     telemetry: Telemetry

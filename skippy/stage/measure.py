@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from ..model.probe import ForwardTimes, cpu_share, measure_forward, memory_available
-from ..protocol import ActivationDtype
+from ..protocol import ActivationDtype, is_loopback, parse_endpoint
 from ..protocol.activation_codec import auto_dtype
 from ..protocol.stage_probe import StageProbe
 from .link_probe import LinkTimes, dial_downstream, measure_link
@@ -42,15 +42,18 @@ QUIET_S = 0.5        # no session open this long: the probe may take the engine
 class LinkCodec:
     """The dtype of the rows this stage sends downstream, frame by frame."""
 
-    def __init__(self, setting: str, width: int):
-        self.setting, self.width = setting, width
+    def __init__(self, setting: str, width: int, *, loopback: bool = False):
+        self.setting, self.width, self.loopback = setting, width, loopback
         self.forward: ForwardTimes | None = None  # this stage's own, measured
         self.link: LinkTimes | None = None        # to the stage below, measured
 
     def dtype_for(self, rows: int) -> ActivationDtype:
         if self.setting != "auto":
             return ActivationDtype[self.setting]
-        if self.forward is None or self.link is None:
+        # A loopback link costs a copy, whatever a probe on a busy machine reads: f32 keeps a
+        # chain on one machine bit for bit one process's (a probe under load read it slow, and
+        # greedy text then changed with the machine's load).
+        if self.loopback or self.forward is None or self.link is None:
             return ActivationDtype.f32  # until measured: as a chain always sent them
         return auto_dtype(rows, self.width, self.link.bytes_per_s, self.compute_s(rows))
 
@@ -65,8 +68,10 @@ class StageMeasurement:
                  transport: Transport):
         """`runtime`: the stage's StageRuntime; `downstream`: the next stage's endpoints (its
         own, then its standbys'), None on the final stage; `transport`: how its lanes dial."""
-        self.runtime, self.downstream, self.transport = runtime, downstream, transport
-        self.codec = LinkCodec(activation_dtype, runtime.model.args.hidden_size)
+        self.downstream = [downstream] if isinstance(downstream, str) else downstream
+        self.runtime, self.transport = runtime, transport
+        self.codec = LinkCodec(activation_dtype, runtime.model.args.hidden_size, loopback=bool(self.downstream) and all(
+            is_loopback(parse_endpoint(endpoint)[0]) for endpoint in self.downstream))
         self._cpu_share_milli = round(cpu_share() * 1000)
         self._task: asyncio.Task | None = None
         self.done = asyncio.Event()

@@ -8,16 +8,16 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
-from ..model.fingerprint import check_model
 from ..protocol import StageConfig, Topology
 from . import tls
 from .build import StageSpec, build_stage
+from .fetch import provide_model
+from .lifecycle import EXIT_ADDRESS_IN_USE, READY_PREFIX
+from .server import StageServer
 
 log = logging.getLogger("skippy.stage")
-
-READY_PREFIX = "skippy: stage ready:"   # launchers wait for this line on stdout
-EXIT_ADDRESS_IN_USE = 98                 # exit status when the bind address is taken
 
 
 def bind_listener(config: StageConfig) -> socket.socket:
@@ -38,20 +38,26 @@ def bind_listener(config: StageConfig) -> socket.socket:
     return sock
 
 
-async def serve_stage(config: StageConfig, topology: Topology | None = None) -> None:
-    """Load this stage's layers, listen, print the ready line, serve until SIGINT/SIGTERM."""
+async def serve_stage(config: StageConfig, topology: Topology | None = None,
+                      reload: Callable[[], StageConfig] | None = None) -> None:
+    """Load this stage's layers, listen, print the ready line, serve until SIGINT/SIGTERM.
+    SIGHUP: read the config again (`reload`) and dial its downstream from now on (the next
+    stage moved to another host; whoever moved it rewrote the file)."""
     tls.check_exposure(f"stage {config.stage_index}", config.bind_host, auth_token=config.auth_token,
                        tls=config.tls, insecure=config.insecure)
-    check_model(config.model_path, config.model_fingerprint, f"stage {config.stage_index}")
+    model = await provide_model(config, topology)  # its file, or its slice: cached or fetched (fetch.py)
+    config = model.config
     sock = bind_listener(config)
-    driver = topology.driver_endpoint if topology is not None and len(topology.stages) > 1 else None
-    server = build_stage(StageSpec(config, driver))
+    server = build_stage(StageSpec(config, topology))
+    await model.checked()  # a cached slice's tensors, hashed while it loaded: a corrupt one stops it here
     server.runtime.log_settings(config.stage_index)
     endpoint = await server.start(sock)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: _repoint(server, reload))
     print(f"{READY_PREFIX} {config.stage_id} index {config.stage_index} layers "
           f"[{config.layer_start}, {config.layer_end}) on {endpoint}", flush=True)
     try:
@@ -59,3 +65,10 @@ async def serve_stage(config: StageConfig, topology: Topology | None = None) -> 
     finally:
         await server.close()
         server.telemetry.shutdown()
+
+
+def _repoint(server: StageServer, reload: Callable[[], StageConfig]) -> None:
+    try:
+        server.repoint(reload().downstream)
+    except (OSError, ValueError) as error:  # a bad file: keep serving as before, and say why
+        log.error("stage %d: SIGHUP: config not reloaded: %s", server.config.stage_index, error)

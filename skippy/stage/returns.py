@@ -10,6 +10,8 @@
   stage relays the reply (the hop-by-hop fallback); a stream that breaks falls back the same way.
 * The stream is the session's (`ReturnStreams`): it is closed on Stop, when a new request
   replaces the session, or when the session's connection ends.
+* The listener's port also answers the tensor side channel: a stage with no model file
+  fetches its layers from stage 0 there (holder.py).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from ..protocol import MessageKind, ProtocolError, StageMessage, StageReply, encode_message
+from ..protocol import MessageKind, ProtocolError, StageMessage, StageReply, encode_message, parse_endpoint
 from ..protocol.constants import MESSAGE_HEADER
 from ..protocol.decode_frames import read_reply_from
 from ..protocol.frames import decode_message_body, parse_message_header
 from ..runtime.session import SessionKey
 from .channel import Channel
 from .engine import Engine
+from .holder import TensorHolder, serve_tensors
 from .transport import LinkBroken, Transport, recv_exactly, send_all
 
 log = logging.getLogger("skippy.stage")
@@ -147,8 +150,10 @@ class ReturnListener:
     """Stage 0's endpoint for prediction-return streams: handshakes on the event loop, then the
     stream is its engine's (`ReturnInbox`)."""
 
-    def __init__(self, inbox: ReturnInbox, transport: Transport, bind_addr: str = "127.0.0.1:0"):
-        self.inbox, self.transport, self.bind_addr = inbox, transport, bind_addr
+    def __init__(self, inbox: ReturnInbox, transport: Transport, bind_addr: str = "127.0.0.1:0", *,
+                 holder: TensorHolder | None = None):
+        """`holder`: serves stage 0's model file to stages that fetch their layers (holder.py)."""
+        self.inbox, self.transport, self.bind_addr, self.holder = inbox, transport, bind_addr, holder
         self._listener = None
 
     @property
@@ -156,10 +161,10 @@ class ReturnListener:
         return self.inbox.num_streams
 
     async def start(self) -> str:
-        from ..protocol import parse_endpoint
-
         host, port = parse_endpoint(self.bind_addr, allow_port_zero=True)
-        self._listener = await self.transport.listen(host, port, self._opened, where="stage 0's return listener")
+        self._listener = await self.transport.listen(
+            host, port, self._opened, where="stage 0's return listener",
+            on_tensors=lambda stream: serve_tensors(self.holder, stream, where="stage 0"))
         bound = self._listener.port
         return f"{host}:{bound}" if ":" not in host else f"[{host}]:{bound}"
 
@@ -187,3 +192,5 @@ class ReturnListener:
     async def close(self) -> None:
         if self._listener is not None:
             await self._listener.close()
+        if self.holder is not None:
+            self.holder.close()

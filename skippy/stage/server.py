@@ -4,7 +4,8 @@ Binds loopback unless the config says otherwise. A connection that fails the TLS
 or the auth check, or speaks another protocol version, is refused with a logged reason
 (stage/transport.py). One that passes is a lane, handed to the engine for the rest of its
 life (stage/lane.py); its control messages come back here (stage/handlers.py). A malformed
-frame closes that connection only (spec §2.1, §2.11).
+frame closes that connection only (spec §2.1, §2.11). A connection that opened the tensor
+side channel instead is a stage fetching its layers from this one's model file (holder.py).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import itertools
 import logging
 import socket
 
-from ..protocol import StageConfig, Topology
+from ..protocol import PeerEndpoint, StageConfig, Topology
 from ..runtime.stage_runtime import StageRuntime
 from ..telemetry import Telemetry
 from .engine import Engine, EngineClosed
 from .handlers import run_control
+from .holder import TensorHolder, serve_tensors
 from .lane import Lane, LaneControl, LaneEnv, dial_link
 from .measure import StageMeasurement
 from .returns import ReturnStreams
@@ -41,8 +43,10 @@ class StageServer:
         self.runtime = runtime
         self.telemetry = telemetry or runtime.telemetry
         self.driver_endpoint = driver_endpoint
-        self.transport = transport or Transport(tls_identity=config.tls, auth_token=config.auth_token,
-                                                conditioning=config.link_conditioning, timeouts=config.timeouts)
+        self.transport = transport or Transport.for_stage(config)
+        # serves the tensors of the model file it loaded to stages that have none (holder.py)
+        self.holder = None if topology is None else TensorHolder(config.model_path, topology,
+                                                                  where=f"stage {config.stage_index}")
         self.engine: Engine | None = None
         self.returns: ReturnStreams | None = None
         self.env: LaneEnv | None = None
@@ -80,12 +84,26 @@ class StageServer:
                            self.measurement, control=self._control, needs_link=self._needs_link, ended=self._ended)
         self.engine.on_close(self._close_lanes)
         self.engine.start()
-        self._listener = await self.transport.listen(config.bind_host, config.bind_port, self._adopt,
-                                                     where=f"stage {config.stage_index}", sock=sock)
+        where = f"stage {config.stage_index}"
+        self._listener = await self.transport.listen(
+            config.bind_host, config.bind_port, self._adopt, where=where, sock=sock,
+            on_tensors=lambda stream: serve_tensors(self.holder, stream, where=where))  # a stage fetching its layers
         log.info("stage %d (%s) listening on %s, layers [%d, %d)", config.stage_index, config.stage_id,
                  self.endpoint, config.layer_start, config.layer_end)
         self.measurement.start(self.engine.call)
         return self.endpoint
+
+    def repoint(self, downstream: PeerEndpoint | None) -> None:
+        """Dial `downstream` from now on: the next stage moved (a Ray stage placed on another node).
+        Connections that hold a link keep it; a link to a lost stage is broken and its lane re-dialed."""
+        if (downstream is None) != (self.config.downstream is None):
+            raise ValueError(f"stage {self.config.stage_index}: a final stage cannot gain a downstream, "
+                             "nor another stage lose one")
+        self.config = self.config.model_copy(update={"downstream": downstream})
+        if self.env is not None:  # the lanes (re-)dial what their env's config names
+            self.env.config = self.config
+        log.warning("stage %d: the next stage is now at %s", self.config.stage_index,
+                    ", ".join(downstream.endpoints) if downstream else "none")
 
     async def serve_forever(self) -> None:
         if self._listener is None:
@@ -152,4 +170,6 @@ class StageServer:
             if abort:
                 self._post(lambda: [lane.channel.abort() for lane in list(self.env.lanes.values())])
             await asyncio.to_thread(self.engine.close)
+        if self.holder is not None:
+            self.holder.close()
         self.runtime.close()

@@ -8,11 +8,16 @@ asyncio transport ever wrapped, and the engine owns it for the rest of its life.
 
     sock, endpoint = await transport.dial([stage, *standbys])     # handshaken
     listener = await transport.listen(host, port, on_connection, where="stage 1")
+
+The same handshake with FETCH_MAGIC in the preamble opens the tensor side channel instead of
+a lane (stage/holder.py, stage/fetch.py, protocol §11): `dial(..., tensors=True)` on the
+fetching side, a listener's `on_tensors` on the holder's, both over a `SocketStream`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import ssl
@@ -21,11 +26,12 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from ..protocol import (
     AuthError, FrameError, LinkConditioning, MessageKind, ProtocolError, ReplyKind, StageMessage, StageReply,
-    StageStatusReport, Timeouts, TlsConfig, encode_message, parse_endpoint,
+    StageConfig, StageStatusReport, Timeouts, TlsConfig, encode_message, parse_endpoint,
 )
 from ..protocol.constants import AUTH_PREFIX, READY, REPLY_FIXED_BYTES, REPLY_HEADER
 from ..protocol.frames import decode_reply_body, parse_reply_header
-from ..protocol.handshake import AuthPreamble, Ready, auth_token_length, check_auth, token_bytes
+from ..protocol.constants import AUTH_MAGIC, FETCH_MAGIC
+from ..protocol.handshake import AuthPreamble, Ready, check_auth, preamble_fields, token_bytes
 from . import tls
 from .link import Conditioner
 
@@ -37,6 +43,16 @@ class LinkBroken(ConnectionError):
     """A stage could not be reached, closed the connection, sent a bad frame, or stopped answering."""
 
 
+def answers_later(error: LinkBroken) -> bool:
+    """Whether a failed dial may succeed if tried again later: nothing listens there yet, or a
+    stage listens but is still loading (no READY yet). A refused token or certificate will not."""
+    cause = error.__cause__
+    if isinstance(cause, ssl.SSLError):
+        return False
+    return (isinstance(cause, (ConnectionRefusedError, TimeoutError))
+            or isinstance(cause, OSError) and cause.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH))
+
+
 class Transport:
     def __init__(self, *, tls_identity: TlsConfig | None = None, auth_token: str | None = None,
                  conditioning: LinkConditioning | None = None, timeouts: Timeouts = Timeouts()):
@@ -44,32 +60,42 @@ class Transport:
         self.conditioning, self.timeouts = conditioning, timeouts
         self._failed_at: dict[str, float] = {}  # endpoint -> when a dial to it last failed
 
+    @classmethod
+    def for_stage(cls, config: StageConfig) -> Transport:
+        """A stage's: its config's TLS identity, token, link conditioning and timeouts."""
+        return cls(tls_identity=config.tls, auth_token=config.auth_token, conditioning=config.link_conditioning,
+                   timeouts=config.timeouts)
+
     def conditioner(self) -> Conditioner | None:
         """The conditioning of one link this process dials (None: a plain link)."""
         return None if self.conditioning is None else Conditioner(self.conditioning)
 
     # -- dialing ----------------------------------------------------------------------------
     async def dial(self, endpoints: str | Sequence[str], *, connect_s: float | None = None,
-                   handshake_s: float | None = None) -> tuple[socket.socket, str]:
+                   handshake_s: float | None = None, tensors: bool = False) -> tuple[socket.socket, str]:
         """A handshaken socket to the first of `endpoints` that answers (a stage, then its
         standbys: the same layers elsewhere), and its endpoint. One that failed lately is
         tried after those that did not, so once a stage is lost every new lane goes to its
-        standby without waiting on it first. LinkBroken when none answers."""
+        standby without waiting on it first. LinkBroken when none answers (its cause chained
+        for `answers_later`). `tensors`: open the tensor side channel, which needs the token."""
+        if tensors and self.auth_token is None:
+            raise AuthError("the tensor side channel needs the chain's auth token")
         candidates = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         errors = []
         for endpoint in sorted(candidates, key=lambda e: self._failed_at.get(e, 0.0)):  # stable: config order
             try:
-                sock = await self._dial_one(endpoint, connect_s or self.timeouts.connect_s, handshake_s)
+                sock = await self._dial_one(endpoint, connect_s or self.timeouts.connect_s, handshake_s, tensors)
             except LinkBroken as error:
                 self._failed_at[endpoint] = time.monotonic()
-                errors.append(str(error))
+                errors.append(error)
                 continue
             if endpoint != candidates[0]:
                 log.info("stage at %s does not answer; dialed its standby at %s", candidates[0], endpoint)
             return sock, endpoint
-        raise LinkBroken("; ".join(errors))
+        raise LinkBroken("; ".join(map(str, errors))) from errors[-1].__cause__
 
-    async def _dial_one(self, endpoint: str, connect_s: float, handshake_s: float | None) -> socket.socket:
+    async def _dial_one(self, endpoint: str, connect_s: float, handshake_s: float | None,
+                        tensors: bool = False) -> socket.socket:
         host, port = parse_endpoint(endpoint)
         loop = asyncio.get_running_loop()
         sock = None
@@ -91,7 +117,8 @@ class Transport:
                     sock = context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
                     await _io(sock, sock.do_handshake)
                 if self.auth_token is not None:
-                    await send_all(sock, AuthPreamble(token_bytes(self.auth_token)).encode())
+                    magic = FETCH_MAGIC if tensors else AUTH_MAGIC
+                    await send_all(sock, AuthPreamble(token_bytes(self.auth_token), magic).encode())
                 try:
                     Ready.decode(await recv_exactly(sock, READY.size, "READY"))
                 except ProtocolError as error:
@@ -123,23 +150,27 @@ class Transport:
 
     # -- listening --------------------------------------------------------------------------
     async def listen(self, host: str, port: int, on_connection: Callable[[socket.socket, tuple], Awaitable[None]],
-                     *, where: str, sock: socket.socket | None = None) -> Listener:
+                     *, where: str, sock: socket.socket | None = None,
+                     on_tensors: Callable[[SocketStream], Awaitable[None]] | None = None) -> Listener:
         """Accept on `host`:`port` (or on `sock`, already bound and listening); each connection
-        that passes its handshake goes to `on_connection(sock, peer)`. `where` names the
-        listener in its log lines."""
+        that passes its handshake goes to `on_connection(sock, peer)`, or, when it opened the
+        tensor side channel, to `on_tensors` (None: closed). `where` names the listener in its
+        log lines."""
         if sock is None:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             sock = socket.socket(family, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
             sock.listen(128)
-        listener = Listener(self, sock, tls.context(self.tls_identity, host, server=True), on_connection, where)
+        listener = Listener(self, sock, tls.context(self.tls_identity, host, server=True), on_connection, where,
+                            on_tensors)
         listener.start()
         return listener
 
     async def accept_handshake(self, sock: socket.socket, context: ssl.SSLContext | None,
-                               refusals: tls.RefusalLog, peer) -> socket.socket:
-        """TLS (off loopback), then the auth check, then READY; the socket ready for frames."""
+                               refusals: tls.RefusalLog, peer) -> tuple[socket.socket, bool]:
+        """TLS (off loopback), then the auth check, then READY: the socket ready for frames, and
+        whether its dialer opened the tensor side channel (only one with the token can)."""
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if context is not None:
             sock = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
@@ -149,27 +180,29 @@ class Transport:
             except (OSError, TimeoutError) as error:  # ssl.SSLError, a reset, or the timeout
                 refusals.refused(peer, error, self.timeouts.tls_handshake_s)
                 raise
+        magic = AUTH_MAGIC
         async with asyncio.timeout(self.timeouts.handshake_s):
             if self.auth_token is not None:
                 try:
-                    prefix = await recv_exactly(sock, AUTH_PREFIX.size, "auth preamble")
-                    token = await recv_exactly(sock, auth_token_length(prefix), "auth token")
+                    magic, length = preamble_fields(await recv_exactly(sock, AUTH_PREFIX.size, "auth preamble"))
+                    token = await recv_exactly(sock, length, "auth token")
                 except TimeoutError:
                     raise AuthError(f"auth preamble: none within {self.timeouts.handshake_s:g} s") from None
                 except ProtocolError as error:
                     raise AuthError(str(error)) from None
-                check_auth(AuthPreamble(token), self.auth_token)
+                check_auth(AuthPreamble(token, magic), self.auth_token)
             await send_all(sock, Ready().encode())
-        return sock
+        return sock, magic == FETCH_MAGIC
 
 
 class Listener:
     """An accepting socket; each accepted connection's handshake is a task of its own."""
 
     def __init__(self, transport: Transport, sock: socket.socket, context: ssl.SSLContext | None,
-                 on_connection: Callable[[socket.socket, tuple], Awaitable[None]], where: str):
+                 on_connection: Callable[[socket.socket, tuple], Awaitable[None]], where: str,
+                 on_tensors: Callable[[SocketStream], Awaitable[None]] | None = None):
         self.transport, self.sock, self.context = transport, sock, context
-        self.on_connection, self.where = on_connection, where
+        self.on_connection, self.on_tensors, self.where = on_connection, on_tensors, where
         self.refusals: list[str] = []        # handshake refusals, newest last (also logged)
         self._refusal_log = tls.RefusalLog(where)
         self._tasks: set[asyncio.Task] = set()
@@ -198,7 +231,7 @@ class Listener:
 
     async def _serve(self, sock: socket.socket, peer) -> None:
         try:
-            sock = await self.transport.accept_handshake(sock, self.context, self._refusal_log, peer)
+            sock, tensors = await self.transport.accept_handshake(sock, self.context, self._refusal_log, peer)
         except (ProtocolError, OSError, TimeoutError) as error:
             sock.close()
             if isinstance(error, ProtocolError):  # TLS refusals were logged by accept_handshake
@@ -209,7 +242,12 @@ class Listener:
         except asyncio.CancelledError:
             sock.close()
             raise
-        await self.on_connection(sock, peer)
+        if not tensors:
+            await self.on_connection(sock, peer)
+        elif self.on_tensors is None:
+            sock.close()
+        else:
+            await self.on_tensors(SocketStream(sock))
 
     async def close(self) -> None:
         if self._accepting is not None:
@@ -263,10 +301,48 @@ async def recv_reply(sock: socket.socket) -> StageReply:
 
 
 async def recv_exactly(sock: socket.socket, nbytes: int, what: str) -> bytes:
-    data = bytearray()
-    while len(data) < nbytes:
-        chunk = await _io(sock, lambda: sock.recv(nbytes - len(data)))
-        if not chunk:
-            raise FrameError(f"{what}: expected {nbytes} bytes, got {len(data)} before EOF (truncated)")
-        data += chunk
-    return bytes(data)
+    try:
+        return await SocketStream(sock).readexactly(nbytes)
+    except asyncio.IncompleteReadError as error:
+        raise FrameError(f"{what}: expected {nbytes} bytes, got {len(error.partial)} before EOF (truncated)") from None
+
+
+class SocketStream:
+    """A handshaken socket (plain or TLS) as the reader and writer the tensor side channel's
+    frames are read from and written to (protocol.read_tensor_frame, write_tensor_frame):
+    that channel lives on the event loop, and the engine never sees its socket."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._out: list[bytes] = []
+
+    async def readexactly(self, nbytes: int) -> bytes:
+        data = bytearray()
+        while len(data) < nbytes:
+            chunk = await _io(self.sock, lambda: self.sock.recv(nbytes - len(data)))
+            if not chunk:
+                raise asyncio.IncompleteReadError(bytes(data), nbytes)
+            data += chunk
+        return bytes(data)
+
+    def write(self, data: bytes) -> None:
+        self._out.append(data)
+
+    async def drain(self) -> None:
+        out, self._out = self._out, []
+        for data in out:
+            await send_all(self.sock, data)
+
+    def peer(self) -> str:
+        try:
+            host, port = self.sock.getpeername()[:2]
+        except OSError:
+            return "an unknown peer"
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def peer_certificate(self) -> dict | None:
+        """The peer's certificate under TLS (None on a plain socket)."""
+        return self.sock.getpeercert() if isinstance(self.sock, ssl.SSLSocket) else None
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,509 @@
+"""`skippy serve --ray`: a chain whose stages a Ray cluster places, starts and restarts.
+
+Ray does what a cluster engine is good at: which nodes, reserving their resources, starting
+a process there and starting it again when it dies. skippy keeps the data: its protocol,
+mutual TLS, the chain token, mid-stream recovery. vLLM places its pipeline stages the same
+way (one placement group, an actor per rank); unlike vLLM, a stage that dies here is
+restarted on its own while requests wait and replay (driver/client.py).
+
+    1. join the cluster (`ray.init`); refuse one that runs without token authentication
+       off loopback, unless --insecure;
+    2. a placement group: one bundle per stage (1 CPU by default, --ray-stage-resources),
+       stage 0's pinned to this node; STRICT_SPREAD (one stage per node) or PACK;
+    3. the plan for the placed addresses: the layer split (by the bundles' CPUs, or
+       --weights), a chain token, a chain CA kept here, stage 0's certificate;
+    4. a StageHost actor per stage 1..N-1 in its bundle (stage_host.py): it makes its own
+       key, the driver signs a certificate for the node it landed on, then starts the
+       stage with its config (this happens again after every restart);
+    5. stage 0 here, as for any topology, at the same time: a node without the model file
+       fetches its stage's slice from stage 0 (stage/fetch.py, holder.py), so stage 0 loads
+       and listens while the actors start, and dials once every actor says its stage is ready.
+
+The supervisor watches every stage through `RayActors`, the Placement (placement.py): Ray
+restarts a dead stage's actor at once, on its node; if the node was lost, the placement
+group's bundle and the actor go to another node with free resources, the stage gets a
+certificate for its new address, and the stage before it is re-pointed there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..driver.client import ChainClient
+from ..protocol import KvCacheConfig, PeerEndpoint, StageConfig, TlsConfig, Topology, is_loopback, parse_endpoint
+from ..runtime.batch_policy import ONE_WAVE_PEER_WAIT_FORWARDS
+from ..stage import certificates
+from .local_chain import WEIGHT_NAMES, connect_topology, plan_chain, stage_kv_cache
+from .placement import STARTUP_TIMEOUT_S, stop_chain
+from .supervisor import Supervisor
+
+log = logging.getLogger("skippy.launch")
+NAMESPACE = "skippy"  # the Ray namespace of every actor and placement group skippy makes
+RETRY_S = 0.05        # between calls to an actor about to exit (Ray then restarts it)
+
+
+class RaySettings(BaseModel):
+    """`skippy serve --ray`'s own options (the rest are serve's)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    address: str = "auto"  # `ray.init`'s: "auto" (the cluster this node belongs to) or HOST:PORT
+    placement: Literal["spread", "pack"] = "spread"  # one stage per node, or several allowed on one
+    # each stage's bundle: one for every stage, or one per stage (the split follows their CPUs)
+    stage_resources: list[dict[str, float]] = [{"CPU": 1.0}]
+    port: int = Field(7200, ge=1, le=65535 - 64)  # stage i listens on port + i (0: stage 0's return listener)
+    placement_timeout_s: float = Field(120.0, gt=0)  # waiting for the cluster to have room
+
+    @field_validator("stage_resources")
+    @classmethod
+    def _resources(cls, value: list[dict[str, float]]) -> list[dict[str, float]]:
+        if not value or any(not bundle or min(bundle.values()) < 0 for bundle in value):
+            raise ValueError(f"Expected stage resources like {{\"CPU\": 4}} (one, or one per stage), got {value}")
+        return value
+
+    def bundles(self, num_stages: int, driver_ip: str) -> list[dict[str, float]]:
+        """One bundle per stage; stage 0's must be on this node (vLLM's trick: a sliver of the
+        node's own resource, `node:<ip>`)."""
+        bundles = [dict(bundle) for bundle in self.stage_resources * (num_stages // len(self.stage_resources))]
+        bundles[0][f"node:{driver_ip}"] = 0.001
+        return bundles
+
+    @property
+    def strategy(self) -> str:
+        return {"spread": "STRICT_SPREAD", "pack": "PACK"}[self.placement]
+
+
+def split_weights(bundles: list[dict[str, float]]) -> list[float] | None:
+    """The layer split follows the bundles' CPUs; None (even) when they are all alike."""
+    cpus = [bundle.get("CPU", 1.0) or 1.0 for bundle in bundles]
+    return None if len(set(cpus)) == 1 else cpus
+
+
+def check_cluster_security(node_ips: list[str], token_enforced: Callable[[], bool], *, insecure: bool,
+                           address: str) -> None:
+    """Refuse a cluster off loopback that anyone on its network may use, unless `insecure`:
+    whoever can submit work to it runs code on every node, skippy's stages included."""
+    if all(is_loopback(ip) for ip in node_ips) or token_enforced():
+        return
+    where = f"the Ray cluster at {address} (nodes {', '.join(sorted(node_ips))})"
+    if not insecure:
+        raise ValueError(f"{where} runs without token authentication: anyone who can reach it can run code "
+                         "on every node, and read or drive the stages skippy would start there. Fix: start "
+                         "every node and this server with RAY_AUTH_MODE=token and the same RAY_AUTH_TOKEN "
+                         "(`ray get-auth-token --generate` makes one), or pass --insecure to use it anyway.")
+    log.warning("%s runs without token authentication (--insecure): anyone on its network can use it", where)
+
+
+def address_towards(ray_address: str) -> str | None:
+    """This machine's address on the way to a cluster at HOST:PORT (None for "auto"): the node
+    this driver joins. Ray itself picks any raylet it finds on the machine, the head first,
+    which is another node where one machine runs several (network namespaces, tests)."""
+    if ray_address == "auto":
+        return None
+    host, port = parse_endpoint(ray_address)
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))  # UDP: no packet is sent, the kernel only picks the route
+        return probe.getsockname()[0]
+
+
+def gcs_requires_token(gcs_address: str) -> bool:
+    """Whether the cluster's control service refuses a call that carries no token: the
+    cluster's own setting, which the driver's environment does not tell."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with grpc.insecure_channel(gcs_address) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=10)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return True
+            raise RuntimeError(f"Could not ask Ray's control service at {gcs_address} about its "
+                               f"authentication: {error.code().name} {error.details()}") from None
+    return False
+
+
+class RayChain:
+    """Stages 1..N-1 as actors on a Ray cluster, stage 0 in this process."""
+
+    def __init__(self, model_path: str | Path, num_stages: int, settings: RaySettings, *,
+                 threads: int | None = None, weights: list[float] | None = None,
+                 activation_dtype: str = "f32", ctx_size: int = 2048, lane_count: int = 4,
+                 dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
+                 log_level: str = "WARNING", otlp_endpoint: str | None = None, otlp_protocol: str = "http",
+                 kv_cache: KvCacheConfig | None = None, max_restarts: int = 5, insecure: bool = False,
+                 stage_wait_s: float = 3600.0, on_placed: Callable[[str], None] = lambda line: None,
+                 **client_options):
+        """`threads`: torch threads of every stage (default: its bundle's CPUs). `insecure`: use
+        a cluster without token authentication off loopback anyway. `stage_wait_s`: how long a
+        stage's start may take, fetching its layers from stage 0 included. `on_placed`: told, in
+        words, where the stages went once Ray placed them."""
+        if num_stages < 2:
+            raise ValueError(f"Expected at least 2 stages on Ray, got {num_stages}")
+        self.model_path, self.num_stages, self.settings = Path(model_path), num_stages, settings
+        self.threads, self.weights, self.log_level = threads, weights, log_level
+        self.kv_cache, self.max_restarts, self.on_placed = kv_cache, max_restarts, on_placed
+        self.insecure, self.stage_wait_s = insecure, stage_wait_s
+        self.chain_id = f"chain-{secrets.token_hex(4)}"
+        self.auth_token = secrets.token_urlsafe(32)
+        self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
+                                   ctx_size=ctx_size, lane_count=lane_count, weight_dtype=WEIGHT_NAMES[dtype],
+                                   repack_weights=repack, device=device,
+                                   peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, decode_waves=num_stages,
+                                   otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol)
+        self._stage0_options = dict(dtype=dtype, device=device, repack=repack, concurrency=concurrency,
+                                    ctx_size=ctx_size, activation_dtype=activation_dtype, kv_cache=kv_cache,
+                                    otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
+                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, decode_waves=num_stages,
+                                    **client_options)
+        self._dir = tempfile.TemporaryDirectory(prefix=f"skippy-{self.chain_id}-")  # owner-only: the CA key
+        self.group = None
+        self.placement: RayActors | None = None
+        self.client: ChainClient | None = None
+        self.supervisor: Supervisor | None = None
+        self.topology: Topology | None = None
+        self._connected = False
+
+    async def start(self, on_stage_ready: Callable[[], None] = lambda: None) -> ChainClient:
+        """Place and start every stage, then stage 0; `on_stage_ready` as each stage is up."""
+        import torch
+
+        try:
+            driver_ip = self._connect()
+            bundles = self.settings.bundles(self.num_stages, driver_ip)
+            self.group = await self._place(bundles)
+            node_ips = self._bundle_ips()
+            if node_ips[0] != driver_ip:  # the node:<ip> resource pins it; a cluster that disagrees is broken
+                raise RuntimeError(f"Ray placed stage 0's bundle on {node_ips[0]}, not on this node ({driver_ip})")
+            endpoints = [_endpoint(ip, self.settings.port + i) for i, ip in enumerate(node_ips)]
+            self.on_placed(f"Ray placed {self.num_stages} stages ({self.settings.strategy}): "
+                           + ", ".join(f"stage-{i} on {ip}" for i, ip in enumerate(node_ips)))
+            self.topology, configs = plan_chain(self.model_path, endpoints,
+                                                weights=self.weights or split_weights(bundles),
+                                                topology_id=self.chain_id, **self._stage_options)
+            stage_kv = self.kv_cache or KvCacheConfig(mode="disabled")
+            configs = [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)}) for c in configs]
+            ca_dir = Path(self._dir.name) / "tls"
+            stage0_tls = certificates.issue_certificates(ca_dir, {"stage-0": driver_ip})["stage-0"]
+            threads = [self.threads or max(1, int(bundle.get("CPU", 1))) for bundle in bundles]
+            torch.set_num_threads(threads[0])  # stage 0, here
+            self.placement = RayActors(self.group, bundles, configs, self.topology, ca_dir, threads,
+                                       chain_id=self.chain_id, log_level=self.log_level,
+                                       ready_timeout_s=self.stage_wait_s)
+            await self._start_stages(on_stage_ready, stage0_tls.resolved(Path(self._dir.name)))
+            self.placement.client = self.client
+        except BaseException:
+            await self.close()
+            raise
+        # Ray restarts an actor at once and that takes a second or more: no backoff on top
+        self.supervisor = Supervisor(self.placement, self.num_stages, self.client.transport,
+                                     max_restarts=self.max_restarts, backoff_s=0.0, on_back=self.client.chain_changed)
+        self.supervisor.start()
+        self.client.can_recover = self.supervisor.can_heal
+        return self.client
+
+    async def _start_stages(self, on_stage_ready: Callable[[], None], tls: TlsConfig) -> None:
+        """The actors' stages and stage 0 at once: stage 0 loads and listens (holding the model
+        for the stages that fetch their layers), waits until every actor reports its stage
+        ready, then dials. A failure on either side ends the other."""
+        stages = asyncio.create_task(self.placement.start(on_stage_ready))
+        try:
+            await asyncio.sleep(0)  # the actors are asked for first: stage 0's load below holds the loop
+            self.client = await connect_topology(self.topology, self.model_path, auth_token=self.auth_token, tls=tls,
+                                                 wait_for_chain=lambda _: stages, **self._stage0_options)
+        finally:
+            stages.cancel()  # stage 0 failed before it waited for them (nothing, once they are done)
+            await asyncio.gather(stages, return_exceptions=True)
+
+    def _connect(self) -> str:
+        """Join the cluster and check it is safe to use; this node's address."""
+        try:
+            import ray
+        except ImportError:
+            raise RuntimeError("skippy serve --ray needs Ray on this node and every other: "
+                               "pip install 'skippy[ray]'") from None
+
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # never report to Ray's servers
+        sigterm = signal.getsignal(signal.SIGTERM)
+        try:
+            ray.init(address=self.settings.address, namespace=NAMESPACE, logging_level=logging.WARNING,
+                     configure_logging=False, _node_ip_address=address_towards(self.settings.address))
+        except Exception as error:  # noqa: BLE001 - Ray raises many kinds; each says what failed
+            raise RuntimeError(f"could not join the Ray cluster at {self.settings.address}: {error}") from error
+        finally:
+            signal.signal(signal.SIGTERM, sigterm)  # ray.init's own exits the process at once: ours stops stages
+        self._connected = True
+        alive = [node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]]
+        gcs = ray.get_runtime_context().gcs_address
+        check_cluster_security(alive, lambda: gcs_requires_token(gcs), insecure=self.insecure,
+                               address=self.settings.address)
+        # the node this driver joined (get_node_ip_address guesses by a route, which a host without a
+        # default route has not)
+        this_node = ray.get_runtime_context().get_node_id()
+        return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == this_node)
+
+    async def _place(self, bundles: list[dict[str, float]]):
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        group = placement_group(bundles, strategy=self.settings.strategy, name=f"skippy-{self.chain_id}")
+        ready = asyncio.wrap_future(group.ready().future())
+        ready.add_done_callback(lambda done: done.cancelled() or done.exception())  # a removed group's, unread
+        started, next_note = time.monotonic(), 2.0
+        while True:
+            waited = time.monotonic() - started
+            done, _ = await asyncio.wait({ready}, timeout=min(next_note, self.settings.placement_timeout_s) - waited)
+            if done:
+                return group
+            waited = time.monotonic() - started
+            if waited >= self.settings.placement_timeout_s:
+                message = unplaced(group, bundles, self.settings, waited)
+                remove_placement_group(group)
+                raise RuntimeError(message)
+            log.warning("waiting for Ray to place %d stage bundles (%s, %s): %.0f s so far", len(bundles),
+                        self.settings.strategy, _describe_bundle(bundles[-1]), waited)
+            next_note *= 2
+
+    def _bundle_ips(self) -> list[str]:
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        by_node = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        placed = placement_group_table(self.group)["bundles_to_node_id"]
+        return [by_node[placed[i]] for i in range(self.num_stages)]
+
+    async def close(self) -> None:
+        await stop_chain(self.supervisor, self.client, self.placement)  # the placement: actors, group
+        if self.placement is None and self.group is not None:  # placed, no actor yet
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+        self.client = self.placement = self.group = None
+        self._dir.cleanup()
+        if self._connected:
+            import ray
+
+            ray.shutdown()
+            self._connected = False
+
+
+class RayActors:
+    """The Placement (placement.py) of a Ray chain: one StageHost actor per stage 1..N-1.
+
+    Every start, the first and each after Ray restarted an actor, is the same: ask the actor
+    where it runs and for its public key, sign it a certificate for that address, start the
+    stage with its config. An actor that landed on another node is a stage that moved: the
+    stage before it (or stage 0's lanes) is re-pointed to it."""
+
+    def __init__(self, group, bundles: list[dict[str, float]], configs: list[StageConfig], topology: Topology,
+                 ca_dir: Path, threads: list[int], *, chain_id: str, log_level: str,
+                 ready_timeout_s: float = STARTUP_TIMEOUT_S):
+        self.group, self.bundles, self.configs, self.topology = group, bundles, configs, topology
+        self.ca_dir, self.threads, self.chain_id, self.log_level = ca_dir, threads, chain_id, log_level
+        self.ready_timeout_s = ready_timeout_s  # a stage's start, a fetch of its layers included
+        self.endpoints = [stage.endpoint for stage in topology.stages]
+        self.node_ips = [stage.host for stage in topology.stages]
+        self.actors: list = [None] * len(configs)     # index 0: stage 0 is this process
+        self._sentinels: list = [None] * len(configs)  # each running stage's `wait` call
+        self._failures = [""] * len(configs)           # why a stage that failed to start is down
+        self.client: ChainClient | None = None         # stage 0's, re-pointed when stage 1 moves
+
+    def endpoint(self, index: int) -> str:
+        return self.endpoints[index]
+
+    def node_ip(self, index: int) -> str:
+        return self.node_ips[index]
+
+    async def start(self, on_ready: Callable[[], None]) -> None:
+        """An actor per stage, then every stage at once; each counted as it is ready."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .stage_host import StageHost
+
+        host = ray.remote(StageHost)
+        for index in range(1, len(self.configs)):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.group,
+                                                        placement_group_bundle_index=index)
+            # the bundle holds the stage's CPUs; the actor itself asks for none of them
+            self.actors[index] = host.options(
+                name=f"skippy-{self.chain_id}-stage-{index}", namespace=NAMESPACE, max_restarts=-1,
+                max_task_retries=0, max_concurrency=4, num_cpus=0, num_gpus=self.bundles[index].get("GPU", 0),
+                scheduling_strategy=strategy,
+            ).remote(index, self.chain_id, self._port(index), self.log_level)  # fmt: skip
+
+        async def start_one(index: int) -> None:
+            await self._start(index)
+            on_ready()
+
+        await asyncio.gather(*(start_one(index) for index in range(1, len(self.configs))))
+
+    def _port(self, index: int) -> int:
+        return parse_endpoint(self.topology.stages[index].endpoint)[1]
+
+    async def _start(self, index: int) -> str:
+        asked = time.monotonic()
+        info = await self._describe(index)
+        back = time.monotonic()
+        moved = info["endpoint"] != self.endpoints[index]
+        self.endpoints[index], self.node_ips[index] = info["endpoint"], info["node_ip"]
+        try:
+            if info["starting"]:  # restarted on its node, it restarted the stage from its own files
+                started = await self.actors[index].wait_ready.remote()
+            else:
+                cert = certificates.sign_certificate(self.ca_dir, f"stage-{index}", info["node_ip"],
+                                                     info["public_key"])
+                started = await self.actors[index].start.remote(
+                    self._config(index).model_dump_json(), self.topology.model_dump_json(), cert,
+                    (self.ca_dir / "ca.pem").read_bytes(), self.threads[index], self.ready_timeout_s)
+        except Exception as error:
+            self._sentinels[index], self._failures[index] = None, f"could not start: {_cause(error)}"
+            raise RuntimeError(f"stage {index} on {info['node_ip']}: {_cause(error)}") from None
+        self._sentinels[index] = self.actors[index].wait.remote()
+        log.info("stage %d ready on %s (its actor answered in %.2f s, the stage was ready %.2f s later; "
+                 "stage pid %d)", index, info["endpoint"], back - asked, time.monotonic() - back, started["stage_pid"])
+        if info["starting"] and index + 1 < len(self.configs):
+            await self._repoint(index)  # its kept config may predate a move of the next stage
+        if moved:
+            await self._repoint(index - 1)
+        return info["endpoint"]
+
+    async def _describe(self, index: int) -> dict:
+        """The actor's answer, once Ray has it running (again); a node that is gone delays it
+        until Ray has placed its bundle elsewhere."""
+        from ray.exceptions import RayActorError
+
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            try:
+                info = await self.actors[index].describe.remote()
+                if not info["down"]:
+                    return info
+            except RayActorError as error:
+                if _is_gone_for_good(error):
+                    raise RuntimeError(f"stage {index}'s Ray actor is gone: {_cause(error)}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"stage {index}'s Ray actor did not come back within {STARTUP_TIMEOUT_S:g} s")
+            await asyncio.sleep(RETRY_S)
+
+    def _config(self, index: int) -> StageConfig:
+        """Stage `index`'s config for where every stage is now."""
+        def peer(i: int) -> PeerEndpoint | None:
+            if not 0 <= i < len(self.configs):
+                return None
+            return PeerEndpoint(stage_id=f"stage-{i}", stage_index=i, endpoint=self.endpoints[i])
+
+        return self.configs[index].model_copy(update={"bind_addr": self.endpoints[index],
+                                                      "upstream": peer(index - 1), "downstream": peer(index + 1)})
+
+    async def _repoint(self, index: int) -> None:
+        """Stage `index` dials its next stage where that is now."""
+        downstream = self._config(index).downstream
+        if index == 0:
+            self.client.downstream = downstream.endpoint  # the next lane dialed goes there
+            return
+        try:
+            await self.actors[index].repoint.remote(downstream.model_dump_json())
+        except Exception as error:  # noqa: BLE001 - it restarts with the new address anyway
+            log.warning("stage %d could not be re-pointed to %s: %s", index, downstream.endpoint, _cause(error))
+
+    async def wait_down(self, index: int) -> str:
+        from ray.exceptions import RayActorError
+
+        if self._sentinels[index] is None:
+            return self._failures[index]
+        try:
+            return await self._sentinels[index]
+        except RayActorError as error:
+            return f"its Ray actor died ({_actor_death(error)})"
+
+    async def kill(self, index: int) -> None:
+        import ray
+
+        ray.kill(self.actors[index], no_restart=False)  # Ray starts it again
+
+    async def restart(self, index: int) -> str:
+        return await self._start(index)  # Ray has restarted the actor, or is at it
+
+    async def give_up(self, index: int) -> None:
+        import ray
+
+        ray.kill(self.actors[index], no_restart=True)
+
+    async def stop(self) -> None:
+        """End every stage, then its actor, then the placement group: nothing of the chain stays."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        actors = [actor for actor in self.actors if actor is not None]
+        stops = [asyncio.wrap_future(actor.stop.remote().future()) for actor in actors]
+        if stops:
+            await asyncio.wait(stops, timeout=15)
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(self.group)
+
+
+def unplaced(group, bundles: list[dict[str, float]], settings: RaySettings, waited_s: float) -> str:
+    """What Ray could not place, and what the cluster has, in words."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    state = placement_group_table(group)
+    scheduling = state.get("stats", {}).get("scheduling_state", "")
+    names = sorted({name for bundle in bundles for name in bundle if not name.startswith("node:")})
+    nodes = "; ".join(f"{node['NodeManagerAddress']} {_describe_bundle({n: node['Resources'].get(n, 0) for n in names})}"
+                      for node in ray.nodes() if node["Alive"])
+    need = (f"{len(bundles)} nodes" if settings.strategy == "STRICT_SPREAD" else "room for") + \
+        f" with {_describe_bundle(bundles[-1])} each"
+    return (f"Ray could not place the chain's {len(bundles)} stages within {waited_s:.0f} s "
+            f"({settings.strategy}: {need}; placement {state.get('state', '?')}"
+            f"{', ' + scheduling if scheduling else ''}). The cluster's nodes: {nodes}. Fix: add nodes, ask for "
+            f"fewer --stages or smaller --ray-stage-resources, or --ray-placement pack")
+
+
+def _describe_bundle(bundle: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{name}: {value:g}" for name, value in bundle.items() if not name.startswith("node:")) + "}"
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _cause(error: BaseException) -> str:
+    """A Ray error's first line, or the exception an actor method raised."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        return str(cause)
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _actor_death(error: BaseException) -> str:
+    """Why Ray says an actor is gone, in one line."""
+    from ray.exceptions import ActorUnavailableError
+
+    if isinstance(error, ActorUnavailableError):
+        return "its process or node stopped answering"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and not line.startswith("\t")]
+    return lines[-1] if lines else type(error).__name__
+
+
+def _is_gone_for_good(error: BaseException) -> bool:
+    """An actor whose constructor raised (skippy missing on its node, say): Ray does not
+    restart those. Any other death of an actor with max_restarts=-1 is a restart under way."""
+    from ray.exceptions import ActorDiedError
+
+    return isinstance(error, ActorDiedError) and error.actor_init_failed
+

@@ -1,0 +1,241 @@
+"""The Ray actor that hosts one stage on its node (`skippy serve --ray`, ray_chain.py).
+
+It runs `skippy stage` as its child, so a stage is the same process wherever it runs. Its
+life is the stage's: when the child dies the actor exits, and Ray starts the actor again
+(`max_restarts`), on the same node, or on another when the node was lost.
+
+The first start comes from the driver: the actor makes a TLS key here, only its public half
+leaves the node (the driver signs a certificate for the address the actor landed on), and the
+config with its chain token arrives by `start`. Nothing secret is a constructor argument: Ray
+keeps those to replay restarts, and lists them to anyone who can list actors. The stage's
+files stay on the node, owner-only, like a hand-started stage's plan; an actor that Ray starts
+again on the same node finds them and starts the stage at once, without waiting for the
+driver to notice (Ray tells a caller about the new actor a second after it is up). On another
+node there are none, and the driver starts it as the first time, for its new address.
+
+A node needs no copy of the model: a stage without the file at the plan's path fetches its
+slice from stage 0 into the node's cache (stage/fetch.py), so a start may take as long as that
+fetch (the driver's `ready_timeout_s`, serve's --stage-wait).
+
+It imports no torch, nor even the protocol's models (the config stays JSON here): Ray starts
+this process again when a stage dies, and that start is part of the stream's pause.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ..stage.certificates import new_key_pair, public_key_of, write_private
+from ..stage.lifecycle import READY_PREFIX
+from .placement import STARTUP_TIMEOUT_S, describe_exit, stage_command
+
+PR_SET_PDEATHSIG = 1
+ERROR_LINES = 20  # of the child's stderr, in a start's error
+
+
+class StageHost:
+    """One stage's actor; the driver calls `describe`, then `start` (or `wait_ready` when the
+    actor restarted its stage itself), then waits on `wait`."""
+
+    def __init__(self, stage_index: int, chain_id: str, port: int, log_level: str):
+        import ray
+
+        self.stage_index, self.port, self.log_level = stage_index, port, log_level
+        self.node_ip = ray.util.get_node_ip_address()
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.directory = Path(tempfile.gettempdir()) / f"skippy-{chain_id}-stage-{stage_index}"
+        self._child: subprocess.Popen | None = None
+        self._stopping = False
+        self._settled = threading.Event()  # the current start ended: ready, or exited before
+        self._start_error = ""
+        self._started_at = 0.0
+        self._down = threading.Event()     # the stage exited after it was ready
+        self._down_reason = ""
+        self._stderr: collections.deque[str] = collections.deque(maxlen=ERROR_LINES)
+        self._forker = _Forker()
+        self._ready_timeout_s = STARTUP_TIMEOUT_S
+        threads = self._kept_start()
+        if threads is None:
+            shutil.rmtree(self.directory, ignore_errors=True)  # another node's, or an earlier chain's
+            self.directory.mkdir(mode=0o700, parents=True)
+            self._key_pem, self._public_pem = new_key_pair()  # never leaves this node
+        else:  # Ray restarted this actor where its stage ran: the same stage, at once
+            self._key_pem = (self.directory / "tls" / "stage.key").read_bytes()
+            self._public_pem = public_key_of(self._key_pem)
+            self._launch(threads)
+
+    def _kept_start(self) -> int | None:
+        """The threads of the stage this node last ran for this actor, if its files are here
+        and name this node's address (a shared /tmp across hosts holds other nodes' too)."""
+        try:
+            kept = json.loads((self.directory / "start.json").read_text())
+            config = json.loads(self.config_path.read_text())
+        except (OSError, ValueError):
+            return None
+        if config["bind_addr"] != self.endpoint:
+            return None
+        self._ready_timeout_s = kept.get("ready_timeout_s", STARTUP_TIMEOUT_S)
+        return kept["threads"]
+
+    def describe(self) -> dict:
+        """Where this actor runs, and the public key its certificate must name. `starting`:
+        it restarted its stage from the files it kept (`wait_ready` for it); `down`: its stage
+        has exited and the actor is about to (a restart must wait for the next one)."""
+        failed = self._settled.is_set() and self._start_error  # then the driver starts it anew
+        return {"node_ip": self.node_ip, "node_id": self.node_id, "endpoint": self.endpoint,
+                "public_key": self._public_pem, "pid": os.getpid(),
+                "starting": self._child is not None and not failed, "down": self._down.is_set()}
+
+    @property
+    def endpoint(self) -> str:
+        return f"[{self.node_ip}]:{self.port}" if ":" in self.node_ip else f"{self.node_ip}:{self.port}"
+
+    @property
+    def config_path(self) -> Path:
+        return self.directory / "stage.json"
+
+    def start(self, config_json: str, topology_json: str, cert_pem: bytes, ca_pem: bytes,
+              threads: int, ready_timeout_s: float = STARTUP_TIMEOUT_S) -> dict:
+        """Write the stage's files (owner-only), start `skippy stage`, return once it is ready
+        (within `ready_timeout_s`: a start may include fetching its layers)."""
+        if self._child is not None and self._child.poll() is None:
+            raise RuntimeError(f"stage {self.stage_index} is already running on {self.node_ip}")
+        # A StageConfig, validated by the stage itself. A node without the file at its
+        # `model_path` is fine: the stage fetches its slice from stage 0 (the topology's first
+        # endpoint, a holder) into this node's cache (stage/fetch.py), where a restart on this
+        # node finds it.
+        config = json.loads(config_json)
+        tls = self.directory / "tls"
+        tls.mkdir(mode=0o700, exist_ok=True)
+        write_private(tls / "ca.pem", ca_pem)
+        write_private(tls / "stage.pem", cert_pem)
+        write_private(tls / "stage.key", self._key_pem)
+        config["tls"] = {"ca_file": "tls/ca.pem", "cert_file": "tls/stage.pem", "key_file": "tls/stage.key"}
+        write_private(self.config_path, json.dumps(config).encode())
+        write_private(self.directory / "topology.json", topology_json.encode())
+        write_private(self.directory / "start.json",
+                      json.dumps({"threads": threads, "ready_timeout_s": ready_timeout_s}).encode())
+        self._ready_timeout_s = ready_timeout_s
+        self._launch(threads)
+        return self.wait_ready()
+
+    def _launch(self, threads: int) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+        command = [*stage_command(self.config_path, self.directory / "topology.json", self.log_level),
+                   "--threads", str(threads)]
+        self._settled.clear()
+        self._start_error, self._started_at = "", time.monotonic()
+        self._child = self._forker.popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         env=env, text=True, preexec_fn=_die_with_parent)
+        threading.Thread(target=self._relay_stderr, args=(self._child.stderr,), daemon=True).start()
+        threading.Thread(target=self._keep, args=(self._child,), daemon=True,
+                         name=f"skippy-stage-{self.stage_index}").start()
+
+    def wait_ready(self) -> dict:
+        """Return once the stage started last is ready; raise if it exited before."""
+        if not self._settled.wait(self._ready_timeout_s):
+            self._child.kill()  # its last lines say where it was: loading, or fetching (and from whom)
+            raise RuntimeError(f"stage {self.stage_index} on {self.node_ip}: not ready within "
+                               f"{self._ready_timeout_s:g} s (--stage-wait); its last lines:\n" + "".join(self._stderr))
+        if self._start_error:
+            raise RuntimeError(self._start_error)
+        return {"stage_pid": self._child.pid, "ready_s": self._ready_s}
+
+    def _keep(self, child: subprocess.Popen) -> None:
+        """See the stage through: ready, then its exit."""
+        is_ready = False
+        for line in child.stdout:
+            if not is_ready and line.startswith(READY_PREFIX):
+                is_ready, self._ready_s = True, time.monotonic() - self._started_at
+                self._settled.set()
+        code = child.wait()
+        if not is_ready:
+            self._start_error = (f"stage {self.stage_index} on {self.node_ip} exited with {describe_exit(code)} "
+                                 f"before it was ready:\n" + "".join(self._stderr))
+            self._settled.set()
+            return
+        if self._stopping:
+            return
+        # A dead stage makes a dead actor, which Ray restarts. `wait` answers first, with why.
+        self._down_reason = f"its stage process exited with {describe_exit(code)}"
+        self._down.set()
+        time.sleep(0.05)
+        os._exit(1)
+
+    def _relay_stderr(self, stream) -> None:
+        for line in stream:  # the stage's log, to this actor's (which Ray can show on the driver)
+            self._stderr.append(line)
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    def wait(self) -> str:
+        """Return when the stage process is down (why). The actor exits right after: the
+        driver holds this call as the stage's liveness sentinel."""
+        self._down.wait()
+        return self._down_reason
+
+    def repoint(self, downstream_json: str | None) -> None:
+        """The next stage moved: rewrite this stage's config and tell it (SIGHUP)."""
+        config = json.loads(self.config_path.read_text())
+        downstream = None if downstream_json is None else json.loads(downstream_json)
+        if config["downstream"] == downstream:
+            return
+        config["downstream"] = downstream
+        write_private(self.config_path, json.dumps(config).encode())
+        if self._child is not None and self._child.poll() is None:
+            self._child.send_signal(signal.SIGHUP)
+
+    def stop(self) -> None:
+        """End the stage (SIGTERM, then SIGKILL after 10 s) and remove its files, without
+        taking the actor down."""
+        self._stopping = True
+        if self._child is not None and self._child.poll() is None:
+            self._child.terminate()
+            try:
+                self._child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._child.kill()
+                self._child.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class _Forker:
+    """Starts children from one thread that lives as long as this process: Linux sends
+    PR_SET_PDEATHSIG when the *thread* that forked the child ends, not its process."""
+
+    def __init__(self):
+        self._requests: queue.Queue = queue.Queue()
+        threading.Thread(target=self._serve, daemon=True, name="skippy-forker").start()
+
+    def _serve(self) -> None:
+        while True:
+            args, options, reply = self._requests.get()
+            try:
+                reply.put(subprocess.Popen(args, **options))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller
+                reply.put(error)
+
+    def popen(self, args: list[str], **options) -> subprocess.Popen:
+        reply: queue.Queue = queue.Queue(maxsize=1)
+        self._requests.put((args, options, reply))
+        if isinstance(result := reply.get(), BaseException):
+            raise result
+        return result
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when its parent dies (an actor killed by Ray, or its
+    node's raylet gone, must not leave a stage serving)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
