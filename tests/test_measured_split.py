@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 
 import pytest
 
@@ -103,6 +104,42 @@ def test_the_codec_picks_each_frames_dtype_from_the_measurements():
     local = LinkCodec("auto", 576, loopback=True)  # measured slow (a busy machine): still f32
     local.forward, local.link = codec.forward, codec.link
     assert (local.dtype_for(1), local.dtype_for(64)) == (ActivationDtype.f32, ActivationDtype.f32)
+
+
+def test_a_burst_stalled_by_a_busy_machine_does_not_set_the_links_rate():
+    """A stalled end only ever makes a burst slow: the link's rate is its best burst's, so a
+    machine busy at start does not make `auto` send narrower rows than the link needs."""
+    from skippy.protocol import StageReply
+    from skippy.protocol.stream import read_message, write_reply
+    from skippy.stage.link_probe import BURST_FRAMES, MAX_FRAME_BYTES, measure_link
+
+    STALL_S = 1.0
+    big_frames = 0
+
+    async def downstream(reader, writer):  # ACKs each probe; the first full-size burst stalls
+        nonlocal big_frames
+        while (msg := await read_message(reader)) is not None:
+            if msg.tokens is not None and msg.tokens.nbytes >= MAX_FRAME_BYTES:
+                big_frames += 1
+                if big_frames == 1:
+                    await asyncio.sleep(STALL_S)
+            await write_reply(writer, StageReply.ack())
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(downstream, "127.0.0.1", 0)
+        sock = socket.socket()
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, server.sockets[0].getsockname()[:2])
+        try:
+            return await measure_link(sock, Transport())
+        finally:
+            sock.close()
+            server.close()
+
+    link = asyncio.run(main())
+    assert big_frames > BURST_FRAMES  # bursts after the stalled one were timed
+    assert link.bytes_per_s > BURST_FRAMES * MAX_FRAME_BYTES / STALL_S * 2  # not the stalled burst's rate
 
 
 @pytest.mark.slow
