@@ -28,9 +28,8 @@ from ..protocol import (
     AuthError, FrameError, LinkConditioning, MessageKind, ProtocolError, ReplyKind, StageMessage, StageReply,
     StageConfig, StageStatusReport, Timeouts, TlsConfig, encode_message, parse_endpoint,
 )
-from ..protocol.constants import AUTH_PREFIX, READY, REPLY_FIXED_BYTES, REPLY_HEADER
+from ..protocol.constants import AUTH_MAGIC, AUTH_PREFIX, FETCH_MAGIC, READY, REPLY_FIXED_BYTES, REPLY_HEADER
 from ..protocol.frames import decode_reply_body, parse_reply_header
-from ..protocol.constants import AUTH_MAGIC, FETCH_MAGIC
 from ..protocol.handshake import AuthPreamble, Ready, check_auth, preamble_fields, token_bytes
 from . import tls
 from .link import Conditioner
@@ -95,7 +94,7 @@ class Transport:
         raise LinkBroken("; ".join(map(str, errors))) from errors[-1].__cause__
 
     async def _dial_one(self, endpoint: str, connect_s: float, handshake_s: float | None,
-                        tensors: bool = False) -> socket.socket:
+                        tensors: bool) -> socket.socket:
         host, port = parse_endpoint(endpoint)
         loop = asyncio.get_running_loop()
         sock = None
