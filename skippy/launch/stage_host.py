@@ -117,8 +117,9 @@ class StageHost:
         # endpoint, a holder) into this node's cache (stage/fetch.py), where a restart on this
         # node finds it.
         config = json.loads(config_json)
+        self._stopping = False  # a start after `stop_stage` (new configs: a measured split)
         tls = self.directory / "tls"
-        tls.mkdir(mode=0o700, exist_ok=True)
+        tls.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_private(tls / "ca.pem", ca_pem)
         write_private(tls / "stage.pem", cert_pem)
         write_private(tls / "stage.key", self._key_pem)
@@ -161,12 +162,12 @@ class StageHost:
                 is_ready, self._ready_s = True, time.monotonic() - self._started_at
                 self._settled.set()
         code = child.wait()
-        if not is_ready:
+        if not is_ready and self._child in (child, None):  # not a stage that a later start replaced
             self._start_error = (f"stage {self.stage_index} on {self.node_ip} exited with {describe_exit(code)} "
                                  f"before it was ready:\n" + "".join(self._stderr))
             self._settled.set()
             return
-        if self._stopping:
+        if self._stopping or child is not self._child:  # stopped: `stop_stage` (and maybe a start since)
             return
         # A dead stage makes a dead actor, which Ray restarts. `wait` answers first, with why.
         self._down_reason = f"its stage process exited with {describe_exit(code)}"
@@ -183,7 +184,8 @@ class StageHost:
     def wait(self) -> str:
         """Return when the stage process is down (why). The actor exits right after: the
         driver holds this call as the stage's liveness sentinel."""
-        self._down.wait()
+        down = self._down
+        down.wait()
         return self._down_reason
 
     def repoint(self, downstream_json: str | None) -> None:
@@ -197,17 +199,25 @@ class StageHost:
         if self._child is not None and self._child.poll() is None:
             self._child.send_signal(signal.SIGHUP)
 
-    def stop(self) -> None:
-        """End the stage (SIGTERM, then SIGKILL after 10 s) and remove its files, without
-        taking the actor down."""
+    def stop_stage(self) -> None:
+        """End the stage (SIGTERM, then SIGKILL after 10 s), without taking the actor down;
+        its files and key stay for a `start` with new configs. A `wait` under way returns."""
         self._stopping = True
-        if self._child is not None and self._child.poll() is None:
-            self._child.terminate()
+        child, self._child = self._child, None
+        if child is not None and child.poll() is None:
+            child.terminate()
             try:
-                self._child.wait(timeout=10)
+                child.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self._child.kill()
-                self._child.wait()
+                child.kill()
+                child.wait()
+        self._down_reason = "stopped by skippy"
+        self._down.set()              # the driver's sentinel on this stage returns ...
+        self._down = threading.Event()  # ... and the next start gets its own
+
+    def stop(self) -> None:
+        """End the stage and remove its files, without taking the actor down."""
+        self.stop_stage()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
