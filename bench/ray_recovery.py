@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from ray_support import ServedOnRay, process_in, ray_cluster  # noqa: E402
 
-KINDS = {"process": " stage --config ", "actor": "ray::StageHost"}  # what is killed: a marker of its command line
+KINDS = {"process": "skippy-stage", "actor": "ray::StageHost"}  # what is killed: its name or command line
 
 
 def main() -> int:
