@@ -35,10 +35,10 @@ def test_the_split_follows_the_bundles_cpus():
 def test_the_cli_builds_the_ray_settings_and_checks_them():
     args = build_parser().parse_args(["serve", "--ray", "10.0.0.1:6379", "--stages", "3", "--ray-placement", "pack",
                                       "--ray-stage-resources", '{"CPU": 8}', "--ray-port", "7300",
-                                      "--weights", "1,2,1"])
+                                      "--weights", "1,2,1", "--ray-no-standby"])
     config = serve_config(args, ray=ray_settings(args))
     assert config.ray == RaySettings(address="10.0.0.1:6379", placement="pack", stage_resources=[{"CPU": 8}],
-                                     port=7300)
+                                     port=7300, standby=False)
     assert config.weights == [1, 2, 1]
     assert ray_settings(build_parser().parse_args(["serve"])) is None
     with pytest.raises(ValueError, match="--ray with --stages N"):

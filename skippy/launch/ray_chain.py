@@ -66,6 +66,7 @@ class RaySettings(BaseModel):
     stage_resources: list[dict[str, float]] = [{"CPU": 1.0}]
     port: int = Field(7200, ge=1, le=65535 - 64)  # stage i listens on port + i (0: stage 0's return listener)
     placement_timeout_s: float = Field(120.0, gt=0)  # waiting for the cluster to have room
+    standby: bool = True  # a warm standby process beside each stage for its restarts (warm_stage.py)
 
     @field_validator("stage_resources")
     @classmethod
@@ -207,7 +208,7 @@ class RayChain:
             torch.set_num_threads(threads[0])  # stage 0, here
             self.placement = RayActors(self.group, bundles, configs, self.topology, ca_dir, threads,
                                        chain_id=self.chain_id, log_level=self.log_level,
-                                       ready_timeout_s=self.stage_wait_s)
+                                       ready_timeout_s=self.stage_wait_s, standby=self.settings.standby)
             await self._start_stages(self.placement.start(on_stage_ready))
             if self.split == "auto":
                 await self._measured_split(on_stage_ready)
@@ -344,8 +345,9 @@ class RayActors:
 
     def __init__(self, group, bundles: list[dict[str, float]], configs: list[StageConfig], topology: Topology,
                  ca_dir: Path, threads: list[int], *, chain_id: str, log_level: str,
-                 ready_timeout_s: float = STARTUP_TIMEOUT_S):
+                 ready_timeout_s: float = STARTUP_TIMEOUT_S, standby: bool = True):
         self.group, self.bundles, self.configs, self.topology = group, bundles, configs, topology
+        self.standby = standby  # each actor keeps a warm standby for its stage's restarts
         self.ca_dir, self.threads, self.chain_id, self.log_level = ca_dir, threads, chain_id, log_level
         self.ready_timeout_s = ready_timeout_s  # a stage's start, a fetch of its layers included
         self.endpoints = [stage.endpoint for stage in topology.stages]
@@ -377,7 +379,7 @@ class RayActors:
                 name=f"skippy-{self.chain_id}-stage-{index}", namespace=NAMESPACE, max_restarts=-1,
                 max_task_retries=0, max_concurrency=4, num_cpus=0, num_gpus=self.bundles[index].get("GPU", 0),
                 scheduling_strategy=strategy,
-            ).remote(index, self.chain_id, self._port(index), self.log_level)  # fmt: skip
+            ).remote(index, self.chain_id, self._port(index), self.log_level, self.standby)  # fmt: skip
         await self.start_stages(on_ready)
 
     async def start_stages(self, on_ready: Callable[[], None]) -> None:

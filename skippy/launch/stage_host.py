@@ -1,8 +1,11 @@
 """The Ray actor that hosts one stage on its node (`skippy serve --ray`, ray_chain.py).
 
-It runs `skippy stage` as its child, so a stage is the same process wherever it runs. Its
-life is the stage's: when the child dies the actor exits, and Ray starts the actor again
-(`max_restarts`), on the same node, or on another when the node was lost.
+It runs `skippy stage`, so a stage is the same process wherever it runs. Its life is the
+stage's: when the stage dies the actor exits, and Ray starts the actor again (`max_restarts`),
+on the same node, or on another when the node was lost. The stage runs in a standby process
+(warm_stage.py: torch and skippy imported ahead, then handed the command line); once its stage
+is up the actor starts the next standby, which outlives the actor, so the actor Ray starts
+next on this node hands the stage to a process that only has to load and listen.
 
 The first start comes from the driver: the actor makes a TLS key here, only its public half
 leaves the node (the driver signs a certificate for the address the actor landed on), and the
@@ -52,10 +55,11 @@ class StageHost:
     """One stage's actor; the driver calls `describe`, then `start` (or `wait_ready` when the
     actor restarted its stage itself), then waits on `wait`."""
 
-    def __init__(self, stage_index: int, chain_id: str, port: int, log_level: str):
+    def __init__(self, stage_index: int, chain_id: str, port: int, log_level: str, standby: bool = True):
         import ray
 
         self.stage_index, self.port, self.log_level = stage_index, port, log_level
+        self.keeps_standby = standby  # a warm process for the next start (warm_stage.py)
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         self.directory = Path(tempfile.gettempdir()) / f"skippy-{chain_id}-stage-{stage_index}"
@@ -152,7 +156,9 @@ class StageHost:
         with self._standby_lock:
             try:
                 self._child = hand_over(self.standby_socket, argv, self._ready_timeout_s, self._standby)
-            except (OSError, ValueError):  # none waiting: a cold start
+            except (OSError, ValueError):  # none waiting (or it failed): a cold start
+                if self._standby is not None:
+                    self._standby.kill()
                 self._standby = spawn_standby(self.standby_socket, self._stage_env(threads), self._forker.popen)
                 self._child = hand_over(self.standby_socket, argv, self._ready_timeout_s, self._standby)
             self._standby = None
@@ -200,7 +206,8 @@ class StageHost:
     def _prepare_standby(self, stage: StageProcess) -> None:
         """The next start's process, importing while `stage` serves."""
         with self._standby_lock:
-            if self._standby is None and not self._stopping and stage is self._child and stage.running():
+            if self.keeps_standby and self._standby is None and not self._stopping and stage is self._child \
+                    and stage.running():
                 self._standby = spawn_standby(self.standby_socket, self._stage_env(self._threads),
                                               self._forker.popen)
 
