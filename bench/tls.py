@@ -6,6 +6,11 @@ planned by `skippy plan`; the plain one is the same plan with its TLS files remo
 client-timed; rounds alternate between the chains; medians.
 
     python bench/tls.py --rounds 5 --max-tokens 96
+
+`--speculative MODE`: both chains over mutual TLS, one serving with `--speculative MODE`
+(speculation where it exists to pay: off loopback, on TLS), e.g.
+
+    python bench/tls.py --speculative ngram-suffix --prompt copy-text --keep-eos --max-tokens 160
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import READY, resolve_model
+from common import READY, resolve_model, speculative_prompts
 from serve import NO_EOS, PROMPT, http_stream
 from sse_client import SSEClient
 
@@ -36,7 +41,7 @@ def local_address() -> str:
 class Chain:
     """Stage 1 as a `skippy stage` process, stage 0 as `skippy serve --topology`, from one plan."""
 
-    def __init__(self, out: Path, host: str, threads: int, secure: bool, model: str | None):
+    def __init__(self, out: Path, host: str, threads: int, secure: bool, model: str | None, serve_args=()):
         ports = free_ports(2, host)
         cli = [sys.executable, "-m", "skippy.cli"]
         subprocess.run([*cli, "plan", "--stages", "2", "--hosts", f"{host}:{ports[0]},{host}:{ports[1]}",
@@ -55,7 +60,7 @@ class Chain:
                 break
         serve = subprocess.Popen([*cli, "serve", "--port", "0", "--topology", str(out / "topology.json"),
                                   "--threads", str(threads), "--kv-cache-mem", "0", *insecure,
-                                  *(["--model", model] if model else [])],
+                                  *(["--model", model] if model else []), *serve_args],
                                  stdout=subprocess.PIPE, text=True)
         self.processes.append(serve)
         for line in serve.stdout:
@@ -73,12 +78,19 @@ class Chain:
 async def main(args: argparse.Namespace) -> None:
     host = local_address()
     model = Path(args.model).stem if args.model else "SmolLM2-135M-Instruct.Q4_1"
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}],
-            "temperature": 0, "max_tokens": args.max_tokens, "logit_bias": {str(k): v for k, v in NO_EOS.items()},
-            "stream": True, "stream_options": {"include_usage": True}}
-    with tempfile.TemporaryDirectory() as tls_dir, tempfile.TemporaryDirectory() as plain_dir:
-        chains = {"mutual TLS": Chain(Path(tls_dir), host, args.threads, True, args.model),
-                  "plain TCP": Chain(Path(plain_dir), host, args.threads, False, args.model)}
+    prompt = PROMPT if args.prompt == "story" else speculative_prompts(3)[args.prompt]
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+            "max_tokens": args.max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    if not args.keep_eos:  # run to max_tokens
+        body["logit_bias"] = {str(k): v for k, v in NO_EOS.items()}
+    with tempfile.TemporaryDirectory() as a_dir, tempfile.TemporaryDirectory() as b_dir:
+        if args.speculative:
+            chains = {"TLS, speculative off": Chain(Path(a_dir), host, args.threads, True, args.model),
+                      f"TLS, {args.speculative}": Chain(Path(b_dir), host, args.threads, True, args.model,
+                                                        ["--speculative", args.speculative])}
+        else:
+            chains = {"mutual TLS": Chain(Path(a_dir), host, args.threads, True, args.model),
+                      "plain TCP": Chain(Path(b_dir), host, args.threads, False, args.model)}
         rates: dict[str, list[float]] = {name: [] for name in chains}
         ttfts: dict[str, list[float]] = {name: [] for name in chains}
         try:
@@ -93,13 +105,16 @@ async def main(args: argparse.Namespace) -> None:
             for chain in chains.values():
                 chain.close()
     print(f"2 stages on {host}, {args.threads} threads each, {args.max_tokens} tokens, medians of {args.rounds}")
-    print(f"{'link':<12} {'decode tok/s':>13} {'ms/token':>9} {'TTFT ms':>8}")
+    width = max(len(name) for name in chains)
+    print(f"{'chain':<{width}} {'decode tok/s':>13} {'ms/token':>9} {'TTFT ms':>8}")
     for name in chains:
         rate = statistics.median(rates[name])
-        print(f"{name:<12} {rate:>13.1f} {1e3 / rate:>9.3f} {statistics.median(ttfts[name]):>8.1f}")
-    tls_rate, plain_rate = (statistics.median(rates[name]) for name in chains)
-    print(f"TLS / plain: {tls_rate / plain_rate:.3f}x decode, {1e3 / tls_rate - 1e3 / plain_rate:+.3f} ms a token")
-
+        print(f"{name:<{width}} {rate:>13.1f} {1e3 / rate:>9.3f} {statistics.median(ttfts[name]):>8.1f}")
+    a_rate, b_rate = (statistics.median(rates[name]) for name in chains)
+    if args.speculative:
+        print(f"{args.speculative} / off, both over TLS: {b_rate / a_rate:.3f}x decode")
+    else:
+        print(f"TLS / plain: {a_rate / b_rate:.3f}x decode, {1e3 / a_rate - 1e3 / b_rate:+.3f} ms a token")
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,4 +123,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--speculative", default=None, help="compare this proposer against none, both over TLS")
+    parser.add_argument("--prompt", default="story", choices=["story", "copy-text", "copy-code", "free-form"])
+    parser.add_argument("--keep-eos", action="store_true", help="do not ban the end tokens (a reply may end early)")
     asyncio.run(main(parser.parse_args()))

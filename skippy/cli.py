@@ -128,6 +128,9 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-port", type=int, default=7200, help="stage i listens on this port + i (default 7200)")
     parser.add_argument("--ray-placement-timeout", dest="ray_placement_timeout_s", type=float, default=120.0,
                         help="seconds to wait for the cluster to have room for every stage (default 120)")
+    parser.add_argument("--ray-no-standby", dest="ray_standby", action="store_false", default=None,
+                        help="keep no warm standby process beside each stage (saves ~250 MB per stage node; "
+                             "a restarted stage then starts Python afresh, ~2 s longer)")
     parser.add_argument("--weights", type=lambda text: [float(w) for w in text.split(",")], default=None,
                         help="with --ray: each stage's relative share of the layers, comma-separated")
 

@@ -113,10 +113,13 @@ def namespace_pids(host: Host) -> list[int]:
 
 
 def process_in(host: Host, marker: str) -> int | None:
-    """The pid of the process in `host`'s namespace whose command line contains `marker`."""
+    """The pid of the process in `host`'s namespace whose name (/proc/PID/comm: a stage is
+    "skippy-stage", a standby "skippy-standby", warm_stage.py) is `marker`, or whose command line
+    contains it."""
     for pid in namespace_pids(host):
         with contextlib.suppress(OSError):
-            if marker in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+            if marker == Path(f"/proc/{pid}/comm").read_text().strip() or \
+                    marker in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
                 return pid
     return None
 
@@ -190,7 +193,9 @@ class ServedOnRay:
         started = time.monotonic()
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
                                         env=cluster.env())
+        self.output = ""  # its stdout up to the ready line
         for line in self.process.stdout:
+            self.output += line
             if line.startswith("skippy: ready:"):
                 self.ready_s = time.monotonic() - started
                 self.ready_line = line

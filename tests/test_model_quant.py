@@ -399,7 +399,7 @@ def test_one_call_decode_layers_equal_the_loop(start, sessions, crowded, quant_m
     def decode(one_call: bool) -> tuple[list[torch.Tensor], list]:
         fused = model.decode_layers
         caches = [model.new_cache() for _ in prompts]
-        for p, c in zip(prompts, caches):  # prompts take the loop either way
+        for p, c in zip(prompts, caches):  # short prompts (<= WINDOW_ROWS_MAX) take the one call too
             model.forward(rows_of(p), [Segment(c, 0, len(p))])
         outputs = []
         try:
@@ -419,6 +419,41 @@ def test_one_call_decode_layers_equal_the_loop(start, sessions, crowded, quant_m
     for a, b in zip(got_caches, expected_caches):
         n = a.length
         assert n == b.length and torch.equal(a.k[:, :, :n], b.k[:, :, :n]) and torch.equal(a.v[:, :, :n], b.v[:, :, :n])
+
+
+@pytest.mark.parametrize("width", [2, 5, 9])
+def test_verify_windows_in_the_one_call_equal_the_loop_and_decode_steps(width, quant_model):
+    """A verify window's rows (one session, consecutive positions: each attends over the
+    window's earlier rows) through the one C call, alone and batched beside another session's
+    decode row: bit for bit the loop's rows, logits and KV rows, and the rows the same tokens
+    give decoded one at a time."""
+    model = quant_model
+    window = [(7 * i + 3) % 500 for i in range(width)]
+
+    def run(one_call: bool, batched: bool, stepped: bool = False):
+        fused = model.decode_layers
+        a, b = model.new_cache(), model.new_cache()
+        model.forward(torch.tensor(PROMPT), [Segment(a, 0, len(PROMPT))])
+        model.forward(torch.tensor(PROMPT[:13]), [Segment(b, 0, 13)])
+        try:
+            model.decode_layers = fused if one_call else None
+            if stepped:
+                hidden = torch.cat([model.forward(torch.tensor([t]), [Segment(a, len(PROMPT) + i, 1)])
+                                    for i, t in enumerate(window)])
+                return hidden, None, a
+            segments = [Segment(a, len(PROMPT), width)] + ([Segment(b, 13, 1)] if batched else [])
+            hidden = model.forward(torch.tensor(window + ([42] if batched else [])), segments)
+            return hidden[:width], model.compute_logits(hidden), a
+        finally:
+            model.decode_layers = fused
+
+    for batched in (False, True):
+        (got, got_logits, got_cache), (expected, expected_logits, expected_cache) = run(True, batched), run(False, batched)
+        n = len(PROMPT) + width
+        assert torch.equal(got, expected) and torch.equal(got_logits, expected_logits)
+        assert torch.equal(got_cache.k[:, :, :n], expected_cache.k[:, :, :n])
+        assert torch.equal(got_cache.v[:, :, :n], expected_cache.v[:, :, :n])
+    assert torch.equal(run(True, False, stepped=True)[0], got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -29,21 +31,35 @@ pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "skippy.cli"]
 PROMPT = "The capital of France is"
 RECOVERY_TIMEOUT_S = 30
-STAGE_PROCESS = " stage --config "     # in a stage's command line
+STAGE_PROCESS = "skippy-stage"         # a stage's process name (a standby until handed its stage)
+STANDBY = "skippy-standby"             # the next start's process, waiting (launch/warm_stage.py)
 STAGE_ACTOR = "ray::StageHost"        # Ray's title for the actor's process
 
 
+def model_seen_by_one_node(tmp_path_factory) -> Path:
+    """A copy of the model in a directory that ray_cluster(hidden_on_workers=) hides from the
+    worker nodes' raylets and all they start (actors, stages); `skippy serve`, started in a
+    worker's namespace apart from its raylet, sees it: stage 0 holds the model there."""
+    model = tmp_path_factory.mktemp("serving-node-only") / bundled_model_path().name
+    shutil.copyfile(bundled_model_path(), model)
+    return model
+
+
 @pytest.fixture(scope="module")
-def cluster():
-    """hosts[0] the head (no CPUs: no stage there), hosts[1..3] workers, hosts[4] the spare."""
-    with ray_cluster(5, 4, token=secrets.token_hex(16)) as made:
+def cluster(tmp_path_factory):
+    """hosts[0] the head (no CPUs: no stage there), hosts[1..3] workers, hosts[4] the spare; the
+    model file where `skippy serve` runs only, each worker node with its own empty skippy cache."""
+    model = model_seen_by_one_node(tmp_path_factory)
+    with ray_cluster(5, 4, token=secrets.token_hex(16), hidden_on_workers=model.parent,
+                     worker_caches=tmp_path_factory.mktemp("worker-caches")) as made:
+        made.model = model
         yield made
 
 
 @pytest.fixture(scope="module")
 def served(cluster, tmp_path_factory):
     server = ServedOnRay(cluster, cluster.hosts[1], ["--stages", "3", "--threads", "1", "--recovery-timeout",
-                                                     str(RECOVERY_TIMEOUT_S)],
+                                                     str(RECOVERY_TIMEOUT_S), "--model", str(cluster.model)],
                          tmp_path_factory.mktemp("ray") / "serve.log")
     yield server
     server.stop()
@@ -91,7 +107,11 @@ def test_three_stages_on_three_nodes_answer_as_one_process(served, cluster, one_
 
 
 def test_a_killed_stage_process_then_a_killed_actor_keep_the_text(served, expected):
+    """Each restart hands the stage to the standby its node kept (imports done), which
+    outlives the actor that started it; a new standby follows."""
     host = served.host_of(1)
+    assert wait_for(lambda: process_in(host, STANDBY), 30)
+    standby = process_in(host, STANDBY)
     text, gap = served.stream(lambda: os.kill(process_in(host, STAGE_PROCESS), signal.SIGKILL))
     print(f"\nstage 1's process SIGKILLed mid-stream: stream back {gap:.2f} s after the kill")
     assert text == expected and gap < RECOVERY_TIMEOUT_S
@@ -99,13 +119,17 @@ def test_a_killed_stage_process_then_a_killed_actor_keep_the_text(served, expect
     stage = served.stages()[1]
     assert (stage["restarts"], stage["node_ip"], stage["moves"]) == (1, host.address, 0)  # the same node
     assert "its stage process exited with signal SIGKILL" in stage["last_failure"]
+    assert process_in(host, STAGE_PROCESS) == standby  # the standby took the stage
+    assert wait_for(lambda: process_in(host, STANDBY) not in (None, standby), 30)  # and another waits
 
     host = served.host_of(2)
-    actor, stage_pid = process_in(host, STAGE_ACTOR), process_in(host, STAGE_PROCESS)
+    assert wait_for(lambda: process_in(host, STANDBY), 30)
+    actor, stage_pid, standby = (process_in(host, marker) for marker in (STAGE_ACTOR, STAGE_PROCESS, STANDBY))
     text, gap = served.stream(lambda: os.kill(actor, signal.SIGKILL))
     print(f"stage 2's actor SIGKILLed mid-stream: stream back {gap:.2f} s after the kill")
     assert text == expected and gap < RECOVERY_TIMEOUT_S
     assert not os.path.exists(f"/proc/{stage_pid}")  # its stage died with it: no orphan serving
+    assert process_in(host, STAGE_PROCESS) == standby  # the killed actor's standby, taken by its successor
     assert wait_for(lambda: served.stages()[2]["state"] == "ready", 30)
     assert served.stages()[2]["restarts"] == 1 and "its Ray actor died" in served.stages()[2]["last_failure"]
 
@@ -124,6 +148,7 @@ def test_a_placement_the_cluster_cannot_hold_fails_naming_it(served, cluster):
 def test_a_lost_node_moves_its_stage_to_the_spare(served, cluster, expected):
     spare = cluster.hosts[4]
     cluster.start_node(4)
+    assert not list(cluster.node_cache(4).glob("models/*/*"))  # nothing fetched there yet
     lost = served.host_of(2)  # the final stage: stage 1 is re-pointed to wherever it lands
     text, gap = served.stream(lambda: cluster.kill_host(lost))
     print(f"\nstage 2's node lost mid-stream (raylet and all): stream back {gap:.2f} s after the loss")
@@ -131,6 +156,9 @@ def test_a_lost_node_moves_its_stage_to_the_spare(served, cluster, expected):
     stage = served.stages()[2]
     assert (stage["state"], stage["node_ip"], stage["moves"]) == ("ready", spare.address, 1)
     assert stage["endpoint"] == f"{spare.address}:7202"
+    # the spare has no model file: it fetched the stage's slice from stage 0 into its own cache
+    fetched = [path.name for path in cluster.node_cache(4).glob("models/*/layers-*.gguf")]
+    assert fetched == [f"layers-{stage['layer_start']}-{stage['layer_end']}.gguf"]
     assert "stage 1: the next stage is now at" in served.log()  # re-pointed, not restarted
     assert served.stages()[1]["restarts"] == 1
     assert served.stream()[0] == expected  # and the next request goes through the spare
@@ -140,7 +168,7 @@ def test_ctrl_c_leaves_no_actor_no_placement_group_no_stage(served, cluster):
     assert skippy_left_on(cluster)["actors"]  # the chain's, while it serves
     assert served.stop(signal.SIGINT) == 0
     assert skippy_left_on(cluster) == {"actors": [], "groups": []}
-    assert not any(process_in(host, STAGE_PROCESS) for host in cluster.hosts)
+    assert not any(process_in(host, marker) for host in cluster.hosts for marker in (STAGE_PROCESS, STANDBY))
 
 
 @pytest.fixture(scope="module")
@@ -164,26 +192,35 @@ def test_a_cluster_without_token_auth_is_refused_off_loopback(open_cluster):
     assert skippy_left_on(unsecured) == {"actors": [], "groups": []}  # refused before placing anything
 
 
-def test_a_node_without_the_model_file_fetches_its_layers_and_serves(open_cluster, one_process_ids, tmp_path):
-    """(--insecure: this cluster has no token.) The worker has no model file: its stage fetches
-    its slice from stage 0 over the chain's link into the node's cache, and the chain answers
-    as one process does."""
+def test_a_measured_split_restarts_the_stages_a_node_fetching_each_slice(open_cluster, one_process_ids, tmp_path):
+    """(--insecure: this cluster has no token.) `--split auto` from a lopsided first split
+    (--weights 1,4): once both stages measured themselves, the chain starts again on the split
+    the measurements give, on the same nodes. The worker has no model file: its stage fetches
+    its slice from stage 0 over the chain's link into the node's cache, for each split, and
+    the chain answers as one process does."""
     unsecured, model = open_cluster
     worker = unsecured.hosts[1]
-    served = ServedOnRay(unsecured, unsecured.head, ["--stages", "2", "--model", str(model), "--insecure"],
+    served = ServedOnRay(unsecured, unsecured.head, ["--stages", "2", "--model", str(model), "--insecure",
+                                                     "--split", "auto", "--weights", "1,4"],
                          tmp_path / "serve.log", port=9401)
     try:
-        print(f"\nserve --ray, worker fetching its layers: API ready {served.ready_s:.1f} s after the command")
+        print(f"\nserve --ray --split auto, worker fetching its layers: API ready {served.ready_s:.1f} s "
+              "after the command")
         assert "without token authentication (--insecure)" in served.log()  # warned, then used
         stage = served.stages()[1]
         assert stage["node_ip"] == worker.address
         assert greedy_ids(served) == one_process_ids
-        # the slice its node fetched (each tenth of the way, and the end, in the serve log)
-        fetched = list(unsecured.node_cache(1).glob("models/*/layers-*.gguf"))
-        assert [path.name for path in fetched] == [f"layers-{stage['layer_start']}-{stage['layer_end']}.gguf"]
-        assert fetched[0].stat().st_size < model.stat().st_size  # its slice, not the file
-        assert wait_for(lambda: f"cached as {fetched[0]}" in served.log(), 10), served.log()[-3000:]
-        assert f"stage 1 fetching layers [{stage['layer_start']}, {stage['layer_end']}) from" in served.log()
+        # the first split, then the measured one: stage 1 fetched a slice for each (their
+        # progress, and where each was cached, in the serve log)
+        fetches = re.findall(r"stage 1 fetching layers \[(\d+), (\d+)\) from", served.log())
+        first, measured = dict.fromkeys(fetches)  # each split's, in order (a line each tenth of the way)
+        assert tuple(map(int, measured)) == (stage["layer_start"], stage["layer_end"]) != tuple(map(int, first))
+        assert "skippy: measured split (the first split predicted" in served.output
+        fetched = {path.name: path for path in unsecured.node_cache(1).glob("models/*/layers-*.gguf")}
+        assert set(fetched) == {f"layers-{a}-{b}.gguf" for a, b in (first, measured)}
+        current = fetched[f"layers-{stage['layer_start']}-{stage['layer_end']}.gguf"]
+        assert current.stat().st_size < model.stat().st_size  # its slice, not the file
+        assert wait_for(lambda: f"cached as {current}" in served.log(), 10), served.log()[-3000:]
     finally:
         assert served.stop(signal.SIGINT) == 0
     assert skippy_left_on(unsecured) == {"actors": [], "groups": []}

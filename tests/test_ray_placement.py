@@ -35,18 +35,17 @@ def test_the_split_follows_the_bundles_cpus():
 def test_the_cli_builds_the_ray_settings_and_checks_them():
     args = build_parser().parse_args(["serve", "--ray", "10.0.0.1:6379", "--stages", "3", "--ray-placement", "pack",
                                       "--ray-stage-resources", '{"CPU": 8}', "--ray-port", "7300",
-                                      "--weights", "1,2,1"])
+                                      "--weights", "1,2,1", "--ray-no-standby"])
     config = serve_config(args, ray=ray_settings(args))
     assert config.ray == RaySettings(address="10.0.0.1:6379", placement="pack", stage_resources=[{"CPU": 8}],
-                                     port=7300)
+                                     port=7300, standby=False)
     assert config.weights == [1, 2, 1]
     assert ray_settings(build_parser().parse_args(["serve"])) is None
     with pytest.raises(ValueError, match="--ray with --stages N"):
         serve_config(args, ray=ray_settings(args), num_stages=1)
     with pytest.raises(ValueError, match="one --ray-stage-resources bundle or 3"):
         serve_config(args, ray=RaySettings(stage_resources=[{"CPU": 1}, {"CPU": 2}]))
-    with pytest.raises(ValueError, match="--split equal with --ray"):
-        serve_config(args, ray=ray_settings(args), split="auto")
+    assert serve_config(args, ray=ray_settings(args), split="auto").split == "auto"  # measured on the placed nodes
     with pytest.raises(ValueError, match="3 --weights"):
         serve_config(args, ray=ray_settings(args), weights=[1, 1])
     with pytest.raises(ValueError, match="stage resources"):

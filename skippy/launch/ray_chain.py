@@ -46,6 +46,7 @@ from ..protocol import KvCacheConfig, PeerEndpoint, StageConfig, TlsConfig, Topo
 from ..runtime.batch_policy import ONE_WAVE_PEER_WAIT_FORWARDS
 from ..stage import certificates
 from .local_chain import WEIGHT_NAMES, connect_topology, plan_chain, stage_kv_cache
+from .measured_split import model_cost, plan_from_measurements
 from .placement import STARTUP_TIMEOUT_S, stop_chain
 from .supervisor import Supervisor
 
@@ -65,6 +66,7 @@ class RaySettings(BaseModel):
     stage_resources: list[dict[str, float]] = [{"CPU": 1.0}]
     port: int = Field(7200, ge=1, le=65535 - 64)  # stage i listens on port + i (0: stage 0's return listener)
     placement_timeout_s: float = Field(120.0, gt=0)  # waiting for the cluster to have room
+    standby: bool = True  # a warm standby process beside each stage for its restarts (warm_stage.py)
 
     @field_validator("stage_resources")
     @classmethod
@@ -145,18 +147,25 @@ class RayChain:
                  dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
                  log_level: str = "WARNING", otlp_endpoint: str | None = None, otlp_protocol: str = "http",
                  kv_cache: KvCacheConfig | None = None, max_restarts: int = 5, insecure: bool = False,
-                 stage_wait_s: float = 3600.0, on_placed: Callable[[str], None] = lambda line: None,
-                 **client_options):
+                 stage_wait_s: float = 3600.0, split: str = "equal",
+                 on_placed: Callable[[str], None] = lambda line: None, **client_options):
         """`threads`: torch threads of every stage (default: its bundle's CPUs). `insecure`: use
         a cluster without token authentication off loopback anyway. `stage_wait_s`: how long a
-        stage's start may take, fetching its layers from stage 0 included. `on_placed`: told, in
-        words, where the stages went once Ray placed them."""
+        stage's start may take, fetching its layers from stage 0 included. `split`: "equal" (by
+        the bundles' CPUs, or `weights`) or "auto": start so, wait for every stage's
+        measurements, and start the stages again on the split they give (planner.py), on the
+        same nodes, if it differs. `on_placed`: told, in words, where the stages went once Ray
+        placed them."""
         if num_stages < 2:
             raise ValueError(f"Expected at least 2 stages on Ray, got {num_stages}")
         self.model_path, self.num_stages, self.settings = Path(model_path), num_stages, settings
         self.threads, self.weights, self.log_level = threads, weights, log_level
         self.kv_cache, self.max_restarts, self.on_placed = kv_cache, max_restarts, on_placed
         self.insecure, self.stage_wait_s = insecure, stage_wait_s
+        if split not in ("equal", "auto"):
+            raise ValueError(f"Expected a split of 'equal' or 'auto', got {split!r}")
+        self.split, self.plan, self.first_plan = split, None, None  # the measured plan and the split's before it
+        self._model_cost = dict(ctx_size=ctx_size, lane_count=lane_count, activation_dtype=activation_dtype)
         self.chain_id = f"chain-{secrets.token_hex(4)}"
         self.auth_token = secrets.token_urlsafe(32)
         self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
@@ -175,6 +184,7 @@ class RayChain:
         self.client: ChainClient | None = None
         self.supervisor: Supervisor | None = None
         self.topology: Topology | None = None
+        self._tls: TlsConfig | None = None  # stage 0's identity, issued once placed
         self._connected = False
 
     async def start(self, on_stage_ready: Callable[[], None] = lambda: None) -> ChainClient:
@@ -191,20 +201,18 @@ class RayChain:
             endpoints = [_endpoint(ip, self.settings.port + i) for i, ip in enumerate(node_ips)]
             self.on_placed(f"Ray placed {self.num_stages} stages ({self.settings.strategy}): "
                            + ", ".join(f"stage-{i} on {ip}" for i, ip in enumerate(node_ips)))
-            self.topology, configs = plan_chain(self.model_path, endpoints,
-                                                weights=self.weights or split_weights(bundles),
-                                                topology_id=self.chain_id, **self._stage_options)
-            stage_kv = self.kv_cache or KvCacheConfig(mode="disabled")
-            configs = [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)}) for c in configs]
+            configs = self._plan(endpoints, weights=self.weights or split_weights(bundles))
             ca_dir = Path(self._dir.name) / "tls"
             stage0_tls = certificates.issue_certificates(ca_dir, {"stage-0": driver_ip})["stage-0"]
             threads = [self.threads or max(1, int(bundle.get("CPU", 1))) for bundle in bundles]
             torch.set_num_threads(threads[0])  # stage 0, here
             self.placement = RayActors(self.group, bundles, configs, self.topology, ca_dir, threads,
                                        chain_id=self.chain_id, log_level=self.log_level,
-                                       ready_timeout_s=self.stage_wait_s)
-            await self._start_stages(on_stage_ready, stage0_tls.resolved(Path(self._dir.name)))
-            self.placement.client = self.client
+                                       ready_timeout_s=self.stage_wait_s, standby=self.settings.standby)
+            self._tls = stage0_tls.resolved(Path(self._dir.name))
+            await self._start_stages(self.placement.start(on_stage_ready))
+            if self.split == "auto":
+                await self._measured_split(on_stage_ready)
         except BaseException:
             await self.close()
             raise
@@ -215,18 +223,47 @@ class RayChain:
         self.client.can_recover = self.supervisor.can_heal
         return self.client
 
-    async def _start_stages(self, on_stage_ready: Callable[[], None], tls: TlsConfig) -> None:
-        """The actors' stages and stage 0 at once: stage 0 loads and listens (holding the model
-        for the stages that fetch their layers), waits until every actor reports its stage
-        ready, then dials. A failure on either side ends the other."""
-        stages = asyncio.create_task(self.placement.start(on_stage_ready))
+    def _plan(self, endpoints: list[str], *, weights: list[float] | None = None,
+              ranges: list[tuple[int, int]] | None = None) -> list[StageConfig]:
+        """The topology (kept) and every stage's config for the placed endpoints."""
+        self.topology, configs = plan_chain(self.model_path, endpoints, weights=weights, ranges=ranges,
+                                            topology_id=self.chain_id, **self._stage_options)
+        stage_kv = self.kv_cache or KvCacheConfig(mode="disabled")
+        return [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)}) for c in configs]
+
+    async def _start_stages(self, actors_started) -> None:
+        """The actors' stages (`actors_started`, a coroutine) and stage 0 at once: stage 0 loads
+        and listens (holding the model for the stages that fetch their layers), waits until
+        every actor reports its stage ready, then dials. A failure on either side ends the other."""
+        stages = asyncio.ensure_future(actors_started)
         try:
             await asyncio.sleep(0)  # the actors are asked for first: stage 0's load below holds the loop
-            self.client = await connect_topology(self.topology, self.model_path, auth_token=self.auth_token, tls=tls,
+            self.client = await connect_topology(self.topology, self.model_path, auth_token=self.auth_token,
+                                                 tls=self._tls,
                                                  wait_for_chain=lambda _: stages, **self._stage0_options)
         finally:
             stages.cancel()  # stage 0 failed before it waited for them (nothing, once they are done)
             await asyncio.gather(stages, return_exceptions=True)
+        self.placement.client = self.client
+
+    async def _measured_split(self, on_stage_ready: Callable[[], None]) -> None:
+        """Plan from what the placed stages measured of themselves (and their links); if the
+        plan is not this split, start every stage again on it, on the same nodes and ports
+        (the actors stay; stage 0 again here). Every placed node is used, as --stages asked:
+        the plan says when fewer would be faster (`fewer_hosts`)."""
+        model = model_cost(self.model_path, **self._model_cost)
+        self.first_plan, self.plan = await plan_from_measurements(self.client, self.topology, model,
+                                                                  use_all_hosts=True)
+        current = [(s.layer_start, s.layer_end) for s in self.topology.stages]
+        if list(self.plan.ranges) == current:
+            return
+        log.info("measured split differs from %s: starting the stages again on it", current)
+        await self.client.close()
+        self.client = None
+        configs = self._plan([s.endpoint for s in self.topology.stages], ranges=list(self.plan.ranges))
+        await self.placement.stop_stages()
+        self.placement.configs, self.placement.topology = configs, self.topology
+        await self._start_stages(self.placement.start_stages(on_stage_ready))
 
     def _connect(self) -> str:
         """Join the cluster and check it is safe to use; this node's address."""
@@ -309,8 +346,9 @@ class RayActors:
 
     def __init__(self, group, bundles: list[dict[str, float]], configs: list[StageConfig], topology: Topology,
                  ca_dir: Path, threads: list[int], *, chain_id: str, log_level: str,
-                 ready_timeout_s: float = STARTUP_TIMEOUT_S):
+                 ready_timeout_s: float = STARTUP_TIMEOUT_S, standby: bool = True):
         self.group, self.bundles, self.configs, self.topology = group, bundles, configs, topology
+        self.standby = standby  # each actor keeps a warm standby for its stage's restarts
         self.ca_dir, self.threads, self.chain_id, self.log_level = ca_dir, threads, chain_id, log_level
         self.ready_timeout_s = ready_timeout_s  # a stage's start, a fetch of its layers included
         self.endpoints = [stage.endpoint for stage in topology.stages]
@@ -342,13 +380,22 @@ class RayActors:
                 name=f"skippy-{self.chain_id}-stage-{index}", namespace=NAMESPACE, max_restarts=-1,
                 max_task_retries=0, max_concurrency=4, num_cpus=0, num_gpus=self.bundles[index].get("GPU", 0),
                 scheduling_strategy=strategy,
-            ).remote(index, self.chain_id, self._port(index), self.log_level)  # fmt: skip
+            ).remote(index, self.chain_id, self._port(index), self.log_level, self.standby)  # fmt: skip
+        await self.start_stages(on_ready)
 
+    async def start_stages(self, on_ready: Callable[[], None]) -> None:
+        """Every actor's stage from `configs`, at once; each counted as it is ready."""
         async def start_one(index: int) -> None:
             await self._start(index)
             on_ready()
 
         await asyncio.gather(*(start_one(index) for index in range(1, len(self.configs))))
+
+    async def stop_stages(self) -> None:
+        """End every stage but keep its actor (on its node, with its key), for a start on new
+        configs (a measured split). Before the supervisor watches: nothing restarts them."""
+        await asyncio.gather(*(actor.stop_stage.remote() for actor in self.actors if actor is not None))
+        self._sentinels = [None] * len(self.configs)
 
     def _port(self, index: int) -> int:
         return parse_endpoint(self.topology.stages[index].endpoint)[1]

@@ -99,9 +99,6 @@ class ServeConfig(BaseModel):
                              f"got {len(self.ray.stage_resources)}")
         if self.ray is not None and self.stage_wait_s <= 0:  # every stage's start (and its fetch) is bounded by it
             raise ValueError(f"Expected --stage-wait > 0 with --ray, got {self.stage_wait_s:g}")
-        if self.ray is not None and self.split == "auto":  # RayChain plans by its bundles' CPUs or --weights
-            raise ValueError("Expected --split equal with --ray: a measured split is not applied on Ray yet "
-                             "(--ray-stage-resources per stage, or --weights, shape the split there)")
         if self.weights is not None and len(self.weights) != self.num_stages:
             raise ValueError(f"Expected {self.num_stages} --weights, one per stage, got {len(self.weights)}")
         self.speculative_settings()  # validates the mode, the window and the depth
@@ -190,7 +187,8 @@ async def build_backend(config: ServeConfig):
                   kv_cache=config.kv_cache(config.num_stages), max_restarts=config.max_restarts)
     if config.ray is not None:
         chain = RayChain(config.model, config.num_stages, config.ray, weights=config.weights,
-                         insecure=config.insecure, stage_wait_s=config.stage_wait_s, on_placed=_say,
+                         insecure=config.insecure, stage_wait_s=config.stage_wait_s, split=config.split,
+                         on_placed=_say,
                          **common, **every_stage, **options)
     else:
         chain = LocalChain(config.model, config.num_stages, split=config.split, **common, **every_stage, **options)
@@ -201,9 +199,10 @@ async def build_backend(config: ServeConfig):
         advance()  # stage 0, here, loads last
     if config.ray is not None:
         _say(f"{config.num_stages} stages ready on Ray in {time.monotonic() - started:.1f} s")
-    elif chain.plan is not None:
+    if chain.plan is not None:
         names = [f"stage {i}" for i in range(config.num_stages)]
-        print(f"skippy: measured split (equal bytes predicted {chain.first_plan.tok_s:.1f} tok/s):\n"
+        first = "equal bytes" if config.ray is None else "the first split"
+        print(f"skippy: measured split ({first} predicted {chain.first_plan.tok_s:.1f} tok/s):\n"
               + chain.plan.describe(names), flush=True)
     return ChainBackend(client, chain.topology, auth_token=chain.auth_token, on_close=chain.close,
                         health=chain.supervisor.health,

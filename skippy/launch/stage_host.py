@@ -1,8 +1,11 @@
 """The Ray actor that hosts one stage on its node (`skippy serve --ray`, ray_chain.py).
 
-It runs `skippy stage` as its child, so a stage is the same process wherever it runs. Its
-life is the stage's: when the child dies the actor exits, and Ray starts the actor again
-(`max_restarts`), on the same node, or on another when the node was lost.
+It runs `skippy stage`, so a stage is the same process wherever it runs. Its life is the
+stage's: when the stage dies the actor exits, and Ray starts the actor again (`max_restarts`),
+on the same node, or on another when the node was lost. The stage runs in a standby process
+(warm_stage.py: torch and skippy imported ahead, then handed the command line); once its stage
+is up the actor starts the next standby, which outlives the actor, so the actor Ray starts
+next on this node hands the stage to a process that only has to load and listen.
 
 The first start comes from the driver: the actor makes a TLS key here, only its public half
 leaves the node (the driver signs a certificate for the address the actor landed on), and the
@@ -24,7 +27,6 @@ this process again when a stage dies, and that start is part of the stream's pau
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import os
 import queue
@@ -40,23 +42,31 @@ from pathlib import Path
 from ..stage.certificates import new_key_pair, public_key_of, write_private
 from ..stage.lifecycle import READY_PREFIX
 from .placement import STARTUP_TIMEOUT_S, describe_exit, stage_command
+from .warm_stage import StageProcess, hand_over, spawn_standby
 
-PR_SET_PDEATHSIG = 1
 ERROR_LINES = 20  # of the child's stderr, in a start's error
+# a standby is started this long after its stage is ready: its imports (~2 s of a core) would
+# slow the stage's own measurement of itself and its link, which the chain plans by
+# (measured_split.py, --activation-dtype auto), and which runs once the new stage is quiet
+STANDBY_DELAY_S = 5.0
 
 
 class StageHost:
     """One stage's actor; the driver calls `describe`, then `start` (or `wait_ready` when the
     actor restarted its stage itself), then waits on `wait`."""
 
-    def __init__(self, stage_index: int, chain_id: str, port: int, log_level: str):
+    def __init__(self, stage_index: int, chain_id: str, port: int, log_level: str, standby: bool = True):
         import ray
 
         self.stage_index, self.port, self.log_level = stage_index, port, log_level
+        self.keeps_standby = standby  # a warm process for the next start (warm_stage.py)
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         self.directory = Path(tempfile.gettempdir()) / f"skippy-{chain_id}-stage-{stage_index}"
-        self._child: subprocess.Popen | None = None
+        self._child: StageProcess | None = None
+        self._standby: subprocess.Popen | None = None  # this actor's standby (warm_stage.py), if not taken
+        self._standby_lock = threading.Lock()  # the ready stage's timer starts one; a start takes it
+        self._threads = 1
         self._stopping = False
         self._settled = threading.Event()  # the current start ended: ready, or exited before
         self._start_error = ""
@@ -110,15 +120,16 @@ class StageHost:
               threads: int, ready_timeout_s: float = STARTUP_TIMEOUT_S) -> dict:
         """Write the stage's files (owner-only), start `skippy stage`, return once it is ready
         (within `ready_timeout_s`: a start may include fetching its layers)."""
-        if self._child is not None and self._child.poll() is None:
+        if self._child is not None and self._child.running():
             raise RuntimeError(f"stage {self.stage_index} is already running on {self.node_ip}")
         # A StageConfig, validated by the stage itself. A node without the file at its
         # `model_path` is fine: the stage fetches its slice from stage 0 (the topology's first
         # endpoint, a holder) into this node's cache (stage/fetch.py), where a restart on this
         # node finds it.
         config = json.loads(config_json)
+        self._stopping = False  # a start after `stop_stage` (new configs: a measured split)
         tls = self.directory / "tls"
-        tls.mkdir(mode=0o700, exist_ok=True)
+        tls.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_private(tls / "ca.pem", ca_pem)
         write_private(tls / "stage.pem", cert_pem)
         write_private(tls / "stage.key", self._key_pem)
@@ -131,14 +142,26 @@ class StageHost:
         self._launch(threads)
         return self.wait_ready()
 
+    @property
+    def standby_socket(self) -> Path:
+        return self.directory / "standby.sock"
+
     def _launch(self, threads: int) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
-        command = [*stage_command(self.config_path, self.directory / "topology.json", self.log_level),
-                   "--threads", str(threads)]
+        """Hand the stage to the standby waiting on this node (this actor's, or the one the
+        actor before it left: its imports are done), else start one and hand it over at once."""
         self._settled.clear()
-        self._start_error, self._started_at = "", time.monotonic()
-        self._child = self._forker.popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         env=env, text=True, preexec_fn=_die_with_parent)
+        self._start_error, self._started_at, self._threads = "", time.monotonic(), threads
+        argv = [*stage_command(self.config_path, self.directory / "topology.json", self.log_level)[3:],
+                "--threads", str(threads)]  # `skippy`'s arguments
+        with self._standby_lock:
+            try:
+                self._child = hand_over(self.standby_socket, argv, self._ready_timeout_s, self._standby)
+            except (OSError, ValueError):  # none waiting (or it failed): a cold start
+                if self._standby is not None:
+                    self._standby.kill()
+                self._standby = spawn_standby(self.standby_socket, self._stage_env(threads), self._forker.popen)
+                self._child = hand_over(self.standby_socket, argv, self._ready_timeout_s, self._standby)
+            self._standby = None
         threading.Thread(target=self._relay_stderr, args=(self._child.stderr,), daemon=True).start()
         threading.Thread(target=self._keep, args=(self._child,), daemon=True,
                          name=f"skippy-stage-{self.stage_index}").start()
@@ -146,7 +169,7 @@ class StageHost:
     def wait_ready(self) -> dict:
         """Return once the stage started last is ready; raise if it exited before."""
         if not self._settled.wait(self._ready_timeout_s):
-            self._child.kill()  # its last lines say where it was: loading, or fetching (and from whom)
+            self._child.signal(signal.SIGKILL)  # its last lines say where it was: loading, or fetching (and from whom)
             raise RuntimeError(f"stage {self.stage_index} on {self.node_ip}: not ready within "
                                f"{self._ready_timeout_s:g} s (--stage-wait); its last lines:\n" + "".join(self._stderr))
         if self._start_error:
@@ -160,19 +183,33 @@ class StageHost:
             if not is_ready and line.startswith(READY_PREFIX):
                 is_ready, self._ready_s = True, time.monotonic() - self._started_at
                 self._settled.set()
+                standby = threading.Timer(STANDBY_DELAY_S, self._prepare_standby, args=(child,))
+                standby.daemon = True
+                standby.start()
         code = child.wait()
-        if not is_ready:
-            self._start_error = (f"stage {self.stage_index} on {self.node_ip} exited with {describe_exit(code)} "
+        if not is_ready and self._child in (child, None):  # not a stage that a later start replaced
+            self._start_error = (f"stage {self.stage_index} on {self.node_ip} {_exited(code)} "
                                  f"before it was ready:\n" + "".join(self._stderr))
             self._settled.set()
             return
-        if self._stopping:
+        if self._stopping or child is not self._child:  # stopped: `stop_stage` (and maybe a start since)
             return
         # A dead stage makes a dead actor, which Ray restarts. `wait` answers first, with why.
-        self._down_reason = f"its stage process exited with {describe_exit(code)}"
+        self._down_reason = f"its stage process {_exited(code)}"
         self._down.set()
         time.sleep(0.05)
         os._exit(1)
+
+    def _stage_env(self, threads: int) -> dict[str, str]:
+        return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+
+    def _prepare_standby(self, stage: StageProcess) -> None:
+        """The next start's process, importing while `stage` serves."""
+        with self._standby_lock:
+            if self.keeps_standby and self._standby is None and not self._stopping and stage is self._child \
+                    and stage.running():
+                self._standby = spawn_standby(self.standby_socket, self._stage_env(self._threads),
+                                              self._forker.popen)
 
     def _relay_stderr(self, stream) -> None:
         for line in stream:  # the stage's log, to this actor's (which Ray can show on the driver)
@@ -183,7 +220,8 @@ class StageHost:
     def wait(self) -> str:
         """Return when the stage process is down (why). The actor exits right after: the
         driver holds this call as the stage's liveness sentinel."""
-        self._down.wait()
+        down = self._down
+        down.wait()
         return self._down_reason
 
     def repoint(self, downstream_json: str | None) -> None:
@@ -194,26 +232,38 @@ class StageHost:
             return
         config["downstream"] = downstream
         write_private(self.config_path, json.dumps(config).encode())
-        if self._child is not None and self._child.poll() is None:
-            self._child.send_signal(signal.SIGHUP)
+        if self._child is not None:
+            self._child.signal(signal.SIGHUP)
+
+    def stop_stage(self) -> None:
+        """End the stage (SIGTERM, then SIGKILL after 10 s), without taking the actor down;
+        its files and key stay for a `start` with new configs. A `wait` under way returns."""
+        self._stopping = True
+        child, self._child = self._child, None
+        if child is not None and child.running():
+            child.signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.signal(signal.SIGKILL)
+                child.wait()
+        self._down_reason = "stopped by skippy"
+        self._down.set()              # the driver's sentinel on this stage returns ...
+        self._down = threading.Event()  # ... and the next start gets its own
 
     def stop(self) -> None:
-        """End the stage (SIGTERM, then SIGKILL after 10 s) and remove its files, without
-        taking the actor down."""
-        self._stopping = True
-        if self._child is not None and self._child.poll() is None:
-            self._child.terminate()
-            try:
-                self._child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._child.kill()
-                self._child.wait()
+        """End the stage and its standby and remove their files, without taking the actor down."""
+        self.stop_stage()
+        if self._standby is not None:
+            self._standby.kill()
+            self._standby.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class _Forker:
     """Starts children from one thread that lives as long as this process: Linux sends
-    PR_SET_PDEATHSIG when the *thread* that forked the child ends, not its process."""
+    PR_SET_PDEATHSIG (which a standby sets once handed its stage: warm_stage.py) when the
+    *thread* that forked the child ends, not its process."""
 
     def __init__(self):
         self._requests: queue.Queue = queue.Queue()
@@ -235,7 +285,7 @@ class _Forker:
         return result
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when its parent dies (an actor killed by Ray, or its
-    node's raylet gone, must not leave a stage serving)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _exited(code: int | None) -> str:
+    if code is None:  # a standby an earlier actor here started: its exit code went to its parent
+        return "exited (its code unseen: an earlier actor on this node started it)"
+    return f"exited with {describe_exit(code)}"

@@ -229,6 +229,26 @@ def decode_rows(segments, x: torch.Tensor) -> "qkernel.DecodeRows | None":
     return qkernel.DecodeRows.of([c.k for c in caches], [c.v for c in caches], [s.start for s in segments])
 
 
+WINDOW_ROWS_MAX = 16  # rows a forward may have to run as windows in one call (a verify window: up to 9)
+
+
+def window_rows(segments, x: torch.Tensor) -> "qkernel.DecodeRows | None":
+    """decode_rows for skippy_decode_layers' one call, which also takes verify windows: a
+    session's few rows, each a row of its own at its position in the session's cache (the
+    kernel stores a window's keys and values before any of its rows attends). Up to
+    WINDOW_ROWS_MAX rows in all: the layer loop's calls cost ~4 ms a forward of the bundled
+    model, a window's whole compute; a prompt's many rows keep the loop, whose matmuls take
+    them in AMX tiles."""
+    if all(s.num_tokens == 1 for s in segments):
+        return decode_rows(segments, x)
+    caches = [s.cache for s in segments]
+    if not (x.shape[0] <= WINDOW_ROWS_MAX and _on_our_kernels(x)
+            and all(c.k.dtype in (torch.float16, torch.float32) for c in caches)):
+        return None
+    rows = [(s.cache, s.start + i) for s in segments for i in range(s.num_tokens)]
+    return qkernel.DecodeRows.of([c.k for c, _ in rows], [c.v for c, _ in rows], [p for _, p in rows])
+
+
 def attend_sessions(qkv: torch.Tensor, layer: int, segments, rows: "qkernel.DecodeRows | None", scale: float,
                     window: int = 0) -> torch.Tensor:
     """Store every session's new keys and values of qkv [T, H + 2 KVH, head_dim] (q, k, v

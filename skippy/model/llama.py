@@ -22,7 +22,7 @@ from .args import LayerRange, ModelArgs
 from .inference import inference_mode
 from .kv_cache import KVCache
 from .layers import (Linear, add_residual, apply_rope, attend_sessions, decode_rows, gated_mlp, head_norms_,
-                     rms_norm, rope_tables)
+                     rms_norm, rope_tables, window_rows)
 from .quant import QuantizedTensor
 from .quant_linear import QuantLinear, build_linear
 from .weight_arena import WeightArena
@@ -209,7 +209,8 @@ class StageModel:
         assert T == sum(s.num_tokens for s in segments), "rows must match the segments"
         for s in segments:
             s.cache.reserve(s.start, s.num_tokens)
-        rows = decode_rows(segments, x)  # a decode step: each layer's attention in one call
+        # a decode step (or verify windows, on our kernels' one call): each layer's attention in one call
+        rows = (window_rows if self.decode_layers is not None else decode_rows)(segments, x)
         H, KVH, eps = args.num_heads, args.num_kv_heads, args.rms_norm_eps
 
         self._step_logits = self._step_picks = None

@@ -205,7 +205,8 @@ static int check_step(const skippy_decode_model *model, const skippy_sessions *s
     return 0;
 }
 
-/* x [S, hidden]: one row per session, updated in place through the model's layers; the
+/* x [S, hidden]: one row per session (or a verify window's rows, each a "session" of its own
+   position in the one cache), updated in place through the model's layers; the
    sessions' caches as skippy_decode_attention takes them; RoPE read from the model's tables
    at each row's position (slicing them in Python is slow after a forward has evicted the
    interpreter's caches). With `logits` [S, vocab] (a model with a head: the final stage),
@@ -242,6 +243,11 @@ int skippy_decode_layers(const skippy_decode_model *model, float *x, const skipp
         free(h), free(scratch), free(next), free(cursor), free(part_at), free(part_value);
         return -2;
     }
+    /* rows of one session at consecutive positions (a verify window): a row attends over its
+       window's earlier rows, so every row's keys and values are stored before any row attends */
+    int window_rows = 0;
+    for (int s = 1; s < S && !window_rows; s++)
+        for (int t = 0; t < s && !window_rows; t++) window_rows = sessions->k[s] == sessions->k[t];
     int team_used = 1;
     float *qkv = h + (size_t)S * D, *attn = qkv + (size_t)S * row, *gate_up = attn + (size_t)S * H * hd,
           *act = gate_up + (size_t)S * 2 * F, *cos = act + (size_t)S * F, *sin = cos + (size_t)S * hd,
@@ -268,12 +274,15 @@ int skippy_decode_layers(const skippy_decode_model *model, float *x, const skipp
             team_matmul(h, S, &layer->qkv, qkv, 0, scratch, tid, team, &barrier, cursor);
             if (tid == 0) {
                 skippy_rope(qkv, S, H + 2 * KVH, H + KVH, hd, cos, sin);
-                for (int task = whole; task < S * KVH; task++)
+                for (int task = window_rows ? 0 : whole; task < S * KVH; task++)
                     skippy_decode_attention_store(task, qkv, sessions, H, KVH, hd, l);
             }
             barrier_wait(&barrier, team);
             for (int task; (task = atomic_fetch_add_explicit(&next[l], 1, memory_order_relaxed)) < tasks;) {
-                if (task < whole)
+                if (task < whole && window_rows)
+                    skippy_decode_attention_rows(task, 0, group, qkv, sessions, H, KVH, hd, l, layer->window, scale,
+                                                 my_scores, attn);
+                else if (task < whole)
                     skippy_decode_attention_task(task, qkv, sessions, H, KVH, hd, l, layer->window, scale, my_scores,
                                                  attn);
                 else {
