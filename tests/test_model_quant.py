@@ -442,8 +442,15 @@ def test_verify_windows_in_the_one_call_equal_the_loop_and_decode_steps(width, q
                                     for i, t in enumerate(window)])
                 return hidden, None, a
             segments = [Segment(a, len(PROMPT), width)] + ([Segment(b, 13, 1)] if batched else [])
-            hidden = model.forward(torch.tensor(window + ([42] if batched else [])), segments)
-            return hidden[:width], model.compute_logits(hidden), a
+            # batched, as a final stage's wave of several steps runs: the decode row's greedy pick
+            # made in the call (greedy is per step; the window's rows are the sampler's)
+            greedy = [None, ([], [])] if batched else None
+            hidden = model.forward(torch.tensor(window + ([42] if batched else [])), segments, greedy)
+            picks = model.step_picks(hidden)
+            logits = model.compute_logits(hidden)
+            if one_call and batched:
+                assert picks == [None] * width + [int(logits[width].argmax())]
+            return hidden[:width], logits, a
         finally:
             model.decode_layers = fused
 

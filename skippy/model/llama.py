@@ -222,7 +222,9 @@ class StageModel:
             # the bias ids were checked against the vocab (greedy_bias), which must be the head's
             if (logits is not None and greedy is not None and logits.shape[1] == self.args.vocab_size
                     and any(bias is not None for bias in greedy)):
-                picks = qkernel.GreedyPicks(greedy)
+                # one entry a row: a verify window's rows are the sampler's to pick (None)
+                picks = qkernel.GreedyPicks([bias if s.num_tokens == 1 else None
+                                             for s, bias in zip(segments, greedy) for _ in range(s.num_tokens)])
             x = self.decode_layers(x, rows, *self.rope_tables[0], logits, picks)
             self._step_logits = None if logits is None else (x, logits)
             self._step_picks = None if picks is None else (x, picks.tokens())
