@@ -254,6 +254,26 @@ def test_a_peer_that_resets_is_one_warning_line(stage, caplog):
     assert close.levelno == logging.WARNING and not close.exc_info
 
 
+def test_a_dial_that_gives_up_before_its_first_byte_is_no_fault(stage, caplog):
+    """A peer that resets a lane it never wrote on (a readiness dial whose timeout passed) is
+    not a fault: the lane closes without a warning, and the stage serves on."""
+    caplog.set_level(logging.INFO, logger="skippy")
+    server, _ = stage
+    before = set(server.lanes)
+    peer = Peer(server.endpoint)
+    deadline = time.monotonic() + 5
+    while set(server.lanes) == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [lane_id] = set(server.lanes) - before
+    peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    peer.close()  # an RST, not a FIN
+    while lane_id in server.lanes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert lane_id not in server.lanes  # the reset closed it
+    assert not closes_logged(caplog) and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert run_bystander(stage) == run_bystander(stage)
+
+
 def test_an_internal_error_keeps_its_traceback(stage, caplog, monkeypatch):
     """What is not the peer's fault is ours: an ERROR with the traceback."""
     caplog.set_level(logging.INFO, logger="skippy")

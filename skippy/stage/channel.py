@@ -53,7 +53,7 @@ class Channel(Generic[F]):
         self._eof = False  # the peer has closed its side: nothing more to read
         self.closed = False
         self.close_reason: str | None = None
-        self.bytes_out = 0
+        self.bytes_in = self.bytes_out = 0
         engine.watch(sock, self._ready)
 
     # -- writing --------------------------------------------------------------------------
@@ -148,12 +148,16 @@ class Channel(Generic[F]):
                 chunk = sock.recv(RECV_BYTES)
             except _WOULD_BLOCK:
                 break
-            except OSError as error:  # a reset: the peer's doing, one warning line
-                self.close(f"connection lost ({type(error).__name__}: {error})", fault=True)
+            except OSError as error:
+                # A reset is the peer's doing: one warning line. Before it sent a byte it is a
+                # dial that gave up (a readiness probe whose timeout passed before our answer,
+                # while a large model loads): quiet, as a clean close is.
+                self.close(f"connection lost ({type(error).__name__}: {error})", fault=self.bytes_in > 0)
                 return
             if not chunk:
                 eof = True
                 break
+            self.bytes_in += len(chunk)
             self._in += chunk
             if self.is_tls:
                 if not sock.pending():
