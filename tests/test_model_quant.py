@@ -463,6 +463,22 @@ def test_verify_windows_in_the_one_call_equal_the_loop_and_decode_steps(width, q
     assert torch.equal(run(True, False, stepped=True)[0], got)
 
 
+def test_the_one_call_refuses_picks_that_do_not_cover_every_row(quant_model):
+    """One greedy entry per row, or no call: the kernel writes a pick for every row, and a
+    shorter array (one a step, not a row: a window's rows) would be overrun, not refused."""
+    from skippy.model import qkernel
+    from skippy.model.layers import window_rows
+    model = quant_model
+    cache = model.new_cache()
+    x = model._embed(torch.tensor([3, 4, 5])).float()
+    segments = [Segment(cache, 0, 3)]
+    cache.reserve(0, 3)
+    rows = window_rows(segments, x)
+    logits = torch.empty(3, model.decode_layers.vocab)
+    with pytest.raises(ValueError, match="pick entry"):
+        model.decode_layers(x, rows, *model.rope_tables[0], logits, qkernel.GreedyPicks([([], [])]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_decode_attention_equals_a_cache_write_and_attend_rows(dtype):
     """A decode step's one-call attention (every session's KV write and attention at a

@@ -385,6 +385,12 @@ class DecodeLayers:
             raise ValueError("logits need a DecodeLayers built with the output head")
         if picks is not None and logits is None:
             raise ValueError("greedy picks need the logits they are picked from")
+        # the kernel reads and writes S entries of each: a shorter array would be overrun
+        sizes = (rows.struct.count, *(() if logits is None else (logits.shape[0],)),
+                 *(() if picks is None else (len(picks.out),)))
+        if any(size != x.shape[0] for size in sizes):
+            raise ValueError(f"expected a session row, logits row and pick entry for each of x's {x.shape[0]} "
+                             f"rows, got {sizes} (sessions, logits, picks)")
         status = library().skippy_decode_layers(ctypes.byref(model), x.data_ptr(), ctypes.byref(rows.struct),
                                                 None if logits is None else logits.data_ptr(),
                                                 None if picks is None else ctypes.byref(picks.struct))
