@@ -253,6 +253,17 @@ class Lane:
         return Step(session, msg.pos_start, msg.token_count, tokens, rows, msg.activation_dtype, sample,
                     None if self.is_final else self.env.measurement.codec.dtype_for(msg.token_count), msg.seq_id if window else None)
 
+    def _took(self, msg: StageMessage, span: Span, result: StepResult | Exception, timed: Timed) -> bool:
+        """A step's result is back: its compute noted, or False (its span ended) when the lane
+        has closed meanwhile or the step failed, which fails the lane."""
+        if self.closed or isinstance(result, Exception):
+            span.end()
+            if not self.closed:
+                self.fail(result)
+            return False
+        self._note_compute(msg, span, timed)
+        return True
+
     def _note_compute(self, msg: StageMessage, span: Span, timed: Timed) -> None:
         span.set("compute_ms", timed.run_s * 1e3)
         span.set("runtime_lock_wait_ms", timed.wait_s * 1e3)
@@ -275,12 +286,8 @@ class Lane:
                                 prefill=True, last_chunk=False)
 
     def _prefilled(self, msg: StageMessage, span: Span, result: StepResult | Exception, timed: Timed) -> None:
-        if self.closed:
-            return span.end()
-        if isinstance(result, Exception):
-            span.end()
-            return self.fail(result)
-        self._note_compute(msg, span, timed)
+        if not self._took(msg, span, result, timed):
+            return
         index = self.env.config.stage_index
         self.add_stats(prefill_compute_observation(index, _us(timed.run_s), msg.token_count))
         link = self.link
@@ -314,12 +321,8 @@ class Lane:
                                 prefill=is_prompt)
 
     def _predicted(self, msg: StageMessage, span: Span, result: StepResult | Exception, timed: Timed) -> None:
-        if self.closed:
-            return span.end()
-        if isinstance(result, Exception):
-            span.end()
-            return self.fail(result)
-        self._note_compute(msg, span, timed)
+        if not self._took(msg, span, result, timed):
+            return
         index, link = self.env.config.stage_index, self.link
         is_window = msg.kind == MessageKind.VerifyWindow
         write_s = 0.0
