@@ -124,6 +124,7 @@ class ChainClient:
         # False once the chain cannot heal (a supervisor gave up on a stage): fail at once
         self.can_recover: Callable[[], bool] = lambda: True
         self._chain_back = asyncio.Event()  # set (and replaced) by chain_changed: waiting requests try now
+        self.successor: ChainClient | None = None  # stage 0 of the chain started again on another split
         self.telemetry = telemetry or Telemetry("skippy-stage0")
         self.transport = Transport(tls_identity=tls, auth_token=auth_token, conditioning=link_conditioning,
                                    timeouts=timeouts)
@@ -306,9 +307,10 @@ class ChainClient:
         decoder, timings, first_token_at, started = None, None, 0.0, time.perf_counter()
         num_tokens, recoveries, recover_by, waiting, draws = 0, 0, None, False, 0
         while True:
+            client = self.current  # after a re-split (hand_over), its new stage 0
             try:
-                async with self.session(sampling, len(prompt_ids), cache_namespace, draws,
-                                        root.traceparent) as session:
+                async with client.session(sampling, len(prompt_ids), cache_namespace, draws,
+                                          root.traceparent) as session:
                     if decoder is None or not decoder.is_started:
                         decoder = self.decoder(max_tokens=max_tokens, stop_ids=stop_ids, speculative=speculative)
                         await session.prefill(prompt_ids)
@@ -368,7 +370,7 @@ class ChainClient:
             except ChainError as error:
                 now = time.monotonic()
                 recover_by = recover_by or now + recovery_s
-                if not self.can_recover():
+                if not client.can_recover():
                     raise ChainError(f"{error} (a stage is down for good)") from error
                 if now >= recover_by:
                     if recovery_s > 0:
@@ -378,12 +380,31 @@ class ChainClient:
                     waiting = True
                     log.warning("the chain broke under a request (%s); waiting for it to be whole again", error)
                 with contextlib.suppress(TimeoutError):  # the next try: in a while, or once a stage is back
-                    await asyncio.wait_for(self._chain_back.wait(), RECOVERY_RETRY_S)
+                    await asyncio.wait_for(client._chain_back.wait(), RECOVERY_RETRY_S)
 
     def chain_changed(self) -> None:
         """A stage is back (restarted, or moved): requests waiting for the chain try again now."""
         self._chain_back.set()
         self._chain_back = asyncio.Event()
+
+    def hand_over(self, successor: ChainClient) -> None:
+        """The chain was started again on another split, `successor` its stage 0: a request
+        waiting here for the chain goes on there, replayed as after any break."""
+        self.successor = successor
+        self.chain_changed()
+
+    @property
+    def current(self) -> ChainClient:
+        """This client, or the stage 0 it handed its requests over to."""
+        client = self
+        while client.successor is not None:
+            client = client.successor
+        return client
+
+    @property
+    def idle(self) -> bool:
+        """No lane leased: no request is on this client's chain now."""
+        return self._lanes.qsize() == len(self._all_lanes)
 
     async def generate(self, prompt_ids: Sequence[int], *, on_token: Callable[[int], None] | None = None,
                        **options) -> GenerationResult:
