@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -44,18 +45,17 @@ async def one_process(gguf_path, prompt: list[int]) -> list[int]:
 
 
 async def kill_stage_1_mid_request(backend, prompt: list[int]) -> list[int]:
-    """A greedy request's tokens, stage 1 SIGKILLed after its 4th."""
-    killed = asyncio.Event()
+    """A greedy request's tokens, stage 1 SIGKILLed after its 4th; prints the pause."""
+    at: list[float] = []
 
     def on_token(_token: int) -> None:
-        if not killed.is_set() and on_token.count == 3:
+        at.append(time.monotonic())
+        if len(at) == 4:
             os.kill(stage_pid(1), signal.SIGKILL)
-            killed.set()
-        on_token.count += 1
 
-    on_token.count = 0
     tokens = (await backend.client.generate(prompt, max_tokens=TOKENS, on_token=on_token)).tokens
-    assert killed.is_set()
+    assert len(at) == TOKENS
+    print(f"\nstage 1 SIGKILLed mid-request: the next token {at[4] - at[3]:.2f} s later")
     return tokens
 
 

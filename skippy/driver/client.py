@@ -125,6 +125,7 @@ class ChainClient:
         self.can_recover: Callable[[], bool] = lambda: True
         self._chain_back = asyncio.Event()  # set (and replaced) by chain_changed: waiting requests try now
         self.successor: ChainClient | None = None  # stage 0 of the chain started again on another split
+        self.retiring = False  # that chain is starting: dial nothing (its stage 1 may be where ours was)
         self.telemetry = telemetry or Telemetry("skippy-stage0")
         self.transport = Transport(tls_identity=tls, auth_token=auth_token, conditioning=link_conditioning,
                                    timeouts=timeouts)
@@ -190,6 +191,8 @@ class ChainClient:
         """Lease a lane, configure generation, yield the session, Stop it (or drop the lane).
         `cache_namespace`: the prefix-cache namespace digest (protocol.cache_namespace_digest).
         `trace_context`: the request's span, which every frame of the session names as parent."""
+        if self.retiring:
+            raise ChainError("the chain is starting again on another split")
         lane = await self._lanes.get()
         session = None
         try:

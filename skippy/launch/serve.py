@@ -208,12 +208,15 @@ async def build_backend(config: ServeConfig):
               + chain.plan.describe(names), flush=True)
     chain.backend = ChainBackend(client, chain.topology, auth_token=chain.auth_token, on_close=chain.close,
                                  health=chain.supervisor.health,
-                                 advise=_advisor(config, ctx_size, use_all_hosts=config.ray is None))  # fmt: skip
+                                 advise=_advisor(config, ctx_size, use_all_hosts=config.ray is None
+                                                 or config.split == "auto"))  # fmt: skip
     return chain.backend
 
 
 def _advisor(config: ServeConfig, ctx_size: int, use_all_hosts: bool):
-    """The split the stages' measured times give, for `/v1/stages` when they drift (measured_split.py)."""
+    """The split the stages' measured times give, for `/v1/stages` when they drift (measured_split.py).
+    `use_all_hosts`: over every stage (a local chain, or one under --split auto, whose restart
+    applies it and keeps every stage), its `fewer_hosts` saying when fewer would be faster."""
     from .measured_split import advisor, model_cost
 
     model = model_cost(config.model, ctx_size=ctx_size, lane_count=config.num_lanes,

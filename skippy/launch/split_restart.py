@@ -77,6 +77,7 @@ async def restart_on_advice(chain: SplitChain, index: int) -> bool:
     log.warning("stage %d is down; restarting every stage on the advised split: %s -> %s", index,
                 _ranges(current), _ranges(ranges))
     old = chain.client
+    old.retiring = True  # its requests wait, dialing nothing: a new stage 1 may listen where the old did
     await chain.supervisor.close()  # the other stages' watchers: every stage stops now
     try:
         await chain._restart_on(ranges, lost=index)
@@ -86,6 +87,7 @@ async def restart_on_advice(chain: SplitChain, index: int) -> bool:
             await chain._restart_on(current, lost=index)
         except Exception as again:  # noqa: BLE001
             log.error("the chain did not start again either (%s): requests fail until skippy serve restarts", again)
+            chain.supervisor.health[index].state = "failed"  # /readyz and /v1/stages name it
             old.can_recover = lambda: False
             old.chain_changed()
             return True
