@@ -131,7 +131,8 @@ class Lane:
         self._eof = False          # the peer closed its side: end once its frames are done
         self._pumping = False      # _pump is running: frames that arrive inside it wait for its loop
         self.channel = Channel(env.engine, sock, name=f"connection {lane_id}", parse=MessageReader(),
-                               on_frame=self._arrived, on_close=self._channel_closed, on_eof=self._peer_done)
+                               on_frame=self._arrived, on_close=self._channel_closed, on_eof=self._peer_done,
+                               conditioner=env.transport.conditioner())  # replies cross the WAN too
 
     def key(self, session_id: int) -> tuple[int, int]:
         return (self.lane_id, session_id)

@@ -66,7 +66,7 @@ class Transport:
                    timeouts=config.timeouts)
 
     def conditioner(self) -> Conditioner | None:
-        """The conditioning of one link this process dials (None: a plain link)."""
+        """The conditioning of one channel this process writes (None: a plain link)."""
         return None if self.conditioning is None else Conditioner(self.conditioning)
 
     # -- dialing ----------------------------------------------------------------------------
