@@ -101,11 +101,6 @@ class Telemetry:
             self._provider = _sdk_provider(service_name, exporter, batch=True)
         self._tracer = None if self._provider is None else self._provider.get_tracer("skippy")
 
-    @property
-    def tracing(self) -> bool:
-        """Spans go somewhere: stage 0 then sends a trace context with every frame."""
-        return self._provider is not None
-
     def start_span(self, name: str, *, parent: bytes | None = None, **attrs: Any) -> Span:
         """A span begun now, the child of `parent` (a 25-byte trace context from a frame; None:
         a new trace); its `end()` ends it with the attributes set on it."""

@@ -22,7 +22,6 @@ from ..protocol import (
     LOOKUP_ERROR, MessageKind, SamplingConfig, StageMessage, StageReply, StageReplyStats,
     lookup_observation, merge, record_observation, restore_missed_below,
 )
-from ..protocol.logprobs import TokenLogprob
 from ..runtime.prefix_identity import cacheable_prefix_length
 from ..stage.engine import Engine
 from ..stage.returns import ReturnInbox
@@ -75,23 +74,11 @@ class ChainSession:
         self.draws = 0            # predictions received: one sampler draw each (a window: one a row)
         self.position = 0         # where the next step goes (the message API's default pos_start)
         self.decode_step = 0
-        # the logprobs of the last prediction received (one per predicted token; None when the
-        # request asked for none), and the prompt's, from the first-token reply (prompt logprobs)
-        self.last_logprobs: list[TokenLogprob] | None = None
-        self.prompt_logprobs: list[TokenLogprob] | None = None
+        self.prompt_logprobs = None  # the first-token reply's, when the request asks for them
         self.first_reply: StageReply | None = None
         self.slot: Slot | None = None
         self._windows: dict[int, asyncio.Future] = {}
         self._restore_ack: asyncio.Future | None = None
-
-    @property
-    def samples_here(self) -> bool:
-        return not self.lane.link.stages_below
-
-    @property
-    def session(self):
-        """Stage 0's runtime session (tests read its ledger and cache)."""
-        return self.slot.session
 
     async def open(self) -> None:
         """The request's slot on stage 0's engine, holding the lane."""
@@ -139,7 +126,6 @@ class ChainSession:
                 raise reply
             raise ChainError(f"stage chain failed: {reply}") from reply
         self.draws += len(reply.predicted_tokens)
-        self.last_logprobs = reply.logprobs
         return reply
 
     def _message(self, kind: MessageKind, **fields) -> StageMessage:

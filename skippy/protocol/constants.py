@@ -256,7 +256,6 @@ AUTH_PREFIX = struct.Struct("<IB")  # magic, token length; the token bytes follo
 READY = struct.Struct("<Ii")        # magic, protocol version                      (§2.1)
 
 I32_MIN, I32_MAX = -(1 << 31), (1 << 31) - 1
-U32_MAX = (1 << 32) - 1
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 U64_MAX = (1 << 64) - 1
 

@@ -193,7 +193,6 @@ class Runner:
         if step.start < cache.length:  # auto-align: the authoritative start wins (spec §3.4)
             aligned_from = cache.length
             cache.truncate(step.start)
-            session.num_auto_aligns += 1
         session.record_tokens(step.start, step.tokens, step.num_rows)
         if step.window_id is not None:
             session.verify_windows[step.window_id] = VerifyCheckpoint(

@@ -67,7 +67,6 @@ class Session:
     verify_windows: dict[int, VerifyCheckpoint] = field(default_factory=dict)
     discarded_windows: deque[tuple[int, int]] = field(  # [min, max] ranges, the newest
         default_factory=lambda: deque(maxlen=MAX_DISCARD_RANGES))
-    num_auto_aligns: int = 0
     is_new: bool = True  # not yet counted as opened (stage metrics)
     # prompt logprobs (final stage): the entries so far, and the last chunk's last row's logits,
     # (position, tensor), whose token comes with the next chunk

@@ -63,7 +63,7 @@ class StageRuntime:
                              record_logits=record_logits, grammars=grammars)
         self.policy = BatchPolicy(batch)
         self._queue: list[Queued] = []
-        self.num_forwards = self.num_batched_forwards = 0
+        self.num_batched_forwards = 0
 
     @property
     def is_first(self) -> bool:
@@ -146,10 +146,6 @@ class StageRuntime:
         """Forget the queued steps of a session (its request ended while they waited)."""
         self._queue = [item for item in self._queue if item.key != key]
 
-    @property
-    def has_queued(self) -> bool:
-        return bool(self._queue)
-
     def run_ready(self) -> float | None:
         """Run the forward the policy picks now, if any; returns when to ask again (None: when
         something new is submitted, or 0.0 at once: more may be ready)."""
@@ -184,7 +180,6 @@ class StageRuntime:
     def _count(self, batch: list[Queued], run_s: float, started: float) -> None:
         size = len(batch)
         if not batch[0].is_prefill:
-            self.num_forwards += 1
             self.metrics.observe("batch_steps", size)
             if size > 1:
                 self.num_batched_forwards += 1

@@ -53,7 +53,7 @@ class Channel(Generic[F]):
         self._eof = False  # the peer has closed its side: nothing more to read
         self.closed = False
         self.close_reason: str | None = None
-        self.bytes_in = self.bytes_out = 0
+        self.bytes_in = 0
         engine.watch(sock, self._ready)
 
     # -- writing --------------------------------------------------------------------------
@@ -67,7 +67,6 @@ class Channel(Generic[F]):
         self._write(data)
 
     def _write(self, data: bytes) -> None:
-        self.bytes_out += len(data)
         if not self._out:
             try:
                 sent = self.sock.send(data)

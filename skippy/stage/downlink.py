@@ -74,7 +74,6 @@ class DownLink:
         self.deferred_stats = StageReplyStats()    # of those taken
         self.broken: str | None = None
         self.edge_stats = StageReplyStats()       # write observations of prefill forwards
-        self.credit_waits = 0
         self._acks: deque[_AckWait] = deque()
         self._trailing_predictions = 0             # predictions the frames after the last ACK wait may relay
         self._frames: DecodeFrames | None = None   # the template of this lane's one-row decode frames

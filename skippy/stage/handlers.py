@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from ..protocol import (
-    LOOKUP_ERROR, MessageKind, StageMessage, StageReply, StageReplyStats, StageStatusReport, encode_reply,
+    LOOKUP_ERROR, MessageKind, StageReply, StageReplyStats, StageStatusReport, encode_reply,
     lookup_observation, merge, restore_missed_below,
 )
 from ..runtime import SampleMode

@@ -298,7 +298,6 @@ class Lane:
                 span.end()
                 return self.fail(error)
             if not link.credit():  # the downstream edge is the bottleneck: wait for a deferred ACK
-                link.credit_waits += 1
                 self._credit_since = time.perf_counter()
                 span.end()
                 return

@@ -93,10 +93,6 @@ class ReturnStreams:
         held[1].send(frame)
         return not held[1].closed
 
-    def has(self, key: SessionKey, request_id: int) -> bool:
-        held = self._streams.get(key)
-        return held is not None and held[0] == request_id
-
     def close(self, key: SessionKey) -> None:
         held = self._streams.pop(key, None)
         if held is not None:
