@@ -1,13 +1,8 @@
 """One request's session across the whole chain, driven from stage 0: the event loop's half.
 
-`ChainSession` sends the request's control messages down its leased lane and waits for their
-ACKs (ConfigureGeneration, the prefix restore, TrimSession, Stop), and starts what runs on
-stage 0's engine (driver/slot.py): the prompt's chunks, each decode step, each verify window,
-and the whole decode loop (`decode_loop`, driver/decoder.py), hearing back their predictions
-and tokens as events. Every wait has a deadline on the engine (`reply_s`); any failure raises
-`ChainError` naming the stage and the phase. With a single stage (stage 0 holds the whole
-model) the same calls run over `NoStagesBelow`: nothing goes on the wire, and stage 0's own
-samples arrive where the return stream's would.
+`ChainSession` sends the request's control messages down its leased lane and awaits their
+ACKs, and starts what runs on stage 0's engine (driver/slot.py, driver/decoder.py), hearing
+back predictions and tokens as events. Any failure raises `ChainError` naming the phase.
 """
 
 from __future__ import annotations
@@ -100,7 +95,7 @@ class ChainSession:
         engine = self.env.engine
         return lambda value: engine.settle(future, value)
 
-    async def _request(self, msg: StageMessage, *, rows_from: Callable[[], object] | None = None) -> StageReply:
+    async def _request(self, msg: StageMessage) -> StageReply:
         """A control round trip: `msg` down the lane, its ACK back (merged into the stats)."""
         loop = asyncio.get_running_loop()
         acked = loop.create_future()
@@ -128,23 +123,18 @@ class ChainSession:
         self.draws += len(reply.predicted_tokens)
         return reply
 
-    def _message(self, kind: MessageKind, **fields) -> StageMessage:
-        return StageMessage(kind, request_id=self.request_id, session_id=self.session_id,
-                            prompt_token_count=self.prompt_token_count, trace_context=self.trace_context, **fields)
-
     # -- the request's messages ---------------------------------------------------------------------
     async def configure(self) -> None:
         slot = self.slot
         await self.env.engine.call(lambda: self.env.slots.runtime.configure(
             slot.key, self.sampling, self.prompt_token_count, self.skip_draws))
-        await self._request(self._message(MessageKind.ConfigureGeneration, sampling=self.sampling,
+        await self._request(self.slot.message(MessageKind.ConfigureGeneration, sampling=self.sampling,
                                           cache_namespace=self.cache_namespace, decode_step=self.skip_draws))
 
     async def prefill(self, tokens: Sequence[int]) -> int:
-        """Prefill `tokens` at the current position, in chunks; returns the first prediction.
-        A prompt (position 0) first tries a chain restore of its longest cached prefix and
-        then prefills only the rest, unless it asks for prompt logprobs: restored rows have no
-        logits, so such a prompt is always computed in full (and still recorded)."""
+        """Prefill `tokens` at the current position; returns the first prediction. A prompt
+        first tries a chain restore of its longest cached prefix, unless it asks for prompt
+        logprobs (restored rows have no logits)."""
         started = time.perf_counter()
         runtime = self.env.slots.runtime
         if self.position == 0 and runtime.prefix_cache is not None and not self.sampling.prompt_logprobs:
@@ -183,16 +173,11 @@ class ChainSession:
             await ack
 
     async def _restore(self, tokens: Sequence[int]) -> tuple[int, StageReply | None]:
-        """The chain restore (spec §4.4): restore stage 0's longest cached prefix of the
-        prompt's cacheable part, then ask the stages below for exactly that prefix. Keep it
-        only if every stage hit; otherwise drop it (each stage below that hit has already
-        rolled back) and return 0 for a cold prefill. Returns (restored length, first reply).
-
-        When the hit covers the whole cacheable part (all but the last prompt token), it is
-        a TryRestorePrefillDecode: the last token's rows ride along, and on a chain hit the
-        final stage samples the first token and sends it straight back, as the seed does:
-        the request decodes from it at once, while the ACKs climb the chain behind it.
-        """
+        """The chain restore (spec §4.4): stage 0's longest cached prefix, then exactly that
+        prefix on the stages below, kept only if every stage hit (else 0: a cold prefill).
+        Returns (restored length, first reply). A hit on the whole cacheable part is a
+        TryRestorePrefillDecode: the last token rides along and the first token comes back
+        before the ACKs climb the chain."""
         env, slot, started = self.env, self.slot, time.perf_counter()
         runtime = env.slots.runtime
         cacheable = list(tokens[:cacheable_prefix_length(len(tokens))])
@@ -213,9 +198,9 @@ class ChainSession:
             if restored == len(cacheable):
                 missed, first = await self._restore_decode(cacheable, tokens, span)
             else:
-                down = (await self._request(self._message(MessageKind.TryRestorePrefill, token_count=restored,
-                                                          tokens=cacheable[:restored],
-                                                          cache_namespace=self.cache_namespace))).stats
+                down = (await self._request(self.slot.message(
+                    MessageKind.TryRestorePrefill, token_count=restored, tokens=cacheable[:restored],
+                    cache_namespace=self.cache_namespace))).stats
                 missed, extra = restore_missed_below(down)
                 self.stats = merge(self.stats, extra) if missed else self.stats
             if missed:
@@ -248,7 +233,7 @@ class ChainSession:
         loop = asyncio.get_running_loop()
         predicted, acked = loop.create_future(), loop.create_future()
         slot, last, start = self.slot, int(tokens[len(prefix)]), len(prefix)
-        msg = self._message(MessageKind.TryRestorePrefillDecode, pos_start=start, token_count=1,
+        msg = self.slot.message(MessageKind.TryRestorePrefillDecode, pos_start=start, token_count=1,
                             tokens=prefix + [last], current_token=last, sampling=self.sampling,
                             cache_namespace=self.cache_namespace)
         on_reply, on_ack = self._on_loop(predicted), self._on_loop(acked)
@@ -287,9 +272,7 @@ class ChainSession:
         return reply.predicted_tokens[0]
 
     async def submit_verify(self, tokens: Sequence[int], window_id: int, *, pos_start: int | None = None) -> None:
-        """Send a VerifyWindow of [current, draft...] (its predictions: `wait_window`). The rows
-        stay in every stage's KV provisionally; the next message's `pos_start` (or a
-        TrimSession) decides how many of them are kept."""
+        """Send a VerifyWindow of [current, draft...] (its predictions: `wait_window`)."""
         base = self.position if pos_start is None else pos_start
         future = self._windows[window_id] = asyncio.get_running_loop().create_future()
         slot, on_reply, tokens = self.slot, self._on_loop(future), list(tokens)
@@ -310,7 +293,7 @@ class ChainSession:
         slot = self.slot
         await self.env.engine.call(lambda: self.env.slots.runtime.trim(slot.key, num_tokens))
         self.position = num_tokens
-        await self._request(self._message(MessageKind.TrimSession, token_count=num_tokens))
+        await self._request(self.slot.message(MessageKind.TrimSession, token_count=num_tokens))
 
     # -- the decode loop ---------------------------------------------------------------------------
     def decode_loop(self, decoder: ChainDecoder, prompt: Sequence[int] | None = None) -> AsyncIterator[Emitted]:
@@ -355,7 +338,7 @@ class ChainSession:
         if recorded is not None and recorded.num_entries:
             self.stats = merge(self.stats, record_observation(0, recorded.num_entries, recorded.num_bytes))
         await self.settled()
-        reply = await self._request(self._message(MessageKind.Stop))
+        reply = await self._request(self.slot.message(MessageKind.Stop))
         self.stop_ack_stats = reply.stats
         self.stats = merge(self.stats, await self.env.engine.call(slot.take_stats))
         self.stopped = True

@@ -1,24 +1,15 @@
 """One upstream connection of a stage, on the engine thread: its frames, in order (spec §2.4, §2.9).
 
-The engine reads a lane's frames as they arrive. Two things happen on arrival, ahead of the
-frames queued before: a prefill chunk is ACKed at once (the early ACK, spec §2.6), and a
-DiscardStaleWindows is recorded, so the windows queued ahead of it are skipped. Then the
-lane takes its frames one at a time, as the original stage's control handlers did:
+On arrival, ahead of the frames queued before, a prefill chunk is ACKed (the early ACK, spec
+§2.6) and a DiscardStaleWindows is recorded, so the windows queued ahead of it are skipped.
+Then the lane takes one frame at a time: a prefill chunk computes and goes down (past the
+credit window it waits for a deferred ACK); a kind that needs a prediction, or a control
+message, first waits for every deferred ACK. Control messages run on the event loop
+(`LaneControl`, stage/handlers.py) and the lane takes its next frame once their reply is
+written.
 
-* prefill chunk: compute, forward the rows down, count a deferred downstream ACK; past the
-  credit window, wait for one;
-* a kind that needs a prediction (PrefillFinalEmbd, DecodeEmbd, VerifyWindow): wait until
-  every deferred ACK is in; the final stage samples and returns the token straight to stage
-  0 (or up the lane when there is no return stream); others compute and forward;
-* RetireVerifyWindow: free the checkpoints, forward, no ACK; DiscardStaleWindows: forward;
-* control (Stop, TrimSession, ConfigureGeneration, prefix-cache control, status): once the
-  deferred ACKs are in, the message goes to the event loop with the stats owed so far
-  (`LaneControl`, stage/handlers.py); the lane takes its next frame when the handler's reply
-  is written. Stop refuses to run while deferred prefill ACKs are outstanding.
-
-Any error closes this lane only: a bad frame, a refused message, a step that fails, a broken
-link below. Its sessions are reclaimed and its link is closed, so the stages below reclaim
-theirs too (spec §3.3).
+Any error closes this lane only; its sessions are reclaimed and its link is closed, so the
+stages below reclaim theirs too (spec §3.3).
 """
 
 from __future__ import annotations
@@ -137,9 +128,8 @@ class Lane:
         return (self.lane_id, session_id)
 
     def open_session(self, msg: StageMessage) -> Session:
-        """The message's session; a new request on a session id replaces the session, and what
-        the old request held here goes with it (its KV, sampler, grammar state and checkpoints
-        in the runtime; its return stream and summary here)."""
+        """The message's session; a new request on a session id replaces it, and what the old
+        request held goes with it."""
         key, runtime = self.key(msg.session_id), self.env.runtime
         if key in runtime.sessions and runtime.session(key).request_id != msg.request_id:
             self.env.returns.close(key)
@@ -182,9 +172,6 @@ class Lane:
             self._pumping = False
 
     def _take_frames(self) -> None:
-        if self._eof and not self._busy and not self._backlog:
-            self.channel.close("closed the connection")
-            return
         while not self._busy and self._backlog and not self.closed:
             msg = self._backlog[0][0]
             link = self.link
@@ -261,10 +248,6 @@ class Lane:
             if not self.closed:
                 self.fail(result)
             return False
-        self._note_compute(msg, span, timed)
-        return True
-
-    def _note_compute(self, msg: StageMessage, span: Span, timed: Timed) -> None:
         span.set("compute_ms", timed.run_s * 1e3)
         span.set("runtime_lock_wait_ms", timed.wait_s * 1e3)
         span.set("batch_size", timed.batch_size)
@@ -276,6 +259,18 @@ class Lane:
         if timed.value.auto_aligned_from is not None:  # spec §3.4 auto-align
             span.set("auto_align_from_tokens", timed.value.auto_aligned_from)
             self.env.telemetry.count("skippy.stage.session_auto_align")
+        return True
+
+    def _forward(self, msg: StageMessage, span: Span, result: StepResult) -> bool:
+        """The step's rows go down the link; False (the span ended, the lane failed) when it broke."""
+        try:
+            self.link.send_step(self._traced(msg, span), result.rows, activation_dtype_of(result.rows),
+                                self.env.config.stage_index)
+        except LinkBroken as error:
+            span.end()
+            self.fail(error)
+            return False
+        return True
 
     def _prefill(self, msg: StageMessage, span: Span) -> None:
         """PrefillEmbd: compute, forward the rows down, defer the downstream ACK."""
@@ -292,17 +287,14 @@ class Lane:
         self.add_stats(prefill_compute_observation(index, _us(timed.run_s), msg.token_count))
         link = self.link
         if link is not None:
-            try:
-                link.send_step(self._traced(msg, span), result.rows, activation_dtype_of(result.rows), index)
-            except LinkBroken as error:
-                span.end()
-                return self.fail(error)
+            if not self._forward(msg, span, result):
+                return
             if not link.credit():  # the downstream edge is the bottleneck: wait for a deferred ACK
                 self._credit_since = time.perf_counter()
                 span.end()
                 return
         span.end()
-        self._done()
+        self.resume()
 
     def _predicting(self, msg: StageMessage, span: Span) -> None:
         """PrefillFinalEmbd, DecodeEmbd and VerifyWindow."""
@@ -329,11 +321,8 @@ class Lane:
             self.add_stats(prefill_compute_observation(index, _us(timed.run_s), msg.token_count))
         if link is not None:
             started = time.perf_counter()
-            try:
-                link.send_step(self._traced(msg, span), result.rows, activation_dtype_of(result.rows), index)
-            except LinkBroken as error:
-                span.end()
-                return self.fail(error)
+            if not self._forward(msg, span, result):
+                return
             write_s = time.perf_counter() - started
             span.set("forward_write_ms", write_s * 1e3)
             self.summary(msg.session_id).forward_write_ms += write_s * 1e3
@@ -348,7 +337,7 @@ class Lane:
         if msg.kind == MessageKind.PrefillFinalEmbd:  # the prompt is in: record it (spec §4.3)
             self.record(msg.session_id, span)
         span.end()
-        self._done()
+        self.resume()
 
     def return_frame(self, msg: StageMessage, frame: bytes) -> None:
         """A prediction reply, on the direct return stream when the request has one, else up this lane."""
@@ -356,8 +345,6 @@ class Lane:
             self.channel.send(frame)
 
     def _return_prediction(self, msg: StageMessage, result: StepResult, is_window: bool) -> None:
-        """The final stage's prediction: straight to stage 0 on the return stream when there is
-        one, else up this lane (every stage above relays it)."""
         stats = self.take_stats()
         if is_window:
             frame = encode_reply(StageReply.window(result.tokens, msg.seq_id, stats, result.logprobs))
@@ -377,10 +364,6 @@ class Lane:
             self.add_stats(record_observation(self.env.config.stage_index, recorded.num_entries,
                                               recorded.num_bytes))
 
-    def _done(self) -> None:
-        self._busy = False
-        self._pump()
-
     # -- the link below --------------------------------------------------------------------
     def attach_link(self, sock, endpoint: str) -> None:
         """On the engine: the dialed link to the next stage is this lane's, for its life."""
@@ -395,7 +378,7 @@ class Lane:
                              conditioner=self.env.transport.conditioner())
 
     def resume(self) -> None:
-        """On the engine: what the event loop did for this lane is done; take the next frame."""
+        """On the engine: what this lane waited for is done; take the next frame."""
         self._busy = False
         self._pump()
 
@@ -405,7 +388,7 @@ class Lane:
             wait_s = time.perf_counter() - self._credit_since
             self._credit_since = None
             self.add_stats(prefill_edge_observation(self.env.config.stage_index, 0, _us(wait_s), 0))
-            self._done()
+            self.resume()
         elif not self._busy:
             self._pump()
 
@@ -440,7 +423,7 @@ class Lane:
         """On the engine: a control message's reply goes up; the lane takes its next frame."""
         if not self.closed:
             self.channel.send(encode_reply(reply))
-            self._done()
+            self.resume()
 
     # -- the end ---------------------------------------------------------------------------
     def fail(self, error: Exception | str) -> None:
