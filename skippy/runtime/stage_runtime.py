@@ -135,9 +135,7 @@ class StageRuntime:
     # -- steps: the one way into a forward --------------------------------------------
     def submit(self, step: Step, done: StepDone, *, prefill: bool = False, last_chunk: bool = True) -> None:
         """Queue `step` for a forward; `done(result or exception, timing)` runs after it.
-        `prefill`: a prompt chunk (batched with other prompts' chunks, `last_chunk`: the
-        prompt's last, after which the session decodes), else a decode or verify step
-        (batched with other sessions' steps)."""
+        `prefill`: a prompt chunk (`last_chunk`: the prompt's last), else a decode or verify step."""
         item = Queued(step.session.key, step.num_rows, prefill, time.perf_counter(), last_chunk, (step, done))
         self._queue.append(item)
         self.policy.queued(item)

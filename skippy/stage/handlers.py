@@ -1,18 +1,9 @@
 """The control messages of a stage, on the event loop, one handler per kind (spec §2.4).
 
-The data kinds (prompt chunks, decode steps, verify windows, their retirement and discard)
-never come here: the engine runs them (stage/lane.py). A control message arrives once the
-lane's deferred prefill ACKs are in, with the stats owed so far (`ctl.stats`); the lane takes
-no other frame until its handler replies. The ordering rules follow the original stage's
-control handlers:
-
-* control (Stop, TrimSession, ConfigureGeneration): act locally, forward and wait for the
-  ACK, merge its stats into ours, ACK upstream. The final stage opens the direct return
-  stream at ConfigureGeneration.
-* prefix cache (the seed's `handle_prefix_cache_control`, spec §4.4): restore locally,
-  forward only on a local hit; a neutral downstream reply counts as a miss; on a downstream
-  miss roll the local restore back. A stage records its prefill after the last prefill chunk
-  (lane.py) and again at Stop, before the session goes.
+The data kinds never come here (stage/lane.py). A control message arrives once the lane's
+deferred prefill ACKs are in, with the stats owed so far (`ctl.stats`), and the lane takes
+no other frame until its handler replies. Each acts locally, forwards and waits for the
+ACK, and ACKs upstream with the merged stats, as the original stage's handlers did.
 """
 
 from __future__ import annotations
@@ -100,14 +91,9 @@ async def on_control(ctl: LaneControl, span: Span) -> None:
 
 
 async def on_prefix_cache(ctl: LaneControl, span: Span) -> None:
-    """TryRestorePrefill(Decode), as the seed's `handle_prefix_cache_control` (spec §4.4).
-
-    Restore exactly the sideband's prefix locally. Only on a local hit is the message
-    forwarded; a downstream reply with neutral stats (a stage without a cache) counts as
-    a miss; on a downstream miss the local restore is rolled back, so the session holds
-    nothing and the cold prefill that follows starts clean. A stage without a cache
-    answers neutral stats and forwards nothing. The ACK always carries the merged stats.
-    """
+    """TryRestorePrefill(Decode), as the seed's `handle_prefix_cache_control` (spec §4.4):
+    restore exactly the sideband's prefix; forward only on a local hit; on a downstream miss
+    (neutral stats count as one) roll the restore back, so the cold prefill starts clean."""
     msg, key, stats = ctl.msg, ctl.key, ctl.stats
     kv = ctl.env.runtime.prefix_cache  # set when the stage was built; read-only here
     if kv is None or not kv.lookup_enabled:
@@ -166,10 +152,8 @@ async def on_prefix_cache(ctl: LaneControl, span: Span) -> None:
 
 
 async def _restore_decode(ctl: LaneControl, stats: StageReplyStats, span: Span) -> tuple[bool, StageReplyStats]:
-    """TryRestorePrefillDecode after a local hit: run the current token's row at pos_start.
-    The final stage samples it and returns the token on the prediction path at once (stage 0
-    decodes from it without waiting for the ACKs: driver/session.py); every stage still ACKs
-    upstream with the merged stats, so each one learns whether the chain hit."""
+    """TryRestorePrefillDecode after a local hit: the current token's row at pos_start. The
+    final stage returns its token on the prediction path at once, ahead of the ACKs."""
     msg = ctl.msg
     step_msg = dataclasses.replace(msg, tokens=[msg.current_token])
     timed = await ctl.step(step_msg, SampleMode.LAST if ctl.is_final else SampleMode.NONE)

@@ -1,11 +1,7 @@
 """A stage's server: the listener and handshakes on the event loop, every lane on the engine.
 
-Binds loopback unless the config says otherwise. A connection that fails the TLS handshake
-or the auth check, or speaks another protocol version, is refused with a logged reason
-(stage/transport.py). One that passes is a lane, handed to the engine for the rest of its
-life (stage/lane.py); its control messages come back here (stage/handlers.py). A malformed
-frame closes that connection only (spec §2.1, §2.11). A connection that opened the tensor
-side channel instead is a stage fetching its layers from this one's model file (holder.py).
+A connection that passes its handshake (stage/transport.py) is a lane, the engine's for the
+rest of its life (stage/lane.py); its control messages come back here (stage/handlers.py).
 """
 
 from __future__ import annotations
