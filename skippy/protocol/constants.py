@@ -299,41 +299,6 @@ KIND_INFO: dict[MessageKind, KindInfo] = {
 }
 del K, P, R
 
-EXPECTED_PHASE: dict[MessageKind, Phase] = {kind: info.phase for kind, info in KIND_INFO.items()}
-
-_PREDICTED_REPLY_KINDS = frozenset({MessageKind.DecodeEmbd, MessageKind.PrefillFinalEmbd,
-                                    MessageKind.VerifyWindow})
-_SESSION_CONTROL_KINDS = frozenset({MessageKind.TrimSession})
-_PREFIX_CACHE_CONTROL_KINDS = frozenset({MessageKind.TryRestorePrefill,
-                                         MessageKind.TryRestorePrefillDecode})
-_GENERATION_CONTROL_KINDS = frozenset({MessageKind.ConfigureGeneration})
 # Kinds that may carry a CACHE_NAMESPACE section: where a session learns its namespace.
 NAMESPACE_KINDS = frozenset({MessageKind.ConfigureGeneration, MessageKind.TryRestorePrefill,
                              MessageKind.TryRestorePrefillDecode})
-
-
-def requires_predicted_reply(kind: MessageKind) -> bool:
-    """Kinds whose reply is a prediction; deferred ACKs are drained before them (§2.4, §2.6)."""
-    return kind in _PREDICTED_REPLY_KINDS
-
-
-def is_session_control(kind: MessageKind) -> bool:
-    return kind in _SESSION_CONTROL_KINDS
-
-
-def is_prefix_cache_control(kind: MessageKind) -> bool:
-    return kind in _PREFIX_CACHE_CONTROL_KINDS
-
-
-def is_generation_control(kind: MessageKind) -> bool:
-    return kind in _GENERATION_CONTROL_KINDS
-
-
-def is_control(kind: MessageKind) -> bool:
-    """Kinds before which the async forwarder is flushed and deferred ACKs drained (§2.6)."""
-    return (kind == MessageKind.Stop or is_session_control(kind)
-            or is_prefix_cache_control(kind) or is_generation_control(kind))
-
-
-def expects_reply(kind: MessageKind) -> bool:
-    return KIND_INFO[kind].reply is not None

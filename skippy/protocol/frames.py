@@ -93,8 +93,8 @@ def _byte_view(buf: object) -> memoryview:
 class StageMessage:
     """One stage message (spec §2.2, §2.4).
 
-    `version`, `phase` and `flags` are not fields: they follow from the protocol,
-    the kind and which optional sections are present, so they cannot disagree.
+    `phase` and `flags` are not fields: they follow from the kind and which optional
+    sections are present, so they cannot disagree.
     `tokens` / `positions` become 1-D int32 arrays and `activation` a flat byte
     memoryview of `activation_rows x activation_width` elements of
     `activation_dtype`, token-major.
@@ -137,10 +137,6 @@ class StageMessage:
             set_(self, "trace_context", bytes(self.trace_context))
 
     @property
-    def version(self) -> int:
-        return PROTOCOL_VERSION
-
-    @property
     def phase(self) -> Phase:
         return KIND_INFO[self.kind].phase
 
@@ -158,11 +154,6 @@ class StageMessage:
         if self.trace_context is not None:
             flags |= StateFlags.TRACE_CONTEXT
         return flags
-
-    @property
-    def window_id(self) -> int:
-        """VerifyWindow / DiscardStaleWindows vocabulary for `seq_id`."""
-        return self.seq_id
 
     def activation_array(self) -> np.ndarray:
         """The activation as a (rows, width) view; bf16 comes back as raw uint16 bits, q8 as

@@ -12,7 +12,7 @@ import asyncio
 from .constants import AUTH_MAGIC, AUTH_PREFIX, FETCH_MAGIC, MESSAGE_HEADER, READY, REPLY_HEADER, STATS_BLOCK
 from .errors import AuthError, FrameError, HandshakeTimeout
 from .frames import (
-    MessageHeader, StageMessage, StageReply, decode_message_body, decode_reply_body, encode_message_parts,
+    StageMessage, StageReply, decode_message_body, decode_reply_body, encode_message_parts,
     encode_reply, parse_message_header, parse_reply_header,
 )
 from .handshake import AuthPreamble, Ready, check_auth, preamble_fields, token_bytes
@@ -48,20 +48,11 @@ async def _read_frame_start(reader: asyncio.StreamReader, nbytes: int, what: str
 
 async def read_message(reader: asyncio.StreamReader) -> StageMessage | None:
     """Read one stage message; None means the peer closed cleanly between frames."""
-    header = await read_message_header(reader)
-    return None if header is None else await read_message_body(reader, header)
-
-
-async def read_message_header(reader: asyncio.StreamReader) -> MessageHeader | None:
-    """A message's checked header (its body not read yet), or None on a clean EOF: a reader
-    waiting here is between frames, having consumed nothing of the next."""
     head = await _read_frame_start(reader, MESSAGE_HEADER.size, "message header")
-    return None if head is None else parse_message_header(head)  # limits checked before the body is read
-
-
-async def read_message_body(reader: asyncio.StreamReader, header: MessageHeader) -> StageMessage:
-    body = await _read_exactly(reader, header.body_bytes, "message body")
-    return decode_message_body(header, body)
+    if head is None:
+        return None
+    header = parse_message_header(head)  # limits checked before the body is read
+    return decode_message_body(header, await _read_exactly(reader, header.body_bytes, "message body"))
 
 
 async def write_message(writer: asyncio.StreamWriter, msg: StageMessage) -> None:
