@@ -21,7 +21,7 @@ from ..runtime.session import SessionKey
 from .channel import Channel
 from .engine import Engine
 from .holder import TensorHolder, serve_tensors
-from .transport import LinkBroken, Transport, recv_exactly, send_all
+from .transport import Transport, recv_exactly, send_all
 
 log = logging.getLogger("skippy.stage")
 
