@@ -1,14 +1,9 @@
 """Spans, counters and per-request summary lines (spec §7). A leaf: imports no skippy code.
 
-Every stage message gets one OpenTelemetry span. Without an exporter the spans go
-nowhere (the API's no-op tracer, a few hundred nanoseconds each); `--otlp-endpoint`
-installs an SDK provider with a batching OTLP exporter (HTTP or gRPC), which never blocks
-the caller.
-
-One trace per request: stage 0 opens a root span for it, and every frame of the request
-carries a W3C trace context (`traceparent` here: trace id, span id, flags as 25 bytes,
-the protocol's TRACE_CONTEXT section), so each stage's message span is the child of the
-span that sent the frame, and names itself as the parent in what it forwards.
+Every stage message gets one OpenTelemetry span (a no-op without `--otlp-endpoint`, which
+installs a batching OTLP exporter that never blocks the caller). One trace per request: each
+frame carries a W3C trace context (25 bytes), so each stage's span is the child of the span
+that sent the frame.
 
 Privacy rule (spec §7): attributes are numbers, booleans and short labels (kind
 names, stage ids) only, never prompt text or token ids. `Telemetry` rejects any

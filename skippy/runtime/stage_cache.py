@@ -1,15 +1,11 @@
 """A stage's prefix cache wired to its sessions (spec §4.3, §4.4): restore into a session,
 record from its prefill ledger, roll a restore back.
 
-`StagePrefixCache` owns this stage's `PrefixCache` (and its disk tier) and the stage's
-base `CacheNamespace`; a request's namespace is the base plus the 32-byte digest of its
-`prompt_cache_key` that the wire carries (`protocol.cache_namespace_digest`), or None for
-the shared default. Every method that touches a session or the cache runs on the runtime
-worker (`StageRuntime.restore_prefix` / `record_prefix` / `rollback_prefix` submit them),
-because `PrefixCache` is not thread-safe (spec §3.5). `stats()` may be read anywhere.
-
-Failures fail open (spec §4.6): a model path that cannot be digested, or a disk directory
-that cannot be used, leaves the stage serving with cold prefill and a logged reason.
+A request's namespace is the stage's base `CacheNamespace` plus the digest of its
+`prompt_cache_key` (None: the shared default). Every method that touches a session or the
+cache runs on the stage's engine thread (`PrefixCache` is not thread-safe, spec §3.5);
+`stats()` may be read anywhere. Failures fail open (spec §4.6): the stage serves with cold
+prefill and a logged reason.
 """
 
 from __future__ import annotations
