@@ -24,7 +24,7 @@ from .stats import (
 )
 from .stream import (
     client_handshake, read_message, read_reply, read_tensor_frame,
-    server_handshake, write_message, write_reply, write_tensor_frame,
+    write_message, write_reply, write_tensor_frame,
 )
 from .tensor_frames import TensorRefused
 
@@ -37,6 +37,6 @@ __all__ = [
     "decode_message", "decode_reply", "encode_message", "encode_message_parts", "encode_reply",
     "is_loopback", "merge", "merge_all", "parse_endpoint", "plan_layer_split",
     "prefill_compute_observation", "prefill_edge_observation", "read_message", "read_reply", "read_tensor_frame",
-    "server_handshake", "stage_mask", "TensorRefused", "write_message", "write_reply",
+    "stage_mask", "TensorRefused", "write_message", "write_reply",
     "write_tensor_frame",
 ]

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import asyncio
 
-from .constants import AUTH_MAGIC, AUTH_PREFIX, FETCH_MAGIC, MESSAGE_HEADER, READY, REPLY_HEADER, STATS_BLOCK
+from .constants import AUTH_MAGIC, FETCH_MAGIC, MESSAGE_HEADER, READY, REPLY_HEADER, STATS_BLOCK
 from .errors import AuthError, FrameError, HandshakeTimeout
 from .frames import (
     StageMessage, StageReply, decode_message_body, decode_reply_body, encode_message_parts,
     encode_reply, parse_message_header, parse_reply_header,
 )
-from .handshake import AuthPreamble, Ready, check_auth, preamble_fields, token_bytes
+from .handshake import AuthPreamble, Ready, token_bytes
 from .tensor_frames import (
     TENSOR_HEADER, TensorFrame, TensorFrameKind, TensorRefused, decode_tensor_body, encode_tensor_frame,
     parse_tensor_header,
 )
 
-HANDSHAKE_TIMEOUT_S = 20.0  # READY read timeout used by the direct-return dial (spec §2.7)
+HANDSHAKE_TIMEOUT_S = 20.0  # client_handshake's wait for READY
 ONE_WRITE_BYTES = 64 * 1024  # frames up to this size leave in one write (see write_message)
 
 
@@ -106,37 +106,6 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     except FrameError as error:
         raise FrameError(f"{error} (did the server refuse our auth token?)") from None
     return Ready.decode(data)
-
-
-async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           expected_token: str | bytes | None = None, *,
-                           timeout: float = HANDSHAKE_TIMEOUT_S) -> bool:
-    """Server side (spec §2.1): check the auth preamble if a token is configured, send READY.
-    True when the dialer opened the tensor side channel (§11): only a dialer with the
-    token can; a server without one reads no preamble, so it never is.
-
-    Raises AuthError on a missing, malformed, late or wrong token; the caller
-    then drops the connection without sending anything.
-    """
-    preamble = None
-    if expected_token is not None:
-        expected = token_bytes(expected_token)
-
-        async def read_preamble() -> AuthPreamble:
-            prefix = await _read_exactly(reader, AUTH_PREFIX.size, "auth preamble")
-            magic, length = preamble_fields(prefix)
-            return AuthPreamble(await _read_exactly(reader, length, "auth token"), magic)
-
-        try:
-            preamble = await asyncio.wait_for(read_preamble(), timeout)
-        except TimeoutError:
-            raise AuthError(f"auth preamble: none within {timeout} s") from None
-        except FrameError as error:
-            raise AuthError(str(error)) from None
-        check_auth(preamble, expected)
-    writer.write(Ready().encode())
-    await writer.drain()
-    return preamble is not None and preamble.opens_tensors
 
 
 async def read_tensor_frame(reader: asyncio.StreamReader, expected: TensorFrameKind, *,

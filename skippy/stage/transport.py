@@ -168,17 +168,18 @@ class Transport:
                 refusals.refused(peer, error, self.timeouts.tls_handshake_s)
                 raise
         magic = AUTH_MAGIC
-        async with asyncio.timeout(self.timeouts.handshake_s):
-            if self.auth_token is not None:
-                try:
-                    magic, length = preamble_fields(await recv_exactly(sock, AUTH_PREFIX.size, "auth preamble"))
-                    token = await recv_exactly(sock, length, "auth token")
-                except TimeoutError:
-                    raise AuthError(f"auth preamble: none within {self.timeouts.handshake_s:g} s") from None
-                except ProtocolError as error:
-                    raise AuthError(str(error)) from None
-                check_auth(AuthPreamble(token, magic), self.auth_token)
-            await send_all(sock, Ready().encode())
+        try:  # asyncio.timeout raises TimeoutError only where its block ends, so the except is out here
+            async with asyncio.timeout(self.timeouts.handshake_s):
+                if self.auth_token is not None:
+                    try:
+                        magic, length = preamble_fields(await recv_exactly(sock, AUTH_PREFIX.size, "auth preamble"))
+                        token = await recv_exactly(sock, length, "auth token")
+                    except ProtocolError as error:
+                        raise AuthError(str(error)) from None
+                    check_auth(AuthPreamble(token, magic), self.auth_token)
+                await send_all(sock, Ready().encode())
+        except TimeoutError:
+            raise AuthError(f"auth preamble and READY: none within {self.timeouts.handshake_s:g} s") from None
         return sock, magic == FETCH_MAGIC
 
 
