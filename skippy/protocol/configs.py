@@ -66,14 +66,13 @@ def _endpoints_parse(values: list[str]) -> list[str]:
     return values
 
 
-class PeerEndpoint(_Frozen):
-    """The stage on the other side of a data-plane connection."""
+class _Reachable(_Frozen):
+    """A stage and where it is reached: its endpoint, then the standbys serving its layers."""
 
     stage_id: str
     stage_index: int = Field(ge=0)
     endpoint: str
-    # stages serving the same layers, dialed in turn when `endpoint` does not answer
-    standby_endpoints: list[str] = []
+    standby_endpoints: list[str] = []  # dialed in turn when `endpoint` does not answer
 
     @field_validator("endpoint")
     @classmethod
@@ -85,8 +84,11 @@ class PeerEndpoint(_Frozen):
 
     @property
     def endpoints(self) -> list[str]:
-        """Where this stage can be reached: its own endpoint first, then its standbys."""
         return [self.endpoint, *self.standby_endpoints]
+
+
+class PeerEndpoint(_Reachable):
+    """The stage on the other side of a data-plane connection."""
 
     @property
     def host(self) -> str:
@@ -251,28 +253,12 @@ class StageConfig(_Frozen):
         return self.max_inflight - 1 if self.reply_credit_limit is None else self.reply_credit_limit
 
 
-class TopologyStage(_Frozen):
-    stage_id: str
-    stage_index: int = Field(ge=0)
-    endpoint: str
+class TopologyStage(_Reachable):
+    """A stage of the chain; its standbys start from its config with their own bind address."""
+
     layer_start: int = Field(ge=0)
     layer_end: int = Field(ge=1)
     host: str | None = None
-    # standby stages (same layer range, started from this stage's config with their own
-    # bind address): stage 0 and the stage above fail over to them when this one is lost
-    standby_endpoints: list[str] = []
-
-    @field_validator("endpoint")
-    @classmethod
-    def _endpoint_parses(cls, value: str) -> str:
-        parse_endpoint(value)
-        return value
-
-    _standbys_parse = field_validator("standby_endpoints")(_endpoints_parse)
-
-    @property
-    def endpoints(self) -> list[str]:
-        return [self.endpoint, *self.standby_endpoints]
 
 
 class Topology(_Frozen):
