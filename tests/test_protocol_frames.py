@@ -278,7 +278,6 @@ def test_derived_phase_and_flags():
     assert final.phase.name == "Prefill"
     assert final.flags == 0b101001  # FINAL_CHUNK | SAMPLING | CHAT_METADATA
     assert StageMessage(K.DecodeEmbd).flags == 0
-    assert StageMessage(K.Stop).version == 6
     restore = StageMessage(K.TryRestorePrefill, cache_namespace=bytes(32))
     assert restore.flags == 1 << 16  # CACHE_NAMESPACE
 
