@@ -95,22 +95,28 @@ class ChainSession:
         engine = self.env.engine
         return lambda value: engine.settle(future, value)
 
+    def _post(self, start: Callable[[Slot, Callable[[object], None]], None]) -> asyncio.Future:
+        """start(slot, settle) on stage 0's engine; the future `settle` sets here."""
+        future = asyncio.get_running_loop().create_future()
+        slot, settle = self.slot, self._on_loop(future)
+        self.env.engine.post(lambda: start(slot, settle))
+        return future
+
+    @staticmethod
+    def _acked(reply: StageReply | Exception, what: str) -> StageReply:
+        if isinstance(reply, Exception):
+            raise ChainError(f"stage chain failed during {what}: {reply}") from reply
+        return reply
+
     async def _request(self, msg: StageMessage) -> StageReply:
         """A control round trip: `msg` down the lane, its ACK back (merged into the stats)."""
-        loop = asyncio.get_running_loop()
-        acked = loop.create_future()
-        slot, on_ack = self.slot, self._on_loop(acked)
-
-        def send() -> None:
+        def send(slot: Slot, on_ack) -> None:
             try:
                 slot.link.send(msg, on_ack)
             except ConnectionError as error:
                 on_ack(error)
 
-        self.env.engine.post(send)
-        reply = await acked
-        if isinstance(reply, Exception):
-            raise ChainError(f"stage chain failed during {msg.kind.name}: {reply}") from reply
+        reply = self._acked(await self._post(send), msg.kind.name)
         self.stats = merge(self.stats, reply.stats)
         return reply
 
@@ -146,14 +152,13 @@ class ChainSession:
                 return self._first(first)
             tokens = tokens[restored:]
         self.timings.prefilled_tokens += len(tokens)
-        future = asyncio.get_running_loop().create_future()
-        slot, on_first, start = self.slot, self._on_loop(future), self.position
+        start = self.position
 
-        def prefill() -> None:
+        def prefill(slot: Slot, on_first) -> None:
             slot.position = start
             slot.prefill(tokens, on_first)
 
-        self.env.engine.post(prefill)
+        future = self._post(prefill)
         self.position = start + len(tokens)
         reply = await self._prediction(future)
         self.timings.prefill_s += time.perf_counter() - started
@@ -233,9 +238,9 @@ class ChainSession:
         loop = asyncio.get_running_loop()
         predicted, acked = loop.create_future(), loop.create_future()
         slot, last, start = self.slot, int(tokens[len(prefix)]), len(prefix)
-        msg = self.slot.message(MessageKind.TryRestorePrefillDecode, pos_start=start, token_count=1,
-                            tokens=prefix + [last], current_token=last, sampling=self.sampling,
-                            cache_namespace=self.cache_namespace)
+        msg = slot.message(MessageKind.TryRestorePrefillDecode, pos_start=start, token_count=1,
+                           tokens=prefix + [last], current_token=last, sampling=self.sampling,
+                           cache_namespace=self.cache_namespace)
         on_reply, on_ack = self._on_loop(predicted), self._on_loop(acked)
         self.env.engine.post(lambda: slot.restore_decode(msg, last, start, on_reply, on_ack))
         await asyncio.wait([predicted, acked], return_when=asyncio.FIRST_COMPLETED)
@@ -243,9 +248,7 @@ class ChainSession:
             first = await self._prediction(predicted)
             self._restore_ack = loop.create_task(self._restore_acked(acked))
             return False, first
-        reply = acked.result()
-        if isinstance(reply, Exception):
-            raise ChainError(f"stage chain failed during TryRestorePrefillDecode: {reply}") from reply
+        reply = self._acked(acked.result(), "TryRestorePrefillDecode")
         missed, extra = restore_missed_below(reply.stats)
         self.stats = merge(self.stats, merge(reply.stats, extra) if missed else reply.stats)
         if missed:
@@ -254,18 +257,13 @@ class ChainSession:
         return False, await self._prediction(predicted)
 
     async def _restore_acked(self, acked: asyncio.Future) -> None:
-        reply = await acked
-        if isinstance(reply, Exception):
-            raise ChainError(f"stage chain failed during TryRestorePrefillDecode: {reply}") from reply
-        self.stats = merge(self.stats, reply.stats)
+        self.stats = merge(self.stats, self._acked(await acked, "TryRestorePrefillDecode").stats)
 
     async def decode(self, token: int, *, pos_start: int | None = None) -> int:
         """One decode step of `token` at `pos_start` (default: the current position)."""
         position = self.position if pos_start is None else pos_start
         self.decode_step += 1
-        future = asyncio.get_running_loop().create_future()
-        slot, on_reply = self.slot, self._on_loop(future)
-        self.env.engine.post(lambda: slot.decode(token, position, on_reply))
+        future = self._post(lambda slot, on_reply: slot.decode(token, position, on_reply))
         self.position = position + 1
         reply = await self._prediction(future)
         self.timings.decode_steps += 1
@@ -274,9 +272,8 @@ class ChainSession:
     async def submit_verify(self, tokens: Sequence[int], window_id: int, *, pos_start: int | None = None) -> None:
         """Send a VerifyWindow of [current, draft...] (its predictions: `wait_window`)."""
         base = self.position if pos_start is None else pos_start
-        future = self._windows[window_id] = asyncio.get_running_loop().create_future()
-        slot, on_reply, tokens = self.slot, self._on_loop(future), list(tokens)
-        self.env.engine.post(lambda: slot.verify(tokens, window_id, base, on_reply))
+        tokens = list(tokens)
+        self._windows[window_id] = self._post(lambda slot, on_reply: slot.verify(tokens, window_id, base, on_reply))
         self.position = base + len(tokens)
 
     async def wait_window(self, window_id: int) -> list[int]:

@@ -79,11 +79,8 @@ class DecodeFrames:
 
 
 class DecodeFrameReader:
-    """A session's one-row DecodeEmbd frames read against one of them already decoded and
-    checked in full (`frame`, decoded as `message`): a frame that equals it everywhere but in
-    pos_start, decode_step, current_token, the token sideband and the activation row passed
-    every check it did, so only those values are read (pos_start checked as the header's
-    check would)."""
+    """A session's one-row DecodeEmbd frames read against one already checked in full: a frame
+    that equals it but for the four values and the row passed every check it did."""
 
     def __init__(self, frame: bytes, message: StageMessage):
         if not is_decode_frame(message):
@@ -147,10 +144,8 @@ def token_of_reply(frame) -> int | None:
 
 
 class MessageReader:
-    """Stage messages taken whole from the front of a byte buffer (a socket's bytes, as they
-    come): each frame's header checked before its body is waited for; a session's one-row
-    decode frames read against the first of them (`DecodeFrameReader`), every other frame
-    decoded and checked in full. Call it with the buffer: (message, size) or None (not whole yet)."""
+    """Stage messages taken whole from the front of a byte buffer: (message, size), or None
+    while not whole; each header is checked before its body is waited for."""
 
     def __init__(self) -> None:
         self._decode: DecodeFrameReader | None = None

@@ -156,9 +156,8 @@ class StageMessage:
         return flags
 
     def activation_array(self) -> np.ndarray:
-        """The activation as a (rows, width) view; bf16 comes back as raw uint16 bits, q8 as
-        (rows, width / 32) Q8_BLOCK records, their scales checked (a lent lane's decode frames
-        skip decode_message's body checks, and every row a stage computes is read here)."""
+        """The activation as a (rows, width) view; bf16 as raw uint16 bits, q8 as Q8_BLOCK
+        records with their scales checked (template-read decode frames skip the body checks)."""
         dtype = self.activation_dtype
         rows = np.frombuffer(self.activation, dtype=ACTIVATION_NUMPY_DTYPE[dtype]
                              ).reshape(self.activation_rows, self.activation_width // dtype.block_elements)
@@ -564,13 +563,10 @@ class StageReply:
     """A reply upstream: an Ack, one predicted token, a verify window's predictions, or a
     stage's status.
 
-    `predicted_tokens[0] == predicted` for the prediction kinds (a PredictedToken
-    built with no tokens gets `[predicted]`). `draft_tokens` is the optional native
-    MTP draft, kept apart so it is never confused with target predictions.
-    `status` is set on StageStatus replies only. `logprobs` (a request that asked for
-    them) is one entry per predicted token, `prompt_logprobs` one per prompt token after
-    the first (a request with prompt logprobs, on its first-token reply); every entry of
-    a reply has the same number of top pairs.
+    `predicted_tokens[0] == predicted` for the prediction kinds. `draft_tokens` is the
+    optional native MTP draft, kept apart from the target's predictions. `logprobs` is one
+    entry per predicted token, `prompt_logprobs` one per prompt token after the first (on
+    the first-token reply); every entry of a reply has the same number of top pairs.
     """
 
     kind: ReplyKind

@@ -1,9 +1,8 @@
 """Connection setup frames (spec §2.1): the auth preamble and READY, as bytes <-> dataclasses.
 
-The dialer sends the preamble (only when the run has a token), the server checks
-it in constant time and answers READY, which carries the protocol version so a
-mismatched peer fails closed. The asyncio side lives in `stream.py`. The same preamble
-with the magic FETCH_MAGIC opens the tensor side channel instead (tensor_frames.py, §11).
+The dialer sends the preamble (only when the run has a token), the server checks it in
+constant time and answers READY, whose protocol version makes a mismatched peer fail
+closed. FETCH_MAGIC in the preamble opens the tensor side channel instead (§11).
 """
 
 from __future__ import annotations

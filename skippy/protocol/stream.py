@@ -1,4 +1,5 @@
-"""The protocol package's only I/O: frames and the handshake over asyncio streams.
+"""The protocol package's only I/O: frames and the handshake over asyncio streams (a client's:
+the stages themselves use stage/transport.py).
 
 Each read takes the fixed header first and checks every count and limit on it
 before reading (and allocating) the body, so an oversized length never allocates.
@@ -87,13 +88,9 @@ async def write_reply(writer: asyncio.StreamWriter, reply: StageReply) -> None:
 async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            token: str | bytes | None = None, *,
                            timeout: float = HANDSHAKE_TIMEOUT_S, tensors: bool = False) -> Ready:
-    """Dialer side (spec §2.1): send the auth preamble if we have a token, then await READY.
-    `tensors`: open the tensor side channel instead (§11; it needs the token).
-
-    Raises VersionMismatch if the server speaks another version, FrameError if it
-    closes (for example after refusing our token), HandshakeTimeout if it stays silent
-    past `timeout`.
-    """
+    """Dialer side (spec §2.1): the auth preamble if we have a token, then READY
+    (`tensors`: the tensor side channel, §11). VersionMismatch, FrameError (closed, e.g.
+    a refused token) or HandshakeTimeout when it fails."""
     if tensors and token is None:
         raise AuthError("the tensor side channel needs the chain's auth token")
     if token is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 from ..protocol import (
@@ -33,9 +32,7 @@ async def on_stop(ctl: LaneControl, span: Span) -> None:
     """End the logical session; the connection (the lane) stays open."""
     msg, stats = ctl.msg, ctl.stats
     if ctl.has_link:
-        started = time.perf_counter()
-        stats = merge(stats, (await ctl.forward(ctl.traced(span))).stats)
-        span.set("downstream_wait_ms", (time.perf_counter() - started) * 1e3)
+        stats = merge(stats, await ctl.forward(span))
 
     def reset(lane: Lane):
         runtime = lane.env.runtime
@@ -84,9 +81,7 @@ async def on_control(ctl: LaneControl, span: Span) -> None:
                     raise
             span.set("direct_return", sock is not None)
     if ctl.has_link:
-        started = time.perf_counter()
-        stats = merge(stats, (await ctl.forward(ctl.traced(span))).stats)
-        span.set("downstream_wait_ms", (time.perf_counter() - started) * 1e3)
+        stats = merge(stats, await ctl.forward(span))
     ctl.reply(StageReply.ack(stats))
 
 
@@ -128,9 +123,7 @@ async def on_prefix_cache(ctl: LaneControl, span: Span) -> None:
         hit, stats = await _restore_decode(ctl, stats, span)
         decision = "chain_hit" if hit else "downstream_miss_rollback"
     elif hit and ctl.has_link:
-        started = time.perf_counter()
-        down = (await ctl.forward(ctl.traced(span))).stats
-        span.set("downstream_wait_ms", (time.perf_counter() - started) * 1e3)
+        down = await ctl.forward(span)
         missed, extra = restore_missed_below(down)
         hit = not missed
         stats = merge(stats, merge(down, extra))
@@ -163,7 +156,7 @@ async def _restore_decode(ctl: LaneControl, stats: StageReplyStats, span: Span) 
         frame = encode_reply(StageReply.token(result.tokens[0], logprobs=result.logprobs))
         await ctl.run(lambda lane: lane.return_frame(msg, frame))
         return True, stats
-    down = (await ctl.forward(ctl.traced(span), rows=timed.value.rows)).stats
+    down = await ctl.forward(span, rows=timed.value.rows)
     missed, extra = restore_missed_below(down)
     return not missed, merge(stats, merge(down, extra))
 

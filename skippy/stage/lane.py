@@ -515,16 +515,13 @@ class LaneControl:
             await dial_link(self.lane)
             self.has_link = True
 
-    def traced(self, span: Span) -> StageMessage:
-        """The message as it goes on down: naming this stage's span as its parent when traced."""
-        return Lane._traced(self.msg, span)
-
-    async def forward(self, msg: StageMessage, rows=None) -> StageReply:
-        """Send `msg` down (carrying `rows` when given) and wait for its ACK (kind-checked:
-        downlink.py); LinkBroken when the link breaks first."""
+    async def forward(self, span: Span, rows=None) -> StageReplyStats:
+        """The message on down, naming `span` as parent (carrying `rows` when given); its
+        ACK's stats (kind-checked: downlink.py), the wait on the span. LinkBroken when the
+        link breaks first."""
         loop = asyncio.get_running_loop()
-        acked = loop.create_future()
-        engine, lane = self.env.engine, self.lane
+        acked, started = loop.create_future(), time.perf_counter()
+        engine, lane, msg = self.env.engine, self.lane, Lane._traced(self.msg, span)
 
         def on_ack(reply) -> None:
             engine.settle(acked, reply)
@@ -542,7 +539,8 @@ class LaneControl:
         reply = await acked
         if isinstance(reply, Exception):
             raise reply
-        return reply
+        span.set("downstream_wait_ms", (time.perf_counter() - started) * 1e3)
+        return reply.stats
 
     def reply(self, reply: StageReply) -> None:
         self.env.engine.post(lambda: self.lane.reply(reply))
