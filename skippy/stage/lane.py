@@ -491,19 +491,13 @@ class LaneControl:
 
     async def step(self, msg: StageMessage, sample: SampleMode) -> Timed:
         """`msg`'s rows through this stage's layers (a one-off step of its session)."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        lane, engine = self.lane, self.env.engine
+        done, engine = asyncio.get_running_loop().create_future(), self.env.engine
 
-        def submit() -> None:
-            if lane.closed:
-                raise LaneClosed(f"connection {lane.lane_id} closed: {lane.close_reason}")
-            session = lane.open_session(msg)
-            step = lane._step(session, msg, sample)
-            lane.env.runtime.submit(step, lambda result, timed: engine.settle(done, (result, timed)),
-                                    prefill=True)
+        def submit(lane: Lane) -> None:
+            step = lane._step(lane.open_session(msg), msg, sample)
+            lane.env.runtime.submit(step, lambda result, timed: engine.settle(done, (result, timed)), prefill=True)
 
-        await engine.call(submit)
+        await self.run(submit)
         result, timed = await done
         if isinstance(result, Exception):
             raise result

@@ -143,12 +143,7 @@ class Transport:
         """Accept on `host`:`port` (or on `sock`, bound and listening); each connection that
         passes its handshake goes to `on_connection(sock, peer)`, or, for the tensor side
         channel, to `on_tensors` (None: closed)."""
-        if sock is None:
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(128)
+        sock = sock or bound_socket(host, port)
         listener = Listener(self, sock, tls.context(self.tls_identity, host, server=True), on_connection, where,
                             on_tensors)
         listener.start()
@@ -181,6 +176,11 @@ class Transport:
         except TimeoutError:
             raise AuthError(f"auth preamble and READY: none within {self.timeouts.handshake_s:g} s") from None
         return sock, magic == FETCH_MAGIC
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on `host`:`port` (SO_REUSEADDR; closed again when it cannot bind)."""
+    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128)
 
 
 class Listener:
