@@ -70,10 +70,6 @@ class StageRuntime:
         return self.runner.is_first
 
     @property
-    def is_last(self) -> bool:
-        return self.runner.is_last
-
-    @property
     def ctx_size(self) -> int:
         return self.runner.ctx_size
 
