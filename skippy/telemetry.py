@@ -63,10 +63,6 @@ class Span:
     def set(self, key: str, value: Any) -> None:
         self.attrs[key] = _check(key, value)
 
-    def add(self, key: str, value: float) -> None:
-        """Accumulate a number (for example milliseconds spent in several waits)."""
-        self.attrs[key] = self.attrs.get(key, 0) + value
-
     def end(self) -> None:
         """Attach the attributes and end the span (once; `Telemetry.span` does it on exit)."""
         if self._span is not None and not self._ended:

@@ -46,10 +46,6 @@ class AuthPreamble:
                             f"got {len(buf)}")
         return cls(bytes(buf[AUTH_PREFIX.size:]), magic)
 
-    @property
-    def opens_tensors(self) -> bool:
-        return self.magic == FETCH_MAGIC
-
 
 def preamble_fields(prefix: bytes) -> tuple[int, int]:
     """Check the 5-byte preamble prefix: (its magic, how many token bytes follow)."""
