@@ -66,14 +66,17 @@ class ChainSession:
         self.stop_ack_stats = StageReplyStats()   # what the Stop ACK itself carried
         self.timings = SessionTimings()
         self.stopped = False
-        self.draws = 0            # predictions received: one sampler draw each (a window: one a row)
         self.position = 0         # where the next step goes (the message API's default pos_start)
-        self.decode_step = 0
         self.prompt_logprobs = None  # the first-token reply's, when the request asks for them
         self.first_reply: StageReply | None = None
         self.slot: Slot | None = None
         self._windows: dict[int, asyncio.Future] = {}
         self._restore_ack: asyncio.Future | None = None
+
+    @property
+    def draws(self) -> int:
+        """The final stage's sampler draws for this session: one a prediction (a window: one a row)."""
+        return self.slot.draws
 
     async def open(self) -> None:
         """The request's slot on stage 0's engine, holding the lane."""
@@ -126,7 +129,6 @@ class ChainSession:
             if isinstance(reply, ChainError):
                 raise reply
             raise ChainError(f"stage chain failed: {reply}") from reply
-        self.draws += len(reply.predicted_tokens)
         return reply
 
     # -- the request's messages ---------------------------------------------------------------------
@@ -262,7 +264,6 @@ class ChainSession:
     async def decode(self, token: int, *, pos_start: int | None = None) -> int:
         """One decode step of `token` at `pos_start` (default: the current position)."""
         position = self.position if pos_start is None else pos_start
-        self.decode_step += 1
         future = self._post(lambda slot, on_reply: slot.decode(token, position, on_reply))
         self.position = position + 1
         reply = await self._prediction(future)
@@ -318,7 +319,6 @@ class ChainSession:
                 for emitted in item:
                     yield emitted
         finally:
-            self.draws = self.slot.draws
             self.timings.decode_steps = self.slot.decode_step
 
     async def stop(self) -> StageReplyStats:
