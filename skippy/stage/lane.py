@@ -118,7 +118,7 @@ class Lane:
         self._backlog: deque[tuple[StageMessage, int]] = deque()
         self._backlog_bytes = 0
         self._busy = False         # a step or a control message of this lane is under way
-        self._credit_since: float | None = None  # waiting for a deferred ACK past the credit window
+        self._credit_wait: tuple[float, int] | None = None  # (since, session id): past the credit window
         self._eof = False          # the peer closed its side: end once its frames are done
         self._pumping = False      # _pump is running: frames that arrive inside it wait for its loop
         self.channel = Channel(env.engine, sock, name=f"connection {lane_id}", parse=MessageReader(),
@@ -290,7 +290,7 @@ class Lane:
             if not self._forward(msg, span, result):
                 return
             if not link.credit():  # the downstream edge is the bottleneck: wait for a deferred ACK
-                self._credit_since = time.perf_counter()
+                self._credit_wait = (time.perf_counter(), msg.session_id)
                 span.end()
                 return
         span.end()
@@ -384,9 +384,10 @@ class Lane:
 
     def _deferred_ack(self) -> None:
         link = self.link
-        if self._credit_since is not None and link.credit():
-            wait_s = time.perf_counter() - self._credit_since
-            self._credit_since = None
+        if self._credit_wait is not None and link.credit():
+            (since, session_id), self._credit_wait = self._credit_wait, None
+            wait_s = time.perf_counter() - since
+            self.summary(session_id).downstream_wait_ms += wait_s * 1e3
             self.add_stats(prefill_edge_observation(self.env.config.stage_index, 0, _us(wait_s), 0))
             self.resume()
         elif not self._busy:
