@@ -13,7 +13,7 @@ from .constants import (
 from .errors import AuthError, FrameError, HandshakeTimeout, ProtocolError, VersionMismatch
 from .frames import (
     StageMessage, StageReply, StageStatusReport, activation_fields, cache_namespace_digest, decode_message,
-    decode_reply, encode_message, encode_message_parts, encode_reply,
+    decode_reply, encode_message, encode_reply,
 )
 from .handshake import AuthPreamble, Ready
 from .sampling_config import SamplingConfig
@@ -34,7 +34,7 @@ __all__ = [
     "ReplyKind", "SamplingConfig", "StageConfig", "StageMessage", "StageReply", "StageReplyStats",
     "StageStatusReport", "StateFlags", "activation_fields", "Timeouts", "TlsConfig", "Topology", "TopologyStage", "VersionMismatch",
     "cache_namespace_digest", "client_handshake",
-    "decode_message", "decode_reply", "encode_message", "encode_message_parts", "encode_reply",
+    "decode_message", "decode_reply", "encode_message", "encode_reply",
     "is_loopback", "merge", "merge_all", "parse_endpoint", "plan_layer_split",
     "prefill_compute_observation", "prefill_edge_observation", "read_message", "read_reply", "read_tensor_frame",
     "stage_mask", "TensorRefused", "write_message", "write_reply",

@@ -415,8 +415,8 @@ def _pack(layout: struct.Struct, fields: tuple, values: tuple, what: str) -> byt
         raise
 
 
-def encode_message_parts(msg: StageMessage) -> list[bytes | memoryview]:
-    """Header, then the non-empty body sections, without copying the activation."""
+def encode_message(msg: StageMessage) -> bytes:
+    """Header, then the body's sections."""
     sampling = encode_sampling(msg.sampling) if msg.sampling is not None else b""
     metadata = msg.chat_metadata if msg.chat_metadata is not None else b""
     namespace = msg.cache_namespace if msg.cache_namespace is not None else b""
@@ -438,14 +438,9 @@ def encode_message_parts(msg: StageMessage) -> list[bytes | memoryview]:
     if msg.activation_dtype == ActivationDtype.q8:
         msg.activation_array()  # checks its scales
     # Fixed-stride arrays first, so they stay 4-byte aligned for zero-copy views.
-    sections = (header, memoryview(np.ascontiguousarray(msg.tokens)).cast("B"),
-                memoryview(np.ascontiguousarray(msg.positions)).cast("B"), msg.activation,
-                sampling, metadata, namespace, trace)
-    return [section for section in sections if len(section)]
-
-
-def encode_message(msg: StageMessage) -> bytes:
-    return b"".join(encode_message_parts(msg))
+    return b"".join((header, memoryview(np.ascontiguousarray(msg.tokens)).cast("B"),
+                     memoryview(np.ascontiguousarray(msg.positions)).cast("B"), msg.activation,
+                     sampling, metadata, namespace, trace))
 
 
 def _check_trace_context(trace: Buffer) -> None:

@@ -13,7 +13,7 @@ import asyncio
 from .constants import AUTH_MAGIC, FETCH_MAGIC, MESSAGE_HEADER, READY, REPLY_HEADER, STATS_BLOCK
 from .errors import AuthError, FrameError, HandshakeTimeout
 from .frames import (
-    StageMessage, StageReply, decode_message_body, decode_reply_body, encode_message_parts,
+    StageMessage, StageReply, decode_message_body, decode_reply_body, encode_message,
     encode_reply, parse_message_header, parse_reply_header,
 )
 from .handshake import AuthPreamble, Ready, token_bytes
@@ -23,7 +23,6 @@ from .tensor_frames import (
 )
 
 HANDSHAKE_TIMEOUT_S = 20.0  # client_handshake's wait for READY
-ONE_WRITE_BYTES = 64 * 1024  # frames up to this size leave in one write (see write_message)
 
 
 async def _read_exactly(reader: asyncio.StreamReader, nbytes: int, what: str) -> bytes:
@@ -57,16 +56,7 @@ async def read_message(reader: asyncio.StreamReader) -> StageMessage | None:
 
 
 async def write_message(writer: asyncio.StreamWriter, msg: StageMessage) -> None:
-    # A small frame (a decode step's one row) goes out in one write: with TCP_NODELAY each
-    # write is a send() and a packet of its own, and the reader wakes once per packet.
-    # A large one (a prompt chunk) goes one write per section, so the activation is sent
-    # straight from its buffer instead of being copied into a joined one first.
-    parts = encode_message_parts(msg)
-    if sum(memoryview(part).nbytes for part in parts) <= ONE_WRITE_BYTES:
-        writer.write(b"".join(parts))
-    else:
-        for part in parts:
-            writer.write(part)
+    writer.write(encode_message(msg))
     await writer.drain()
 
 
