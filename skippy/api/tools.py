@@ -169,18 +169,16 @@ class ToolPlan:
         (a lark expression, e.g. a reasoning block) then one call to an offered function with
         arguments matching its parameters schema, or several with parallel_tool_calls."""
         one = _lark_json(self._call_schema())
+        calls = {"type": "array", "items": self._call_schema(), "minItems": 1,
+                 "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
         key = self.format
         if key is ToolFormat.GENERIC:
-            calls = {"type": "array", "items": self._call_schema(), "minItems": 1,
-                     "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
             body = _lark_json({"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"]})
             rules = [f"calls: {body}"]
         elif key is ToolFormat.HERMES:
             repeat = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if self.parallel else ""
             rules = [f"calls: call{repeat}", f'call: "<tool_call>\\n" {one} "\\n</tool_call>"']
         elif key is ToolFormat.MISTRAL:
-            calls = {"type": "array", "items": self._call_schema(), "minItems": 1,
-                     "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
             rules = [f'calls: "[TOOL_CALLS]" {_lark_json(calls)}']
         else:  # Llama 3.x: one JSON object a reply
             rules = [f"calls: {one}"]

@@ -427,15 +427,12 @@ class Lane:
             self.resume()
 
     # -- the end ---------------------------------------------------------------------------
-    def fail(self, error: Exception | str) -> None:
-        """Close this lane with a logged reason: a warning for what the peer did (a string reason,
-        or an upstream fault), an error with its traceback for what is ours."""
+    def fail(self, error: Exception) -> None:
+        """Close this lane with a logged reason: a warning for what the peer did (an upstream
+        fault), an error with its traceback for what is ours."""
         if self.closed:
             return
-        if isinstance(error, str):
-            reason, ours = error, False
-        else:
-            reason, ours = f"{type(error).__name__}: {error}", not isinstance(error, UPSTREAM_FAULTS)
+        reason, ours = f"{type(error).__name__}: {error}", not isinstance(error, UPSTREAM_FAULTS)
         log.log(logging.ERROR if ours else logging.WARNING, "stage %d: closing connection %d: %s",
                 self.env.config.stage_index, self.lane_id, reason, exc_info=error if ours else None)
         self.close_reason = self.close_reason or reason
