@@ -151,10 +151,7 @@ def activation_dtype_of(rows: np.ndarray) -> ActivationDtype:
     return _BY_NUMPY_DTYPE[rows.dtype]
 
 
-# ---------------------------------------------------------------------------
-# Limits. Decoders check every count against these on the fixed header, before
-# reading or allocating the body.
-# ---------------------------------------------------------------------------
+# -- Limits: decoders check every count against these on the fixed header, before the body -
 MiB = 1 << 20
 
 MAX_SIDEBAND_COUNT     = 1_048_576  # i32 values per token / position sideband    (§2.2)
@@ -171,9 +168,7 @@ MIN_AUTH_TOKEN_BYTES   = 1          # auth preamble token length                
 MAX_AUTH_TOKEN_BYTES   = 64         #                                             (§2.1)
 
 
-# ---------------------------------------------------------------------------
-# Struct formats, all little-endian ("<", no padding).
-# ---------------------------------------------------------------------------
+# -- Struct formats, all little-endian ("<", no padding). --------------------------------
 class HeaderField(NamedTuple):
     name: str
     fmt: str
@@ -270,9 +265,7 @@ def header_offset(fields: tuple[HeaderField, ...], name: str) -> int:
     raise KeyError(name)
 
 
-# ---------------------------------------------------------------------------
-# Per-kind rules (spec §2.3 expected phase, §2.4 direction and reply).
-# ---------------------------------------------------------------------------
+# -- Per-kind rules (spec §2.3 expected phase, §2.4 direction and reply). ----------------
 class KindInfo(NamedTuple):
     phase: Phase                 # the phase the state header must carry
     has_activation: bool         # may carry an activation payload

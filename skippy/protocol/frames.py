@@ -207,9 +207,7 @@ class MessageHeader(namedtuple("MessageHeader", [f.name for f in MESSAGE_HEADER_
                 + (TRACE_CONTEXT_BYTES if self.flags & _TRACE else 0))
 
 
-# ---------------------------------------------------------------------------
-# Stage message: validation shared by the encoder and the decoder
-# ---------------------------------------------------------------------------
+# -- Stage message: validation shared by the encoder and the decoder ---------------------
 _KIND_CODES = frozenset(MessageKind)
 _REPLY_KIND_CODES = frozenset(ReplyKind)
 _DTYPE_CODES = frozenset(ActivationDtype)
@@ -306,9 +304,7 @@ def parse_message_header(buf: Buffer) -> MessageHeader:
     return header
 
 
-# ---------------------------------------------------------------------------
-# Sampling block (spec §2.3, our layout)
-# ---------------------------------------------------------------------------
+# -- Sampling block (spec §2.3, our layout) ----------------------------------------------
 _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty")
 
@@ -399,9 +395,7 @@ def _decode_grammar(kind: int, text: Buffer) -> GrammarSpec | None:
 _GRAMMAR_KIND_CODES = frozenset(GrammarKind)
 
 
-# ---------------------------------------------------------------------------
-# Stage message encode / decode
-# ---------------------------------------------------------------------------
+# -- Stage message encode / decode -------------------------------------------------------
 def _pack(layout: struct.Struct, fields: tuple, values: tuple, what: str) -> bytes:
     try:
         return layout.pack(*values)
@@ -508,9 +502,7 @@ def decode_message(buf: Buffer) -> StageMessage:
     return decode_message_body(header, view[MESSAGE_HEADER.size:])
 
 
-# ---------------------------------------------------------------------------
-# Replies (spec §2.5)
-# ---------------------------------------------------------------------------
+# -- Replies (spec §2.5) -----------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class StageStatusReport:
     """A stage's answer to GetStageStatus, sent in a StageStatus reply's token array: these
