@@ -140,10 +140,6 @@ class ReturnListener:
         self.inbox, self.transport, self.bind_addr, self.holder = inbox, transport, bind_addr, holder
         self._listener = None
 
-    @property
-    def num_streams(self) -> int:
-        return self.inbox.num_streams
-
     async def start(self) -> str:
         host, port = parse_endpoint(self.bind_addr, allow_port_zero=True)
         self._listener = await self.transport.listen(
