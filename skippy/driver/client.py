@@ -179,7 +179,6 @@ class ChainClient:
                       prompt_token_count: int = 0, cache_namespace: bytes | None = None,
                       skip_draws: int = 0, trace_context: bytes | None = None) -> AsyncIterator[ChainSession]:
         """Lease a lane, configure generation, yield the session, Stop it (or drop the lane).
-        `cache_namespace`: the prefix-cache namespace digest (protocol.cache_namespace_digest).
         `trace_context`: the request's span, which every frame of the session names as parent."""
         lane = await self._lanes.get()
         session = None

@@ -77,9 +77,8 @@ class ChainDecoder:
         return bool(self.spec.history) or self.spec.is_finished
 
     def replay_tokens(self) -> list[int]:
-        """What a fresh session prefills to continue where a broken one stopped: the prompt
-        and every committed token, ending with the current one (its prediction is the next
-        token, as the interrupted step would have returned)."""
+        """What a fresh session prefills to continue where a broken one stopped: the prompt and
+        every committed token, ending with the current one (whose prediction comes next)."""
         return list(self.spec.history)
 
     def report(self, telemetry: Telemetry) -> dict:
@@ -179,10 +178,8 @@ class ChainDecoder:
         self._advance()
 
     def _plan(self) -> _Window | None:
-        """The next window to send, or None: nothing proposed, or no room left for one.
-
-        With no window in flight it is [current, d1..dn] at the committed position. Behind
-        windows in flight it continues their tokens: [guess for the last one's bonus, d...]."""
+        """The next window to send (None: nothing proposed, or no room): [current, d1..dn] at the
+        committed position, or behind windows in flight [guess for the last one's bonus, d...]."""
         spec, inflight = self.spec, self._inflight
         if not inflight:
             base = spec.num_committed_positions

@@ -321,9 +321,8 @@ class Slot:
 
 
 class NoStagesBelow:
-    """The link of a chain of one stage: stage 0 holds every layer, so nothing goes on the
-    wire. It answers as an empty chain below would: every control message an ACK with no
-    stats, every frame sent nowhere; stage 0 samples its own steps (Slot.samples_here)."""
+    """The link of a chain of one stage: nothing goes on the wire, every control message gets an
+    ACK with no stats, and stage 0 samples its own steps (Slot.samples_here)."""
 
     stages_below = False  # a prefix restore is complete at stage 0; nothing overlaps a window
     broken = None

@@ -310,12 +310,10 @@ def plan_layer_split(n_layers: int, n_stages: int, weights: Sequence[float] | No
                      head_layers: float = 0.0) -> list[tuple[int, int]]:
     """Split [0, n_layers) into `n_stages` contiguous half-open ranges of >= 1 layer each.
 
-    Without weights the split is even (earlier stages take the remainder); with
-    weights (e.g. per-host memory or speed) each stage gets a share proportional to
-    its weight, rounded by largest remainder, ties to the earlier stage.
-    `head_layers`: the output head's work in layers (its weight bytes over one
-    layer's), which the last stage does on top of its layers; the shares cover
-    n_layers + head_layers, so the last stage takes that many fewer layers.
+    Without weights the split is even (earlier stages take the remainder); with weights each
+    stage's share is proportional, by largest remainder, ties to the earlier stage.
+    `head_layers`: the output head's work in layers, which the last stage does on top of its
+    layers, so it takes that many fewer.
     """
     if n_stages < 1:
         raise ValueError(f"Expected n_stages >= 1, got {n_stages}")

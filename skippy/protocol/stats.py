@@ -189,10 +189,9 @@ def record_observation(stage_index: int, num_entries: int, num_bytes: int) -> St
 
 
 def restore_missed_below(down: StageReplyStats) -> tuple[bool, StageReplyStats]:
-    """The restore rule (spec §4.4), for stage 0 and every stage alike: what the stages below
-    answered a TryRestore with. (False, nothing more to count) when they all hit; (True, the
-    miss to add) when one missed or failed, or the reply was neutral (no stage below has a
-    cache): a neutral reply counts as one miss, so the chain's lookups add up."""
+    """The restore rule (spec §4.4), for every stage alike, from what the stages below answered:
+    (False, nothing) when they all hit; (True, the miss to add) when one missed or failed, or
+    the reply was neutral (no cache below), which counts as one miss so the lookups add up."""
     neutral = not (down.kv_lookup_hits or down.kv_lookup_misses or down.kv_lookup_errors)
     missed = bool(down.kv_lookup_misses or down.kv_lookup_errors or neutral)
     return missed, StageReplyStats(kv_lookup_misses=int(neutral))

@@ -1,9 +1,8 @@
 """`StageRuntime`: one stage's model, sessions, prefix cache, step queue and batch policy.
 
-Everything here belongs to one thread, the stage's engine (stage/engine.py), which calls it
-directly: no locks, no futures. `submit` is the one place a step starts (a prompt chunk, a
-decode row, a verify window, stage 0's own steps and every stage's alike); `run_ready` runs
-the forward the batch policy picks and hands each step its result.
+Everything here belongs to the stage's engine thread: no locks, no futures. `submit` is the
+one place a step starts, on every stage; `run_ready` runs the forward the batch policy picks
+and hands each step its result.
 """
 
 from __future__ import annotations

@@ -30,9 +30,8 @@ class StageServer:
     def __init__(self, config: StageConfig, runtime: StageRuntime, *, topology: Topology | None = None,
                  driver_endpoint: str | None = None, telemetry: Telemetry | None = None,
                  transport: Transport | None = None):
-        """`driver_endpoint` (default: stage 0's endpoint in `topology`) is where the final
-        stage dials the direct prediction return. `transport` (default: the config's TLS,
-        token, link conditioning and timeouts) dials and listens."""
+        """`driver_endpoint` (default: stage 0's in `topology`): where the final stage dials the
+        direct prediction return; `transport` (default: the config's) dials and listens."""
         if driver_endpoint is None and topology is not None and len(topology.stages) > 1:
             driver_endpoint = topology.driver_endpoint
         self.config = config
