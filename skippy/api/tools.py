@@ -9,11 +9,9 @@ and the parser that turns the output back into OpenAI `tool_calls`.
     ToolCallStream(plan)              text pieces in -> content text and whole calls out,
                                       holding back text that may be the start of a call
 
-A template that reads `tools` renders them itself, and the model answers in its own
-format: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks, Llama 3.x's bare JSON object
-with "parameters", Mistral's `[TOOL_CALLS][...]`. A template without tools (SmolLM2's)
-gets the generic format llama.cpp's server uses: an instruction in the system prompt and
-a JSON object reply `{"tool_calls": [{"name": ..., "arguments": {...}}]}`.
+A template that reads `tools` renders them itself and the model answers in its own format
+(ToolFormat); one without (SmolLM2's) gets the generic format llama.cpp's server uses: an
+instruction in the system prompt and a `{"tool_calls": [...]}` JSON reply.
 """
 
 from __future__ import annotations

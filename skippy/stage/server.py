@@ -153,8 +153,8 @@ class StageServer:
             lane.close()
         self.returns.close_all()
 
-    async def close(self, *, abort: bool = False) -> None:
-        """Stop listening and end every connection (`abort`: drop them like a crash would)."""
+    async def close(self) -> None:
+        """Stop listening and end every connection."""
         if self._listener is not None:
             await self._listener.close()
         await self.measurement.close()
@@ -162,8 +162,6 @@ class StageServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.engine is not None:
-            if abort:
-                self._post(lambda: [lane.channel.abort() for lane in list(self.env.lanes.values())])
             await asyncio.to_thread(self.engine.close)
         if self.holder is not None:
             self.holder.close()
