@@ -88,7 +88,7 @@ class ChainClient:
                  auth_token: str | None = None, return_bind: str = "127.0.0.1:0",
                  concurrency: int = 1, ctx_size: int | None = None,
                  activation_dtype: str = "f32", prefill_chunk: int = 256,
-                 max_inflight: int = 4, reply_credit_limit: int = 3,
+                 reply_credit_limit: int = 3,
                  timeouts: Timeouts = Timeouts(), tls: TlsConfig | None = None,
                  link_conditioning: LinkConditioning | None = None,
                  telemetry: Telemetry | None = None, record_logits: bool = False,
@@ -111,7 +111,7 @@ class ChainClient:
         if prefill_chunk < 1:
             raise ValueError(f"Expected a prefill chunk of >= 1 tokens, got {prefill_chunk}")
         self.downstream = downstream  # stage 1's endpoint, or it and its standbys in the order to try
-        self.max_inflight, self.reply_credit_limit = max_inflight, reply_credit_limit
+        self.reply_credit_limit = reply_credit_limit
         self.timeouts = timeouts
         # False once the chain cannot heal (a supervisor gave up on a stage): fail at once
         self.can_recover: Callable[[], bool] = lambda: True

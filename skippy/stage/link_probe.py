@@ -30,6 +30,7 @@ MAX_FRAME_BYTES = 1 << 20  # filler token ids (a frame may carry 4 MiB): a 4 MiB
 LONG_ENOUGH_S = 0.1
 REPLY_TIMEOUT_S = 30.0
 DIAL_RETRY_S = 0.5
+DIAL_WAIT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +39,10 @@ class LinkTimes:
     bytes_per_s: float
 
 
-async def dial_downstream(transport: Transport, endpoints: str | Sequence[str], *,
-                          wait_s: float = 120.0) -> socket.socket:
+async def dial_downstream(transport: Transport, endpoints: str | Sequence[str]) -> socket.socket:
     """A handshaken socket to the first of `endpoints` (a stage, then its standbys) that
-    answers, dialing again for up to `wait_s` (a stage below may still be loading). LinkBroken
-    if none answers."""
-    deadline = time.monotonic() + wait_s
+    answers, dialing again for up to DIAL_WAIT_S (a stage below may still be loading)."""
+    deadline = time.monotonic() + DIAL_WAIT_S
     while True:
         try:
             return (await transport.dial(endpoints))[0]

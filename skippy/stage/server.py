@@ -28,17 +28,13 @@ _lane_ids = itertools.count(1)   # spec §3.1: a fresh id per connection
 
 class StageServer:
     def __init__(self, config: StageConfig, runtime: StageRuntime, *, topology: Topology | None = None,
-                 driver_endpoint: str | None = None, telemetry: Telemetry | None = None,
-                 transport: Transport | None = None):
-        """`driver_endpoint` (default: stage 0's in `topology`): where the final stage dials the
-        direct prediction return; `transport` (default: the config's) dials and listens."""
-        if driver_endpoint is None and topology is not None and len(topology.stages) > 1:
-            driver_endpoint = topology.driver_endpoint
+                 telemetry: Telemetry | None = None):
         self.config = config
         self.runtime = runtime
         self.telemetry = telemetry or runtime.telemetry
-        self.driver_endpoint = driver_endpoint
-        self.transport = transport or Transport.for_stage(config)
+        # where the final stage dials the direct prediction return: stage 0's endpoint
+        self.driver_endpoint = topology.driver_endpoint if topology is not None and len(topology.stages) > 1 else None
+        self.transport = Transport.for_stage(config)
         # serves the tensors of the model file it loaded to stages that have none (holder.py)
         self.holder = None if topology is None else TensorHolder(config.model_path, topology,
                                                                   where=f"stage {config.stage_index}")
