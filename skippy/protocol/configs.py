@@ -66,7 +66,7 @@ def _endpoints_parse(values: list[str]) -> list[str]:
     return values
 
 
-class _Reachable(_Frozen):
+class PeerEndpoint(_Frozen):
     """A stage and where it is reached: its endpoint, then the standbys serving its layers."""
 
     stage_id: str
@@ -85,18 +85,6 @@ class _Reachable(_Frozen):
     @property
     def endpoints(self) -> list[str]:
         return [self.endpoint, *self.standby_endpoints]
-
-
-class PeerEndpoint(_Reachable):
-    """The stage on the other side of a data-plane connection."""
-
-    @property
-    def host(self) -> str:
-        return parse_endpoint(self.endpoint)[0]
-
-    @property
-    def port(self) -> int:
-        return parse_endpoint(self.endpoint)[1]
 
 
 class KvCacheConfig(_Frozen):
@@ -240,20 +228,12 @@ class StageConfig(_Frozen):
         return parse_endpoint(self.bind_addr, allow_port_zero=True)[1]
 
     @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_final(self) -> bool:
-        return self.downstream is None
-
-    @property
     def max_deferred_replies(self) -> int:
         """Deferred downstream ACKs allowed before a credit wait (spec §2.6)."""
         return self.max_inflight - 1 if self.reply_credit_limit is None else self.reply_credit_limit
 
 
-class TopologyStage(_Reachable):
+class TopologyStage(PeerEndpoint):
     """A stage of the chain; its standbys start from its config with their own bind address."""
 
     layer_start: int = Field(ge=0)
@@ -301,9 +281,6 @@ class Topology(_Frozen):
     def driver_endpoint(self) -> str:
         """Stage 0's endpoint: where the final stage dials the direct prediction return (§2.7)."""
         return self.stages[0].endpoint
-
-    def stage(self, stage_index: int) -> TopologyStage:
-        return self.stages[stage_index]
 
 
 def plan_layer_split(n_layers: int, n_stages: int, weights: Sequence[float] | None = None,
