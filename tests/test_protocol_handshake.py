@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from skippy.protocol import AuthError, AuthPreamble, FrameError, Ready, Timeouts, VersionMismatch, client_handshake
-from skippy.protocol.handshake import auth_token_length, check_auth
+from skippy.protocol.handshake import check_auth, preamble_fields
 from skippy.stage.tls import RefusalLog
 from skippy.stage.transport import Transport
 
@@ -36,7 +36,7 @@ PREAMBLE_ERRORS = [
 @pytest.mark.parametrize("prefix, fragment", PREAMBLE_ERRORS)
 def test_preamble_prefix_errors(prefix, fragment):
     with pytest.raises(AuthError, match=fragment):
-        auth_token_length(prefix)
+        preamble_fields(prefix)
 
 
 def test_token_length_limits_on_encode():

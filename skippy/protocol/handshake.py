@@ -62,14 +62,6 @@ def preamble_fields(prefix: bytes) -> tuple[int, int]:
     return magic, length
 
 
-def auth_token_length(prefix: bytes) -> int:
-    """Check a data-plane preamble's 5-byte prefix and return how many token bytes follow."""
-    magic, length = preamble_fields(prefix)
-    if magic != AUTH_MAGIC:
-        raise AuthError(f"auth preamble magic: expected {AUTH_MAGIC:#010x}, got {magic:#010x}")
-    return length
-
-
 def check_auth(preamble: AuthPreamble, expected_token: str | bytes) -> None:
     """Raise AuthError unless the tokens match; the comparison is constant-time."""
     if not hmac.compare_digest(preamble.token, token_bytes(expected_token)):
