@@ -80,7 +80,7 @@ class Telemetry:
         (an SDK `SpanExporter`, e.g. in-memory in tests) overrides OTLP."""
         self.service_name, self.otlp_endpoint, self.otlp_protocol = service_name, otlp_endpoint, otlp_protocol
         self.counters: Counter[str] = Counter()
-        self._lock = threading.Lock()  # counters are bumped from the runtime worker thread too
+        self._lock = threading.Lock()  # counters are bumped from the engine thread too
         self._provider = None
         if otlp_protocol not in OTLP_PROTOCOLS:
             raise TelemetryError(f"Expected --otlp-protocol to be one of {', '.join(OTLP_PROTOCOLS)}, "

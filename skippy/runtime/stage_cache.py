@@ -69,7 +69,7 @@ class StagePrefixCache:
     def namespace(self, digest: bytes | None) -> CacheNamespace:
         return self.base.with_namespace(None if digest is None else digest.hex())
 
-    # -- runtime worker only -------------------------------------------------------------
+    # -- the engine thread only -------------------------------------------------------------
     def restore(self, session: Session, tokens: list[int], *, longest: bool,
                 new_cache: Callable[[], Any]) -> int:
         """Restore the longest cached prefix of `tokens` on the ladder (stage 0), or exactly
@@ -129,7 +129,7 @@ class StagePrefixCache:
         session.verify_windows.clear()
 
     def close(self) -> int:
-        """At shutdown, with the worker stopped: write what memory holds to the disk tier
+        """At shutdown, with the engine stopped: write what memory holds to the disk tier
         (policy "evict": only evicted entries were written so far). Returns how many."""
         if self.disk is None or self.cache.disk_policy != "evict":
             return 0
