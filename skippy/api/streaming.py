@@ -1,10 +1,8 @@
 """Token ids to text pieces with stop strings, and Server-Sent Events framing.
 
-`StopTextStream` turns tokens into text that is safe to send: whole UTF-8
-characters (IncrementalDecoder), cut before the first stop string, and never a
-piece that might turn out to be the start of a stop string: such a tail is held
-back until the next token settles it. So a stop string never leaks, even when it
-spans tokens.
+`StopTextStream` turns tokens into text that is safe to send: whole UTF-8 characters, cut
+before the first stop string, and holding back a tail that may be the start of one until
+the next token settles it, so a stop string never leaks, even when it spans tokens.
 """
 
 from __future__ import annotations
