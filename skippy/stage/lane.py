@@ -201,10 +201,8 @@ class Lane:
             self.env.engine.emit(self.env.needs_link, self)
             return
         span = self._span(msg)
-        if msg.kind == MessageKind.PrefillEmbd:
-            self._prefill(msg, span)
-        elif msg.kind in _PREDICTING:
-            self._predicting(msg, span)
+        if msg.kind == MessageKind.PrefillEmbd or msg.kind in _PREDICTING:
+            self._compute(msg, span)
         else:
             if msg.kind == MessageKind.RetireVerifyWindow:
                 key = self.key(msg.session_id)
@@ -272,13 +270,22 @@ class Lane:
             return False
         return True
 
-    def _prefill(self, msg: StageMessage, span: Span) -> None:
-        """PrefillEmbd: compute, forward the rows down, defer the downstream ACK."""
+    def _compute(self, msg: StageMessage, span: Span) -> None:
+        """A prompt chunk, a decode step or a verify window into a forward: a chunk's rows go on
+        down with a deferred ACK (`_prefilled`), the others' predictions too (`_predicted`)."""
         session = self.open_session(msg)
-        step = self._step(session, msg, SampleMode.NONE)
+        is_window, is_chunk = msg.kind == MessageKind.VerifyWindow, msg.kind == MessageKind.PrefillEmbd
+        if is_window and self.is_final and session.is_discarded(msg.seq_id):
+            span.set("skipped_stale_window", True)  # middle stages ran it; the final skips it
+            span.end()
+            return
+        sample = (SampleMode.NONE if is_chunk or not self.is_final else SampleMode.ALL if is_window
+                  else SampleMode.LAST)
+        step = self._step(session, msg, sample, window=is_window)
+        then = self._prefilled if is_chunk else self._predicted
         self._busy = True
-        self.env.runtime.submit(step, lambda result, timed: self._prefilled(msg, span, result, timed),
-                                prefill=True, last_chunk=False)
+        self.env.runtime.submit(step, lambda result, timed: then(msg, span, result, timed),
+                                prefill=is_chunk or msg.kind == MessageKind.PrefillFinalEmbd, last_chunk=not is_chunk)
 
     def _prefilled(self, msg: StageMessage, span: Span, result: StepResult | Exception, timed: Timed) -> None:
         if not self._took(msg, span, result, timed):
@@ -295,21 +302,6 @@ class Lane:
                 return
         span.end()
         self.resume()
-
-    def _predicting(self, msg: StageMessage, span: Span) -> None:
-        """PrefillFinalEmbd, DecodeEmbd and VerifyWindow."""
-        session = self.open_session(msg)
-        is_window = msg.kind == MessageKind.VerifyWindow
-        if is_window and self.is_final and session.is_discarded(msg.seq_id):
-            span.set("skipped_stale_window", True)  # middle stages ran it; the final skips it
-            span.end()
-            return
-        sample = SampleMode.NONE if not self.is_final else SampleMode.ALL if is_window else SampleMode.LAST
-        step = self._step(session, msg, sample, window=is_window)
-        self._busy = True
-        is_prompt = msg.kind == MessageKind.PrefillFinalEmbd
-        self.env.runtime.submit(step, lambda result, timed: self._predicted(msg, span, result, timed),
-                                prefill=is_prompt)
 
     def _predicted(self, msg: StageMessage, span: Span, result: StepResult | Exception, timed: Timed) -> None:
         if not self._took(msg, span, result, timed):
