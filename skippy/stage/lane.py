@@ -271,8 +271,8 @@ class Lane:
         return True
 
     def _compute(self, msg: StageMessage, span: Span) -> None:
-        """A prompt chunk, a decode step or a verify window into a forward: a chunk's rows go on
-        down with a deferred ACK (`_prefilled`), the others' predictions too (`_predicted`)."""
+        """A prompt chunk, a decode step or a verify window into a forward; its result goes to
+        `_prefilled` (a chunk: rows down, a deferred ACK) or `_predicted`."""
         session = self.open_session(msg)
         is_window, is_chunk = msg.kind == MessageKind.VerifyWindow, msg.kind == MessageKind.PrefillEmbd
         if is_window and self.is_final and session.is_discarded(msg.seq_id):
