@@ -1,9 +1,8 @@
 """Stage messages and replies as dataclasses, and their pure binary encode/decode.
 
-Layouts are the tables in `constants.py` and docs/protocol.md. Decoding validates
-in a fixed order (magic -> version -> counts and limits -> kind/phase/flags ->
-lengths -> body -> no trailing bytes) and returns views into the input buffer, not
-copies: keep the buffer alive (a view does) and do not mutate it while in use.
+Decoding validates in a fixed order (magic, version, counts and limits, kind/phase/flags,
+lengths, body, no trailing bytes) and returns views into the input buffer, not copies: do not
+mutate the buffer while a message uses it.
 """
 
 from __future__ import annotations
