@@ -25,22 +25,12 @@ from .tensor_frames import (
 HANDSHAKE_TIMEOUT_S = 20.0  # client_handshake's wait for READY
 
 
-async def _read_exactly(reader: asyncio.StreamReader, nbytes: int, what: str) -> bytes:
-    if nbytes == 0:
-        return b""
+async def _read_exactly(reader: asyncio.StreamReader, nbytes: int, what: str, *, frame_start: bool = False):
+    """`nbytes` bytes; at a `frame_start`, None on a clean EOF before the first of them."""
     try:
         return await reader.readexactly(nbytes)
     except asyncio.IncompleteReadError as error:
-        raise FrameError(f"{what}: expected {nbytes} bytes, got {len(error.partial)} before EOF "
-                         "(truncated)") from None
-
-
-async def _read_frame_start(reader: asyncio.StreamReader, nbytes: int, what: str) -> bytes | None:
-    """The first `nbytes` of a frame, or None on a clean EOF before its first byte."""
-    try:
-        return await reader.readexactly(nbytes)
-    except asyncio.IncompleteReadError as error:
-        if not error.partial:
+        if frame_start and not error.partial:
             return None
         raise FrameError(f"{what}: expected {nbytes} bytes, got {len(error.partial)} before EOF "
                          "(truncated)") from None
@@ -48,7 +38,7 @@ async def _read_frame_start(reader: asyncio.StreamReader, nbytes: int, what: str
 
 async def read_message(reader: asyncio.StreamReader) -> StageMessage | None:
     """Read one stage message; None means the peer closed cleanly between frames."""
-    head = await _read_frame_start(reader, MESSAGE_HEADER.size, "message header")
+    head = await _read_exactly(reader, MESSAGE_HEADER.size, "message header", frame_start=True)
     if head is None:
         return None
     header = parse_message_header(head)  # limits checked before the body is read
@@ -62,7 +52,7 @@ async def write_message(writer: asyncio.StreamWriter, msg: StageMessage) -> None
 
 async def read_reply(reader: asyncio.StreamReader) -> StageReply | None:
     """Read one reply; None means the peer closed cleanly between frames."""
-    head = await _read_frame_start(reader, REPLY_HEADER.size, "reply header")
+    head = await _read_exactly(reader, REPLY_HEADER.size, "reply header", frame_start=True)
     if head is None:
         return None
     header = parse_reply_header(head)
