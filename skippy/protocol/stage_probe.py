@@ -3,8 +3,8 @@ its StageStatus reply beside its metrics: the planner's input (launch/planner.py
 
 i64 values in a fixed order; times in nanoseconds, sizes in bytes, rates in bytes per
 second; 0 = not measured (yet); FAILED (-1) in `row_ns` or `link_rtt_ns`: that measurement
-failed and will not come (the stage's log says why). The dtypes are ActivationDtype codes, -1 where the stage
-sends no rows (the final stage).
+failed and will not come (the stage's log says why). The dtypes are ActivationDtype codes, -1
+where the stage sends no rows (the final stage).
 """
 
 from __future__ import annotations
@@ -88,7 +88,6 @@ class StageProbe:
                    link_rtt_ns=round(figures["link_rtt_ms"] * 1e6),
                    link_bytes_per_s=round(figures["link_mbit_s"] * 1e6 / 8),
                    row_dtype=code(figures["link_row_dtype"]), chunk_dtype=code(figures["link_chunk_dtype"]))
-
 
     @property
     def failed(self) -> bool:
