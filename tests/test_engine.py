@@ -58,6 +58,30 @@ def test_commands_run_on_the_engine_in_order_and_answer_on_the_loop():
     run(main())
 
 
+def test_a_timer_fires_on_time_not_at_the_next_whole_millisecond():
+    """A WAN knob's frames leave on a timer (stage/channel.py); epoll counts whole milliseconds,
+    which fired each one up to 1 ms late (a timer 2.5 ms ahead at ~3 ms). Load only ever
+    delays a wake-up, so the best of 15 such timers is the engine's own precision."""
+    async def main():
+        engine = await started_engine()
+        try:
+            late = []
+            for _ in range(15):
+                fired = asyncio.get_running_loop().create_future()
+
+                def arm(fired=fired):
+                    due = time.perf_counter() + 0.0025
+                    engine.at(due, lambda: engine.emit(fired.set_result, time.perf_counter() - due))
+
+                await engine.call(arm)
+                late.append(await asyncio.wait_for(fired, 5))
+            assert min(late) >= 0.0 and min(late) < 0.0003, [round(x * 1e3, 3) for x in late]
+        finally:
+            await asyncio.to_thread(engine.close)
+
+    run(main())
+
+
 def frames(count: int, width: int = 600) -> list[StageMessage]:
     rows = np.arange(width, dtype=np.float32).reshape(1, width)
     return [StageMessage(MessageKind.DecodeEmbd, pos_start=i, token_count=1, tokens=[i], current_token=i,
