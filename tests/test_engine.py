@@ -82,6 +82,30 @@ def test_a_timer_fires_on_time_not_at_the_next_whole_millisecond():
     run(main())
 
 
+def test_a_timed_wait_that_select_cannot_take_falls_back_to_epoll(monkeypatch):
+    """select(2) takes no fd past FD_SETSIZE (1024): the engine's timers then wait in epoll,
+    whole milliseconds, and still fire."""
+    import types
+
+    from skippy.stage import engine as engine_module
+
+    def refuse(*_):
+        raise ValueError("filedescriptor out of range in select()")
+
+    monkeypatch.setattr(engine_module, "select", types.SimpleNamespace(select=refuse))
+
+    async def main():
+        engine = await started_engine()
+        try:
+            fired = asyncio.get_running_loop().create_future()
+            await engine.call(lambda: engine.at(time.perf_counter() + 0.005, lambda: engine.emit(fired.set_result, 1)))
+            assert await asyncio.wait_for(fired, 5) == 1 and not engine._fine_wait
+        finally:
+            await asyncio.to_thread(engine.close)
+
+    run(main())
+
+
 def frames(count: int, width: int = 600) -> list[StageMessage]:
     rows = np.arange(width, dtype=np.float32).reshape(1, width)
     return [StageMessage(MessageKind.DecodeEmbd, pos_start=i, token_count=1, tokens=[i], current_token=i,

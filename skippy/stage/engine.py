@@ -241,9 +241,11 @@ class Engine:
         if timeout and self._fine_wait:
             try:
                 select.select([self._selector.fileno()], [], [], timeout)
+                timeout = 0.0
             except InterruptedError:
-                pass
-            timeout = 0.0
+                timeout = 0.0
+            except ValueError:  # an fd past select's FD_SETSIZE (1024): epoll's milliseconds, then
+                self._fine_wait = False
         return self._selector.select(timeout)
 
     def _drain_wake(self) -> None:
