@@ -71,7 +71,6 @@ class StageProbe:
                 "link_rtt_ms": self.link_rtt_ns / 1e6, "link_mbit_s": self.link_bytes_per_s * 8 / 1e6,
                 "link_row_dtype": dtype(self.row_dtype), "link_chunk_dtype": dtype(self.chunk_dtype)}
 
-
     @classmethod
     def from_figures(cls, figures: dict) -> StageProbe:
         """`figures`' inverse (to the nanosecond and byte): a probe read from `/v1/stages`."""

@@ -1,12 +1,10 @@
 """A data socket owned by the engine thread: plain TCP or TLS, non-blocking, whole frames in and out.
 
-The engine's selector says when the socket is readable; `_read` takes everything there is and
-hands each whole frame to `on_frame` (a TLS socket's decrypted bytes are drained too:
-`pending()` holds what the selector cannot see). `send` writes at once and keeps what the
-socket would not take, in order, for when it is writable again; a TLS write that cannot
-finish is retried with the same bytes (OpenSSL's rule). A link conditioned as a WAN
-(stage/link.py) holds each frame until its delivery time. Whatever ends the socket (EOF, an
-error, a bad frame, `close`) reaches `on_close` once, with the reason.
+`_read` takes everything readable (a TLS socket's `pending()` bytes too, which the selector
+cannot see) and hands each whole frame to `on_frame`. `send` writes at once and keeps what the
+socket would not take for when it is writable; a TLS write that cannot finish is retried with
+the same bytes (OpenSSL's rule). A WAN-conditioned link (stage/link.py) holds each frame until
+its delivery time. Whatever ends the socket reaches `on_close` once, with the reason.
 """
 
 from __future__ import annotations
@@ -53,7 +51,7 @@ class Channel(Generic[F]):
         self._eof = False  # the peer has closed its side: nothing more to read
         self.closed = False
         self.close_reason: str | None = None
-        self.bytes_in = self.bytes_out = 0
+        self.bytes_in = 0
         engine.watch(sock, self._ready)
 
     # -- writing --------------------------------------------------------------------------
@@ -67,7 +65,6 @@ class Channel(Generic[F]):
         self._write(data)
 
     def _write(self, data: bytes) -> None:
-        self.bytes_out += len(data)
         if not self._out:
             try:
                 sent = self.sock.send(data)

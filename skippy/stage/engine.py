@@ -1,22 +1,13 @@
 """The engine: one thread per stage process that owns the model, the KV caches and every data socket.
 
-The shape of llama.cpp's server loop and vLLM's EngineCore. The thread runs one loop:
-
-    commands from asyncio -> due timers -> the forward the batch policy picks -> events to
-    asyncio -> wait on every socket (plain or TLS) and the command pipe
-
-It reads each frame as it arrives (stage/channel.py), batches steps into waves
-(runtime/stage_runtime.py: `submit` is where every step starts), runs the forward and writes
-the next frame or the token itself, so a token crosses a stage with no hand-off between
-threads. asyncio keeps the control plane (handshakes, ConfigureGeneration, Stop, TrimSession,
-prefix-cache control, status, the API) and talks to the engine through two queues only:
-`post` (a command: a callable run on this thread, in order) and `emit` (an event: a callable
-run on the event loop). `call` is the pair of them that asyncio awaits.
-
-A decode token's event reaches the loop after the engine's next forward, not before it
-(`emit_after_forward`): the loop's work for a token (detokenizing, streaming) then runs while
-the stages below compute instead of beside this forward's own Python, taking turns at the GIL
-(measured on 2 stages sharing 2 cores: 439 us a token saved this way, none the other).
+The shape of llama.cpp's server loop and vLLM's EngineCore, one loop: commands from asyncio ->
+due timers -> the forward the batch policy picks -> events to asyncio -> wait on every socket
+(plain or TLS) and the command pipe. A token crosses a stage with no hand-off between
+threads. asyncio keeps the control plane and talks to the engine through two queues only:
+`post` (a callable run on this thread, in order) and `emit` (one run on the event loop);
+`call` is the pair of them that asyncio awaits. A decode token's event waits for the next
+forward (`emit_after_forward`), so the loop's work for it overlaps the stages' compute
+(docs/decisions.md).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """What a stage measures of itself and of its link at start, and the codec that reads it.
 
-`StageMeasurement` runs once, in the background after the stage is up, at its first quiet
-moment: its forward on its own kernels (model/probe.py, on the stage's engine thread, which
-owns the model) and the link to the stage below (link_probe.py). The StageStatus reply carries the result (`probe`), which is what the
-split planner (launch/planner.py) plans from and what `/v1/stages` shows. Processes on one
-machine take turns with the compute probe (a file lock): stages that share cores would
-otherwise each measure the others' forwards too, where in a chain they compute in turn.
-
-`LinkCodec` is the wire dtype of each frame this stage sends down: the configured one, or
-under `--activation-dtype auto` the codec's choice for that frame from the measured link
-and forward (protocol/activation_codec.py: auto_dtype).
+`StageMeasurement` runs once, at the stage's first quiet moment after start: its forward
+(model/probe.py, on the engine thread) and its link below (link_probe.py); StageStatus
+carries the result to the split planner and `/v1/stages`. Processes on one machine take
+turns with the compute probe (a file lock), or stages sharing cores would measure each
+other's forwards too. `LinkCodec` is the wire dtype of each frame sent down (under
+`--activation-dtype auto`, chosen from the measured link and forward).
 """
 
 from __future__ import annotations
