@@ -106,7 +106,7 @@ class Channel(Generic[F]):
         now = time.perf_counter()
         self._delayed.append((self._conditioner.deliver_at(len(data), now), data))
         if self._timer is None:
-            self._timer = self.engine.at(self._delayed[0][0], self._deliver)
+            self._timer = self.engine.at(self._delayed[0][0], self._deliver, exact=True)
 
     def _deliver(self) -> None:
         self._timer = None
@@ -114,7 +114,7 @@ class Channel(Generic[F]):
         while self._delayed and self._delayed[0][0] <= now and not self.closed:
             self._write(self._delayed.popleft()[1])
         if self._delayed and not self.closed:
-            self._timer = self.engine.at(self._delayed[0][0], self._deliver)
+            self._timer = self.engine.at(self._delayed[0][0], self._deliver, exact=True)
 
     # -- reading --------------------------------------------------------------------------
     def pause_reading(self) -> None:
