@@ -187,64 +187,105 @@ async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = 
     return client
 
 
-class LocalChain:
-    """Stages 1..N-1 as child processes on loopback, stage 0 in this process."""
+class Chain:
+    """What a chain of stage processes and stage 0 here is, however its stages are placed
+    (LocalChain, ray_chain.RayChain): every stage's options, supervision, and the measured
+    split at start; split_restart.py reads `backend`, `retiring` and calls `_restart_on`."""
 
-    def __init__(self, model_path: str | Path, num_stages: int, *, threads: int | None = None,
-                 activation_dtype: str = "f32", ctx_size: int = 2048, lane_count: int = 4,
-                 dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
-                 log_level: str = "WARNING", otlp_endpoint: str | None = None, otlp_protocol: str = "http",
+    backoff_s: float | None = None  # the supervisor's between restarts (None: its default)
+
+    def __init__(self, model_path: str | Path, num_stages: int, *, activation_dtype: str = "f32",
+                 ctx_size: int = 2048, lane_count: int = 4, dtype: str = "auto", device: str = "auto",
+                 repack: bool = True, concurrency: int = 1, log_level: str = "WARNING",
+                 otlp_endpoint: str | None = None, otlp_protocol: str = "http",
                  kv_cache: KvCacheConfig | None = None, max_restarts: int | None = None,
-                 link_conditioning: LinkConditioning | None = None, split: str = "equal",
-                 apply_split_advice: bool = False, **client_options):
+                 split: str = "equal", apply_split_advice: bool = False, **client_options):
         """`kv_cache`: every stage's prefix-cache settings (disk tier: one subdirectory per
-        stage under `disk_dir`); None: no prefix cache anywhere. `threads`: torch threads in
-        every stage; by default every core: a stream visits the stages in turn, so each may use
-        them all while the others wait (2 stages on 2 cores: 108 tok/s with 2 threads each,
-        71 with 1), provided a waiting stage's OpenMP workers stop spinning soon
-        (model/threads.py: co_located_spin_count, given to the stage processes here). Enough
-        sessions decoding form one wave per stage instead, each wave's forward on its
-        share of the threads (runtime/batch_policy.py: waves).
-        `max_restarts`: supervise the stage processes (supervisor.py), restarting each at most
-        this often; None: no supervision (a stage that dies stays down). `link_conditioning`: a
-        test knob on every link of the chain, stage 0's lanes included (stage/link.py).
-        `split`: "equal" (bytes: plan_chain) or "auto": start so, wait for every stage's
-        measurements, and start again on the split they give (planner.py) if it differs.
+        stage under `disk_dir`); None: no prefix cache anywhere. `max_restarts`: supervise the
+        stages (supervisor.py), restarting each at most this often; None: no supervision.
+        `split`: "equal" or "auto": start so, wait for every stage's measurements, and start
+        every stage again on the split they give (planner.py) if it differs.
         `apply_split_advice`: a stage's restart applies the split advice of `backend` (set by
         serve.py) when it names other ranges, starting every stage again on them (split_restart.py)."""
         if num_stages < 2:
             raise ValueError(f"Expected at least 2 stages for a chain, got {num_stages}")
-        threads = threads or os.cpu_count() or 1
-        self.model_path, self.num_stages, self.threads = Path(model_path), num_stages, threads
-        self.log_level, self.kv_cache = log_level, kv_cache
-        self.device = device  # every stage's, stage 0's included ("auto": CUDA where present)
-        self.auth_token = secrets.token_hex(16)  # loopback, but still not open to anyone
-        self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
-                                   ctx_size=ctx_size, lane_count=lane_count,
-                                   weight_dtype=WEIGHT_NAMES[dtype], repack_weights=repack, device=device,
-                                   peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS,
-                                   decode_waves=num_stages, threads=threads,
-                                   omp_spin_count=int(co_located_spin_count(model_path, dtype)),
-                                   otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
-                                   link_conditioning=link_conditioning)
-        self.link_conditioning = link_conditioning
-        self._stage0_options = dict(dtype=dtype, device=device, repack=repack, concurrency=concurrency,
-                                    ctx_size=ctx_size, activation_dtype=activation_dtype, kv_cache=kv_cache,
-                                    otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
-                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, decode_waves=num_stages,
-                                    link_conditioning=link_conditioning, **client_options)
-        self._model_args = model_args(model_path)
         if split not in ("equal", "auto"):
             raise ValueError(f"Expected a split of 'equal' or 'auto', got {split!r}")
+        self.model_path, self.num_stages, self.log_level = Path(model_path), num_stages, log_level
+        self.kv_cache, self.max_restarts = kv_cache, max_restarts
         self.split, self.plan, self.first_plan = split, None, None  # the measured plan and the split's before it
+        self.apply_split_advice, self.backend = apply_split_advice, None
+        self.retiring: set = set()  # stage 0s replaced by a re-split, closing (split_restart.py)
+        self.auth_token = secrets.token_urlsafe(32)
+        self._model_args: ModelArgs | None = None
+        self.client: ChainClient | None = None
+        self.supervisor: Supervisor | None = None
+        self.topology: Topology | None = None
+        both = dict(device=device, ctx_size=ctx_size, activation_dtype=activation_dtype,
+                    otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
+                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, decode_waves=num_stages)
+        self._stage_options = dict(both, auth_token=self.auth_token, lane_count=lane_count,
+                                   weight_dtype=WEIGHT_NAMES[dtype], repack_weights=repack)
+        self._stage0_options = dict(both, dtype=dtype, repack=repack, concurrency=concurrency,
+                                    kv_cache=kv_cache, **client_options)
+
+    def _stage_configs(self, configs: list[StageConfig]) -> list[StageConfig]:
+        """`configs` with each stage's share of the chain's cache settings."""
+        stage_kv = self.kv_cache or KvCacheConfig(mode="disabled")
+        return [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)}) for c in configs]
+
+    def _supervise(self) -> None:
+        backoff = {} if self.backoff_s is None else {"backoff_s": self.backoff_s}
+        self.supervisor = Supervisor(self.placement, self.num_stages, self.client.transport,
+                                     max_restarts=self.max_restarts, on_back=self.client.chain_changed,
+                                     on_down=functools.partial(restart_on_advice, self), **backoff)
+        self.supervisor.start()
+        self.client.can_recover = self.supervisor.can_heal
+
+    async def _measured_split(self, on_stage_ready: Callable[[], None]) -> None:
+        """Plan from what the stages measured of themselves (and their links); start every
+        stage again on that split if it is not this one. Every stage is used, as --stages
+        asked: the plan says when fewer would be faster (`fewer_hosts`)."""
+        model = model_cost(self.model_path, ctx_size=self._stage_options["ctx_size"],
+                           lane_count=self._stage_options["lane_count"],
+                           activation_dtype=self._stage_options["activation_dtype"], args=self._model_args)
+        self.first_plan, self.plan = await plan_from_measurements(self.client, self.topology, model,
+                                                                  use_all_hosts=True)
+        current = [(s.layer_start, s.layer_end) for s in self.topology.stages]
+        log.info("measured split: %s", self.plan.describe([f"stage {i}" for i in range(self.num_stages)]))
+        if list(self.plan.ranges) == current:
+            return
+        await self.client.close()
+        self.client = None
+        await self._restart_on(list(self.plan.ranges), on_ready=on_stage_ready)
+
+    async def __aenter__(self) -> ChainClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class LocalChain(Chain):
+    """Stages 1..N-1 as child processes on loopback, stage 0 in this process."""
+
+    def __init__(self, model_path: str | Path, num_stages: int, *, threads: int | None = None,
+                 dtype: str = "auto", link_conditioning: LinkConditioning | None = None, **options):
+        """`threads`: torch threads in every stage; by default every core: a stream visits the
+        stages in turn, so each may use them all while the others wait, provided a waiting
+        stage's OpenMP workers stop spinning soon (model/threads.py: co_located_spin_count,
+        given to the stage processes here). Enough sessions decoding form one wave per stage
+        instead, each wave's forward on its share of the threads (runtime/batch_policy.py:
+        waves). `link_conditioning`: a test knob on every link of the chain, stage 0's lanes
+        included (stage/link.py). `split`'s "equal" is by bytes (plan_chain). The rest: Chain's."""
+        super().__init__(model_path, num_stages, dtype=dtype, link_conditioning=link_conditioning, **options)
+        self.threads = threads or os.cpu_count() or 1
+        self._stage_options.update(threads=self.threads, link_conditioning=link_conditioning,
+                                   omp_spin_count=int(co_located_spin_count(model_path, dtype)))
+        self._model_args = model_args(model_path)
         self._ranges: list[tuple[int, int]] | None = None  # None: equal bytes
         self._dir = tempfile.TemporaryDirectory(prefix="skippy-chain-")
         self._plan()
-        self.client: ChainClient | None = None
-        self.max_restarts = max_restarts
-        self.supervisor: Supervisor | None = None
-        self.apply_split_advice, self.backend = apply_split_advice, None
-        self.retiring: set = set()  # stage 0s replaced by a re-split, closing (split_restart.py)
 
     @property
     def processes(self):
@@ -256,9 +297,7 @@ class LocalChain:
         endpoints = [f"127.0.0.1:{port}" for port in free_ports(self.num_stages)]
         self.topology, configs = plan_chain(self.model_path, endpoints, ranges=self._ranges,
                                             args=self._model_args, **self._stage_options)
-        stage_kv = self.kv_cache or KvCacheConfig(mode="disabled")
-        self.configs = [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)})
-                        for c in configs]
+        self.configs = self._stage_configs(configs)
         self.placement = LocalProcesses(Path(self._dir.name), self.configs, log_level=self.log_level)
 
     async def start(self, on_stage_ready: Callable[[], None] = lambda: None) -> ChainClient:
@@ -286,30 +325,6 @@ class LocalChain:
         if self.max_restarts is not None:
             self._supervise()
         return self.client
-
-    def _supervise(self) -> None:
-        self.supervisor = Supervisor(self.placement, self.num_stages, self.client.transport,
-                                     max_restarts=self.max_restarts, on_back=self.client.chain_changed,
-                                     on_down=functools.partial(restart_on_advice, self))
-        self.supervisor.start()
-        self.client.can_recover = self.supervisor.can_heal
-
-    async def _measured_split(self, on_stage_ready: Callable[[], None]) -> None:
-        """Plan from what the stages measured of themselves; start again on that split if it
-        is not this one. Every stage here shares one machine, so all of them are used (the
-        plan says when fewer would be faster)."""
-        model = model_cost(self.model_path, ctx_size=self._stage_options["ctx_size"],
-                           lane_count=self._stage_options["lane_count"],
-                           activation_dtype=self._stage_options["activation_dtype"], args=self._model_args)
-        self.first_plan, self.plan = await plan_from_measurements(self.client, self.topology, model,
-                                                                  use_all_hosts=True)
-        current = [(s.layer_start, s.layer_end) for s in self.topology.stages]
-        log.info("measured split: %s", self.plan.describe([f"stage {i}" for i in range(self.num_stages)]))
-        if list(self.plan.ranges) == current:
-            return
-        await self.client.close()
-        self.client = None
-        await self._restart_on(list(self.plan.ranges), on_ready=on_stage_ready)
 
     async def _restart_on(self, ranges: list[tuple[int, int]], *, lost: int | None = None,
                           on_ready: Callable[[], None] = lambda: None) -> None:
@@ -340,12 +355,6 @@ class LocalChain:
         await close_retired(self)
         self.client = None
         self._dir.cleanup()
-
-    async def __aenter__(self) -> ChainClient:
-        return await self.start()
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
 
 
 WEIGHT_NAMES = {name: short for short, name in WEIGHT_DTYPES.items()}  # --dtype -> StageConfig.weight_dtype

@@ -28,7 +28,6 @@ certificate for its new address, and the stage before it is re-pointed there.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import secrets
@@ -43,14 +42,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..driver.client import ChainClient
-from ..protocol import KvCacheConfig, PeerEndpoint, StageConfig, TlsConfig, Topology, is_loopback, parse_endpoint
-from ..runtime.batch_policy import ONE_WAVE_PEER_WAIT_FORWARDS
+from ..protocol import PeerEndpoint, StageConfig, TlsConfig, Topology, is_loopback, parse_endpoint
 from ..stage import certificates
-from .local_chain import WEIGHT_NAMES, connect_topology, plan_chain, stage_kv_cache
-from .measured_split import model_cost, plan_from_measurements
+from .local_chain import Chain, connect_topology, plan_chain
 from .placement import STARTUP_TIMEOUT_S, stop_chain
-from .split_restart import close_retired, restart_on_advice
-from .supervisor import Supervisor
+from .split_restart import close_retired
 
 log = logging.getLogger("skippy.launch")
 NAMESPACE = "skippy"  # the Ray namespace of every actor and placement group skippy makes
@@ -140,56 +136,27 @@ def gcs_requires_token(gcs_address: str) -> bool:
     return False
 
 
-class RayChain:
+class RayChain(Chain):
     """Stages 1..N-1 as actors on a Ray cluster, stage 0 in this process."""
 
+    backoff_s = 0.0  # Ray restarts an actor at once and that takes a second or more: no backoff on top
+
     def __init__(self, model_path: str | Path, num_stages: int, settings: RaySettings, *,
-                 threads: int | None = None, weights: list[float] | None = None,
-                 activation_dtype: str = "f32", ctx_size: int = 2048, lane_count: int = 4,
-                 dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
-                 log_level: str = "WARNING", otlp_endpoint: str | None = None, otlp_protocol: str = "http",
-                 kv_cache: KvCacheConfig | None = None, max_restarts: int = 5, insecure: bool = False,
-                 stage_wait_s: float = 3600.0, split: str = "equal", apply_split_advice: bool = False,
-                 on_placed: Callable[[str], None] = lambda line: None, **client_options):
+                 threads: int | None = None, weights: list[float] | None = None, max_restarts: int = 5,
+                 insecure: bool = False, stage_wait_s: float = 3600.0,
+                 on_placed: Callable[[str], None] = lambda line: None, **options):
         """`threads`: torch threads of every stage (default: its bundle's CPUs). `insecure`: use
         a cluster without token authentication off loopback anyway. `stage_wait_s`: how long a
-        stage's start may take, fetching its layers from stage 0 included. `split`: "equal" (by
-        the bundles' CPUs, or `weights`) or "auto": start so, wait for every stage's
-        measurements, and start the stages again on the split they give (planner.py), on the
-        same nodes, if it differs. `apply_split_advice`: a stage's restart applies the split
-        advice of `backend` (set by serve.py) when it names other ranges for these stages,
-        starting every stage again on them (split_restart.py). `on_placed`: told, in words,
-        where the stages went once Ray placed them."""
-        if num_stages < 2:
-            raise ValueError(f"Expected at least 2 stages on Ray, got {num_stages}")
-        self.model_path, self.num_stages, self.settings = Path(model_path), num_stages, settings
-        self.threads, self.weights, self.log_level = threads, weights, log_level
-        self.kv_cache, self.max_restarts, self.on_placed = kv_cache, max_restarts, on_placed
-        self.insecure, self.stage_wait_s = insecure, stage_wait_s
-        if split not in ("equal", "auto"):
-            raise ValueError(f"Expected a split of 'equal' or 'auto', got {split!r}")
-        self.split, self.plan, self.first_plan = split, None, None  # the measured plan and the split's before it
-        self.apply_split_advice, self.backend = apply_split_advice, None
-        self.retiring: set = set()  # stage 0s replaced by a re-split, closing (split_restart.py)
-        self._model_cost = dict(ctx_size=ctx_size, lane_count=lane_count, activation_dtype=activation_dtype)
+        stage's start may take, fetching its layers from stage 0 included. `split`'s "equal" is
+        by the bundles' CPUs (or `weights`); "auto" starts again on the same nodes.
+        `on_placed`: told, in words, where the stages went once Ray placed them. The rest: Chain's."""
+        super().__init__(model_path, num_stages, max_restarts=max_restarts, **options)
+        self.settings, self.threads, self.weights = settings, threads, weights
+        self.insecure, self.stage_wait_s, self.on_placed = insecure, stage_wait_s, on_placed
         self.chain_id = f"chain-{secrets.token_hex(4)}"
-        self.auth_token = secrets.token_urlsafe(32)
-        self._stage_options = dict(auth_token=self.auth_token, activation_dtype=activation_dtype,
-                                   ctx_size=ctx_size, lane_count=lane_count, weight_dtype=WEIGHT_NAMES[dtype],
-                                   repack_weights=repack, device=device,
-                                   peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, decode_waves=num_stages,
-                                   otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol)
-        self._stage0_options = dict(dtype=dtype, device=device, repack=repack, concurrency=concurrency,
-                                    ctx_size=ctx_size, activation_dtype=activation_dtype, kv_cache=kv_cache,
-                                    otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
-                                    peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, decode_waves=num_stages,
-                                    **client_options)
         self._dir = tempfile.TemporaryDirectory(prefix=f"skippy-{self.chain_id}-")  # owner-only: the CA key
         self.group = None
         self.placement: RayActors | None = None
-        self.client: ChainClient | None = None
-        self.supervisor: Supervisor | None = None
-        self.topology: Topology | None = None
         self._tls: TlsConfig | None = None  # stage 0's identity, issued once placed
         self._connected = False
 
@@ -225,21 +192,12 @@ class RayChain:
         self._supervise()
         return self.client
 
-    def _supervise(self) -> None:
-        # Ray restarts an actor at once and that takes a second or more: no backoff on top
-        self.supervisor = Supervisor(self.placement, self.num_stages, self.client.transport,
-                                     max_restarts=self.max_restarts, backoff_s=0.0, on_back=self.client.chain_changed,
-                                     on_down=functools.partial(restart_on_advice, self))
-        self.supervisor.start()
-        self.client.can_recover = self.supervisor.can_heal
-
     def _plan(self, endpoints: list[str], *, weights: list[float] | None = None,
               ranges: list[tuple[int, int]] | None = None) -> list[StageConfig]:
         """The topology (kept) and every stage's config for the placed endpoints."""
         self.topology, configs = plan_chain(self.model_path, endpoints, weights=weights, ranges=ranges,
                                             topology_id=self.chain_id, **self._stage_options)
-        stage_kv = self.kv_cache or KvCacheConfig(mode="disabled")
-        return [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)}) for c in configs]
+        return self._stage_configs(configs)
 
     async def _start_stages(self, actors_started) -> None:
         """The actors' stages (`actors_started`, a coroutine) and stage 0 at once: stage 0 loads
@@ -255,22 +213,6 @@ class RayChain:
             stages.cancel()  # stage 0 failed before it waited for them (nothing, once they are done)
             await asyncio.gather(stages, return_exceptions=True)
         self.placement.client = self.client
-
-    async def _measured_split(self, on_stage_ready: Callable[[], None]) -> None:
-        """Plan from what the placed stages measured of themselves (and their links); if the
-        plan is not this split, start every stage again on it, on the same nodes and ports
-        (the actors stay; stage 0 again here). Every placed node is used, as --stages asked:
-        the plan says when fewer would be faster (`fewer_hosts`)."""
-        model = model_cost(self.model_path, **self._model_cost)
-        self.first_plan, self.plan = await plan_from_measurements(self.client, self.topology, model,
-                                                                  use_all_hosts=True)
-        current = [(s.layer_start, s.layer_end) for s in self.topology.stages]
-        if list(self.plan.ranges) == current:
-            return
-        log.info("measured split differs from %s: starting the stages again on it", current)
-        await self.client.close()
-        self.client = None
-        await self._restart_on(list(self.plan.ranges), on_ready=on_stage_ready)
 
     async def _restart_on(self, ranges: list[tuple[int, int]], *, lost: int | None = None,
                           on_ready: Callable[[], None] = lambda: None) -> None:
