@@ -259,6 +259,12 @@ class Chain:
         self.client = None
         await self._restart_on(list(self.plan.ranges), on_ready=on_stage_ready)
 
+    async def close(self) -> None:
+        await stop_chain(self.supervisor, self.client, self.placement)  # and what the placement holds
+        await close_retired(self)
+        self.client = None
+        self._dir.cleanup()
+
     async def __aenter__(self) -> ChainClient:
         return await self.start()
 
@@ -350,11 +356,6 @@ class LocalChain(Chain):
         write_plan(self.topology, self.configs, self._dir.name)
         await self.placement.start(on_ready)
 
-    async def close(self) -> None:
-        await stop_chain(self.supervisor, self.client, self.placement)
-        await close_retired(self)
-        self.client = None
-        self._dir.cleanup()
 
 
 WEIGHT_NAMES = {name: short for short, name in WEIGHT_DTYPES.items()}  # --dtype -> StageConfig.weight_dtype

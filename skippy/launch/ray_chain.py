@@ -45,8 +45,7 @@ from ..driver.client import ChainClient
 from ..protocol import PeerEndpoint, StageConfig, TlsConfig, Topology, is_loopback, parse_endpoint
 from ..stage import certificates
 from .local_chain import Chain, connect_topology, plan_chain
-from .placement import STARTUP_TIMEOUT_S, stop_chain
-from .split_restart import close_retired
+from .placement import STARTUP_TIMEOUT_S
 
 log = logging.getLogger("skippy.launch")
 NAMESPACE = "skippy"  # the Ray namespace of every actor and placement group skippy makes
@@ -287,14 +286,12 @@ class RayChain(Chain):
         return [by_node[placed[i]] for i in range(self.num_stages)]
 
     async def close(self) -> None:
-        await stop_chain(self.supervisor, self.client, self.placement)  # the placement: actors, group
-        await close_retired(self)
+        await super().close()  # the placement: actors, group
         if self.placement is None and self.group is not None:  # placed, no actor yet
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.group)
-        self.client = self.placement = self.group = None
-        self._dir.cleanup()
+        self.placement = self.group = None
         if self._connected:
             import ray
 

@@ -20,8 +20,6 @@ from .gguf_file import GGUFFile
 from .quant import SUPPORTED, QuantizedTensor, drop_resident_pages
 from .weights import needed_tensor_names
 
-SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
-
 
 def open_gguf(path: str | Path) -> GGUFFile:
     """Open (once per process and file version) a GGUF: the tokenizer and the

@@ -17,8 +17,6 @@ from .errors import ModelLoadError
 from .quant import FloatWeight
 from .weights import BLOCK_TENSORS, needed_tensor_names
 
-SUPPORTED_MODEL_TYPES = tuple(HF_MODEL_TYPES)
-
 HF_BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
