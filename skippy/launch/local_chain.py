@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import functools
 import logging
@@ -39,8 +40,8 @@ from ..stage.holder import TensorHolder
 from ..stage.transport import Transport
 from ..telemetry import Telemetry
 from .measured_split import model_cost, plan_from_measurements
-from .placement import LocalProcesses, PortTaken, stop_chain
-from .split_restart import close_retired, restart_on_advice
+from .placement import LocalProcesses, PortTaken
+from .split_restart import restart_on_advice
 from .stage_wait import wait_for_stages
 from .supervisor import Supervisor
 
@@ -220,6 +221,7 @@ class Chain:
         self._model_args: ModelArgs | None = None
         self.client: ChainClient | None = None
         self.supervisor: Supervisor | None = None
+        self.placement = None  # where stages 1..N-1 run (placement.py)
         self.topology: Topology | None = None
         both = dict(device=device, ctx_size=ctx_size, activation_dtype=activation_dtype,
                     otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
@@ -260,8 +262,18 @@ class Chain:
         await self._restart_on(list(self.plan.ranges), on_ready=on_stage_ready)
 
     async def close(self) -> None:
-        await stop_chain(self.supervisor, self.client, self.placement)  # and what the placement holds
-        await close_retired(self)
+        """Stop the chain in the order that keeps it quiet: the supervisor first (a stage stopped
+        below is not a failure), stage 0's lanes, the stages, then any replaced stage 0 still open."""
+        if self.supervisor is not None:
+            await self.supervisor.close()
+        if self.client is not None:
+            await self.client.close()
+        if self.placement is not None:
+            await self.placement.stop()
+        retiring = list(self.retiring)
+        for task in retiring:
+            task.cancel()
+        await asyncio.gather(*retiring, return_exceptions=True)
         self.client = None
         self._dir.cleanup()
 

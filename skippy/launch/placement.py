@@ -51,17 +51,6 @@ class Placement(Protocol):
         """Past its restart budget: leave stage `index` down for good."""
 
 
-async def stop_chain(supervisor, client, placement) -> None:
-    """Stop a chain's parts (each may be None) in the order that keeps it quiet: the supervisor
-    first (a stage stopped below is not a failure), stage 0's lanes, then the stages."""
-    if supervisor is not None:
-        await supervisor.close()
-    if client is not None:
-        await client.close()
-    if placement is not None:
-        await placement.stop()
-
-
 def stage_command(config_path: Path, topology_path: Path, log_level: str) -> list[str]:
     """`skippy stage` for one config, with this Python."""
     return [sys.executable, "-m", "skippy.cli", "--log-level", log_level, "stage",

@@ -155,7 +155,6 @@ class RayChain(Chain):
         self.chain_id = f"chain-{secrets.token_hex(4)}"
         self._dir = tempfile.TemporaryDirectory(prefix=f"skippy-{self.chain_id}-")  # owner-only: the CA key
         self.group = None
-        self.placement: RayActors | None = None
         self._tls: TlsConfig | None = None  # stage 0's identity, issued once placed
         self._connected = False
 

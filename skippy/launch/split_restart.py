@@ -17,32 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from ..driver.client import ChainClient
 from ..tasks import to_the_end
+
+if TYPE_CHECKING:  # local_chain imports this module
+    from .local_chain import Chain
 
 log = logging.getLogger("skippy.launch")
 
 RETIRE_POLL_S = 0.1
 RETIRE_WAIT_S = 60.0  # a replaced stage 0's requests have moved on by then (they replay at their next try)
-
-
-class SplitChain(Protocol):
-    """What a chain offers the re-split (LocalChain, RayChain)."""
-
-    client: ChainClient | None
-    backend: object | None  # the ChainBackend serving it (serve.py sets it), None: nothing advises
-    apply_split_advice: bool
-    topology: object
-    supervisor: object | None
-    retiring: set[asyncio.Task]  # replaced stage 0s closing once their requests moved on
-
-    async def _restart_on(self, ranges: list[tuple[int, int]], *, lost: int | None = None) -> None:
-        """Every stage again on `ranges`, stage 0 as a new `client`; the old client stays open."""
-
-    def _supervise(self) -> None:
-        """A new supervisor over the chain's stages (its `on_down`: restart_on_advice)."""
 
 
 def advised_ranges(advice: dict | None, current: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
@@ -60,7 +46,7 @@ def advised_ranges(advice: dict | None, current: list[tuple[int, int]]) -> list[
     return ranges
 
 
-async def restart_on_advice(chain: SplitChain, index: int) -> bool:
+async def restart_on_advice(chain: Chain, index: int) -> bool:
     """The supervisor's `on_down`: stage `index` is down. True when the chain started every
     stage again on the advised split; False: restart it as usual."""
     if not chain.apply_split_advice or chain.backend is None:
@@ -98,14 +84,6 @@ async def restart_on_advice(chain: SplitChain, index: int) -> bool:
     chain.retiring.add(task)
     task.add_done_callback(chain.retiring.discard)
     return True
-
-
-async def close_retired(chain: SplitChain) -> None:
-    """At the chain's close: every replaced stage 0 still open closes now."""
-    tasks = list(chain.retiring)
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _retire(client: ChainClient) -> None:
