@@ -28,6 +28,11 @@ def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator
         yield lambda n=1: progress.advance(task, n)
 
 
+def say(line: str) -> None:
+    """One line of what skippy did, on stderr (stdout carries the ready line)."""
+    print(f"skippy: {line}", file=sys.stderr, flush=True)
+
+
 def configure_logging(level: str = "WARNING") -> None:
     """key=value log lines on stderr; quiet (warnings only) unless asked."""
     logging.basicConfig(

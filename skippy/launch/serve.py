@@ -30,7 +30,7 @@ import uvicorn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..api.app import DEFAULT_MAX_BODY_BYTES, ApiSettings, create_app
-from ..console import progress_bar
+from ..console import progress_bar, say
 from ..driver.backend import GenerationBackend, StageStatus
 from ..tasks import to_the_end
 from .ray_chain import RaySettings
@@ -190,7 +190,7 @@ async def build_backend(config: ServeConfig):
     if config.ray is not None:
         chain = RayChain(config.model, config.num_stages, config.ray, weights=config.weights,
                          insecure=config.insecure, stage_wait_s=config.stage_wait_s, split=config.split,
-                         on_placed=_say,
+                         on_placed=say,
                          **common, **every_stage, **options)
     else:
         chain = LocalChain(config.model, config.num_stages, split=config.split, **common, **every_stage, **options)
@@ -200,7 +200,7 @@ async def build_backend(config: ServeConfig):
         client = await chain.start(on_stage_ready=advance)
         advance()  # stage 0, here, loads last
     if config.ray is not None:
-        _say(f"{config.num_stages} stages ready on Ray in {time.monotonic() - started:.1f} s")
+        say(f"{config.num_stages} stages ready on Ray in {time.monotonic() - started:.1f} s")
     if chain.plan is not None:
         names = [f"stage {i}" for i in range(config.num_stages)]
         first = "equal bytes" if config.ray is None else "the first split"
@@ -222,11 +222,6 @@ def _advisor(config: ServeConfig, ctx_size: int, use_all_hosts: bool):
     model = model_cost(config.model, ctx_size=ctx_size, lane_count=config.num_lanes,
                        activation_dtype=config.activation_dtype)
     return advisor(model, use_all_hosts=use_all_hosts)
-
-
-def _say(line: str) -> None:
-    """One line of what the launcher did, on stderr (stdout carries the ready line)."""
-    print(f"skippy: {line}", file=sys.stderr, flush=True)
 
 
 async def generate_once(config: ServeConfig, prompt_ids, **options):

@@ -11,9 +11,9 @@ the lanes fail at once with the reason.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 
+from ..console import say
 from ..protocol import Topology, TopologyStage
 from ..stage.transport import LinkBroken, Transport, answers_later
 
@@ -38,7 +38,7 @@ async def wait_for_stages(topology: Topology, wait_s: float, transport: Transpor
         if time.monotonic() - said >= SAY_EVERY_S:
             waiting = "; ".join(f"{stage.stage_id} at {stage.endpoint} ({reasons[stage.stage_id]})"
                                 for stage in pending)
-            print(f"skippy: stage 0 waits for {waiting}", file=sys.stderr, flush=True)
+            say(f"stage 0 waits for {waiting}")
             said = time.monotonic()
         await asyncio.sleep(RETRY_S)
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ..console import progress_bar
+from ..console import progress_bar, say
 from . import qkernel
 from .args import LayerRange, ModelArgs
 from .errors import ModelLoadError
@@ -151,7 +150,7 @@ class BuildReport:
         now = time.perf_counter()
         if now - self.said >= self.EVERY_S:
             self.said = now
-            _say(f"preparing layers {self.layers} of {self.path.name}: {self.blocks} of "
+            say(f"preparing layers {self.layers} of {self.path.name}: {self.blocks} of "
                  f"{self.layers.num_local_layers + self.layers.is_last} blocks, {now - self.started:.0f} s")
 
     def done(self) -> None:
@@ -160,16 +159,12 @@ class BuildReport:
             return
         mapped = self.packed.loaded_bytes if self.packed is not None else 0
         if mapped:
-            _say(f"mapped {mapped / 1e6:.0f} MB of packed weights in {seconds:.1f} s ({mapped / 1e6 / seconds:.0f} "
+            say(f"mapped {mapped / 1e6:.0f} MB of packed weights in {seconds:.1f} s ({mapped / 1e6 / seconds:.0f} "
                  f"MB/s) from {self.packed.directory}")
         else:
             kept = f"; kept for the next start in {self.packed.directory}" if self.packed is not None else ""
-            _say(f"packed {self.stage_bytes / 1e6:.0f} MB of {self.path.name} for this CPU in {seconds:.1f} s "
+            say(f"packed {self.stage_bytes / 1e6:.0f} MB of {self.path.name} for this CPU in {seconds:.1f} s "
                  f"({self.stage_bytes / 1e6 / seconds:.0f} MB/s){kept}")
-
-
-def _say(line: str) -> None:
-    print(f"skippy: {line}", file=sys.stderr, flush=True)
 
 
 def kv_dtype_for(weights: dict) -> torch.dtype:
