@@ -2,27 +2,10 @@
 
 Ray does what a cluster engine is good at: which nodes, reserving their resources, starting
 a process there and starting it again when it dies. skippy keeps the data: its protocol,
-mutual TLS, the chain token, mid-stream recovery. vLLM places its pipeline stages the same
-way (one placement group, an actor per rank); unlike vLLM, a stage that dies here is
-restarted on its own while requests wait and replay (driver/client.py).
-
-    1. join the cluster (`ray.init`); refuse one that runs without token authentication
-       off loopback, unless --insecure;
-    2. a placement group: one bundle per stage (1 CPU by default, --ray-stage-resources),
-       stage 0's pinned to this node; STRICT_SPREAD (one stage per node) or PACK;
-    3. the plan for the placed addresses: the layer split (by the bundles' CPUs, or
-       --weights), a chain token, a chain CA kept here, stage 0's certificate;
-    4. a StageHost actor per stage 1..N-1 in its bundle (stage_host.py): it makes its own
-       key, the driver signs a certificate for the node it landed on, then starts the
-       stage with its config (this happens again after every restart);
-    5. stage 0 here, as for any topology, at the same time: a node without the model file
-       fetches its stage's slice from stage 0 (stage/fetch.py, holder.py), so stage 0 loads
-       and listens while the actors start, and dials once every actor says its stage is ready.
-
-The supervisor watches every stage through `RayActors`, the Placement (placement.py): Ray
-restarts a dead stage's actor at once, on its node; if the node was lost, the placement
-group's bundle and the actor go to another node with free resources, the stage gets a
-certificate for its new address, and the stage before it is re-pointed there.
+mutual TLS, the chain token, mid-stream recovery. One placement group (a bundle per stage,
+stage 0's pinned to this node), a StageHost actor (stage_host.py) per stage 1..N-1 in its
+bundle, stage 0 here; the supervisor watches every stage through `RayActors`, the Placement.
+How a start, a restart and a lost node go: docs/architecture.md (On Ray).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """A restart after a stage's death that applies the chain's split advice (`--split auto`).
 
-`/v1/stages` advises another split when a stage's decode forward drifts more than 15% off its
-probe's prediction (driver/split_check.py, measured_split.advisor). A chain started with
-`--split auto` follows its measurements: when one of its stages dies and the advice, as it
-stood when the stage died (its last status answer stands in for it), names other ranges for
-the same stages, the supervisor's restart becomes a re-split: every stage starts again on
-the advised ranges through the chain's own re-split (the one `--split auto` runs at start:
-LocalChain / RayChain `_restart_on`), stage 0 included, as a new ChainClient. Requests
-waiting for the chain move to it (ChainClient.hand_over) and replay there, as after any
-restart; the old stage 0 closes once none of them is on it. Without advice, or with advice
-for these ranges (or for fewer stages, which a restart cannot drop), the restart is the
-supervisor's usual one.
+When a stage of a `--split auto` chain dies and the advice as it stood then (its last status
+answer) names other ranges for the same stages, the supervisor's restart becomes a re-split
+through the chain's own `_restart_on`, stage 0 included, as a new ChainClient; waiting
+requests move to it (ChainClient.hand_over) and the old stage 0 closes once none is on it.
+Otherwise the restart is the supervisor's usual one (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """The Ray actor that hosts one stage on its node (`skippy serve --ray`, ray_chain.py).
 
-It runs `skippy stage`, so a stage is the same process wherever it runs. Its life is the
-stage's: when the stage dies the actor exits, and Ray starts the actor again (`max_restarts`),
-on the same node, or on another when the node was lost. The stage runs in a standby process
-(warm_stage.py: torch and skippy imported ahead, then handed the command line); once its stage
-is up the actor starts the next standby, which outlives the actor, so the actor Ray starts
-next on this node hands the stage to a process that only has to load and listen.
+It runs `skippy stage` (handed to a standby: warm_stage.py), so a stage is the same process
+wherever it runs. Its life is the stage's: when the stage dies the actor exits and Ray starts
+it again, on this node (it finds the stage's files and starts the stage at once) or on
+another (the driver starts it as the first time). docs/architecture.md (On Ray) tells the rest.
 
-The first start comes from the driver: the actor makes a TLS key here, only its public half
-leaves the node (the driver signs a certificate for the address the actor landed on), and the
-config with its chain token arrives by `start`. Nothing secret is a constructor argument: Ray
-keeps those to replay restarts, and lists them to anyone who can list actors. The stage's
-files stay on the node, owner-only, like a hand-started stage's plan; an actor that Ray starts
-again on the same node finds them and starts the stage at once, without waiting for the
-driver to notice (Ray tells a caller about the new actor a second after it is up). On another
-node there are none, and the driver starts it as the first time, for its new address.
-
-A node needs no copy of the model: a stage without the file at the plan's path fetches its
-slice from stage 0 into the node's cache (stage/fetch.py), so a start may take as long as that
-fetch (the driver's `ready_timeout_s`, serve's --stage-wait).
-
+Nothing secret is a constructor argument: Ray keeps those to replay restarts, and lists them
+to anyone who can list actors; the key is made here and only its public half leaves the node.
 It imports no torch, nor even the protocol's models (the config stays JSON here): Ray starts
 this process again when a stage dies, and that start is part of the stream's pause.
 """

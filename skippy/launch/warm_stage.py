@@ -1,25 +1,17 @@
 """A `skippy stage` process started before it is needed: a standby (`skippy serve --ray`).
 
-Most of a stage's start is Python importing torch and skippy (~2 of ~2.7 s on a free 2-core
-host); the rest is loading its layers and listening. A Ray stage that dies is restarted by a
-new actor on its node (stage_host.py), and that start is the stream's pause. So each actor
-keeps one of these waiting on its node, imports done: the next start of its stage hands it the
-command line, over a Unix socket in the stage's owner-only directory, instead of starting
-Python afresh.
+A Ray stage that dies is restarted by a new actor on its node (stage_host.py), and most of
+that start, the stream's pause, is Python importing torch and skippy. So each actor keeps one
+of these waiting on its node, imports done (docs/decisions.md, 2026-12-06).
 
     python -m skippy.launch.warm_stage SOCKET
 
 It listens on SOCKET first (so a caller may connect while it still imports), imports, then
 waits for one caller: a JSON line {"argv": `skippy` arguments, "owner_pid": the actor's pid}
 with the caller's stdout and stderr pipes as passed file descriptors. It answers {"pid": its
-pid}, takes those pipes as its own stdout and stderr, and runs `python -m skippy.cli <argv>`
-in this process (runpy: the same module run the same way; the launcher imports no CLI).
-
-It survives the actor that started it (a killed actor's successor adopts it: that is the
-point), but not the actor that adopted it: it dies with its owner, as a stage started as the
-actor's child does (PR_SET_PDEATHSIG when the owner is its parent, else a thread that waits on
-the owner's pidfd). A standby whose parent is gone and that nobody adopts within
-ADOPT_GRACE_S exits: nothing is left behind a chain that stopped.
+pid}, takes those pipes as its own, and runs `python -m skippy.cli <argv>` in this process.
+It survives the actor that started it (that actor's successor adopts it) but dies with the
+actor that adopted it; one that nobody adopts within ADOPT_GRACE_S of its parent's death exits.
 """
 
 from __future__ import annotations
