@@ -2,20 +2,10 @@
 
 Packing a GGUF's blocks into the kernel's layout (quant.py) costs seconds a gigabyte; a
 restart, a standby or a stage re-placed after a lost host would pay it every time, so
-recovery would slow with the model's size. The first start on a host packs as before
-and then, on a thread of its own while the stage serves, writes every packed matmul to
-`cache_root()/packed/<key>/` (one file per matmul: any layer split finds its layers). The
-next start maps those files read-only and faults them in at the disk's speed
-(MADV_POPULATE_READ); on Linux 6.x with ext4's large folios the page cache maps them on
-2 MiB pages, as the huge-page arena (weight_arena.py) does for packed memory.
-
-The key holds everything the bytes depend on: the GGUF (its header fingerprint and the
-file's identity: device, inode, size, modification time, so a file replaced in place
-packs anew), the kernel build (sources, flags, compiler, CPU flags: qkernel.build_key)
-and the packing code (quant.py's and quant_linear.py's source). A matmul's bytes are fsync'ed and renamed into
-place before its index (a JSON file, written the same way), and a matmul is read only
-when its index names exactly the bytes found, so a crash mid-write leaves a matmul that
-is packed again, never a wrong one.
+recovery would slow with the model's size. Layout, key and placement: docs/architecture.md
+("Start-up at the disk's speed"). The key holds everything the bytes depend on, and a matmul
+is read only when its index (written after its fsync'ed, renamed bytes) names exactly the
+bytes found, so a crash mid-write leaves a matmul that is packed again, never a wrong one.
 """
 
 from __future__ import annotations
