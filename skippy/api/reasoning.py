@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .streaming import held_tail
+
 OPEN, CLOSE = "<think>", "</think>"
 RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
@@ -88,7 +90,7 @@ class ReasoningStream:
                     reasoning.append(self._held[:end])
                     self._held, self._is_inside, self._after_close = self._held[end + len(CLOSE):], False, True
                     continue
-                hold = 0 if is_final else _partial(self._held, CLOSE)
+                hold = 0 if is_final else held_tail(self._held, (CLOSE,))
                 reasoning.append(self._held[:len(self._held) - hold])
                 self._held = self._held[len(self._held) - hold:]
                 break
@@ -104,10 +106,3 @@ class ReasoningStream:
 
     def flush(self) -> tuple[str, str]:
         return self.push("", is_final=True)
-
-
-def _partial(text: str, tag: str) -> int:
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

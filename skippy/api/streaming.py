@@ -23,6 +23,16 @@ def sse(payload: BaseModel | dict) -> bytes:
     return b"data: " + body.encode() + b"\n\n"
 
 
+def held_tail(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that one of `markers` starts with: what a stream
+    holds back until the next piece says whether the marker follows."""
+    longest = max((len(m) for m in markers), default=0)
+    for n in range(min(len(text), longest - 1), 0, -1):
+        if any(m.startswith(text[-n:]) for m in markers):
+            return n
+    return 0
+
+
 class PieceEvents:
     """The SSE event of a chunk that differs from the stream's others only in its text.
 
@@ -74,15 +84,6 @@ class StopTextStream:
             self.is_stopped = True
             self._pending = ""
             return pending[: min(hits)]
-        num_held = 0 if is_final else self._num_to_hold(pending)
+        num_held = 0 if is_final else held_tail(pending, self._stops)
         self._pending = pending[len(pending) - num_held :]
         return pending[: len(pending) - num_held]
-
-    def _num_to_hold(self, text: str) -> int:
-        """Length of the longest tail of `text` that some stop string starts with."""
-        longest = max((len(s) for s in self._stops), default=0)
-        for n in range(min(len(text), longest - 1), 0, -1):
-            tail = text[-n:]
-            if any(s.startswith(tail) for s in self._stops):
-                return n
-        return 0

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ApiError
+from .streaming import held_tail
 
 # The grammar engine's JSON options for every embedded schema (as model/grammar.py's JSON_OPTIONS):
 # one space after "," and ":", no free whitespace a small model could fill until max_tokens.
@@ -274,7 +275,7 @@ class ToolCallStream:
             end = -1 if start < 0 else self._held.find("</tool_call>", start)
             if start < 0 or (end < 0 and not is_final):
                 if start < 0:
-                    start = len(self._held) - (0 if is_final else _partial_marker(self._held, "<tool_call>"))
+                    start = len(self._held) - (0 if is_final else held_tail(self._held, ("<tool_call>",)))
                 if not is_final:  # trailing whitespace waits
                     start = len(self._held[:start].rstrip())
                 out.append(self._held[:start])
@@ -420,13 +421,5 @@ def _marker_start(text: str, marker: str) -> int | None:
     found = text.find(marker)
     if found >= 0:
         return found
-    hold = _partial_marker(text, marker)
+    hold = held_tail(text, (marker,))
     return len(text) - hold if hold else None
-
-
-def _partial_marker(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that `marker` starts with."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
