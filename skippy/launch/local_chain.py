@@ -231,6 +231,20 @@ class Chain:
         self._stage0_options = dict(both, dtype=dtype, repack=repack, concurrency=concurrency,
                                     kv_cache=kv_cache, **client_options)
 
+    async def start(self, on_stage_ready: Callable[[], None] = lambda: None) -> ChainClient:
+        """Start every stage and stage 0 (`on_stage_ready` as each stage is up), then, with
+        split "auto", the measured split; supervise them when `max_restarts` is set."""
+        try:
+            await self._start(on_stage_ready)
+            if self.split == "auto":
+                await self._measured_split(on_stage_ready)
+        except BaseException:
+            await self.close()
+            raise
+        if self.max_restarts is not None:
+            self._supervise()
+        return self.client
+
     def _stage_configs(self, configs: list[StageConfig]) -> list[StageConfig]:
         """`configs` with each stage's share of the chain's cache settings."""
         stage_kv = self.kv_cache or KvCacheConfig(mode="disabled")
@@ -318,31 +332,22 @@ class LocalChain(Chain):
         self.configs = self._stage_configs(configs)
         self.placement = LocalProcesses(Path(self._dir.name), self.configs, log_level=self.log_level)
 
-    async def start(self, on_stage_ready: Callable[[], None] = lambda: None) -> ChainClient:
-        """Start every stage and stage 0; `on_stage_ready` is called as each child stage is up."""
+    async def _start(self, on_stage_ready: Callable[[], None]) -> None:
+        """Start every stage, then stage 0, on other free ports when one was taken meanwhile."""
         import torch
 
         torch.set_num_threads(self.threads)
-        try:
-            for attempt in range(1, START_ATTEMPTS + 1):
-                try:
-                    await self._start_stages(on_stage_ready)
-                    self.client = await self._connect()
-                    break
-                except PortTaken as error:
-                    await self.placement.stop()
-                    if attempt == START_ATTEMPTS:
-                        raise RuntimeError(f"{error} ({START_ATTEMPTS} attempts)") from None
-                    log.warning("%s; retrying on other ports", error)
-                    self._plan()
-            if self.split == "auto":
-                await self._measured_split(on_stage_ready)
-        except BaseException:
-            await self.close()
-            raise
-        if self.max_restarts is not None:
-            self._supervise()
-        return self.client
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                await self._start_stages(on_stage_ready)
+                self.client = await self._connect()
+                return
+            except PortTaken as error:
+                await self.placement.stop()
+                if attempt == START_ATTEMPTS:
+                    raise RuntimeError(f"{error} ({START_ATTEMPTS} attempts)") from None
+                log.warning("%s; retrying on other ports", error)
+                self._plan()
 
     async def _restart_on(self, ranges: list[tuple[int, int]], *, lost: int | None = None,
                           on_ready: Callable[[], None] = lambda: None) -> None:

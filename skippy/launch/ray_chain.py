@@ -141,37 +141,29 @@ class RayChain(Chain):
         self._tls: TlsConfig | None = None  # stage 0's identity, issued once placed
         self._connected = False
 
-    async def start(self, on_stage_ready: Callable[[], None] = lambda: None) -> ChainClient:
-        """Place and start every stage, then stage 0; `on_stage_ready` as each stage is up."""
+    async def _start(self, on_stage_ready: Callable[[], None]) -> None:
+        """Place and start every stage, then stage 0."""
         import torch
 
-        try:
-            driver_ip = self._connect()
-            bundles = self.settings.bundles(self.num_stages, driver_ip)
-            self.group = await self._place(bundles)
-            node_ips = self._bundle_ips()
-            if node_ips[0] != driver_ip:  # the node:<ip> resource pins it; a cluster that disagrees is broken
-                raise RuntimeError(f"Ray placed stage 0's bundle on {node_ips[0]}, not on this node ({driver_ip})")
-            endpoints = [_endpoint(ip, self.settings.port + i) for i, ip in enumerate(node_ips)]
-            self.on_placed(f"Ray placed {self.num_stages} stages ({self.settings.strategy}): "
-                           + ", ".join(f"stage-{i} on {ip}" for i, ip in enumerate(node_ips)))
-            configs = self._plan(endpoints, weights=self.weights or split_weights(bundles))
-            ca_dir = Path(self._dir.name) / "tls"
-            stage0_tls = certificates.issue_certificates(ca_dir, {"stage-0": driver_ip})["stage-0"]
-            threads = [self.threads or max(1, int(bundle.get("CPU", 1))) for bundle in bundles]
-            torch.set_num_threads(threads[0])  # stage 0, here
-            self.placement = RayActors(self.group, bundles, configs, self.topology, ca_dir, threads,
-                                       chain_id=self.chain_id, log_level=self.log_level,
-                                       ready_timeout_s=self.stage_wait_s, standby=self.settings.standby)
-            self._tls = stage0_tls.resolved(Path(self._dir.name))
-            await self._start_stages(self.placement.start(on_stage_ready))
-            if self.split == "auto":
-                await self._measured_split(on_stage_ready)
-        except BaseException:
-            await self.close()
-            raise
-        self._supervise()
-        return self.client
+        driver_ip = self._connect()
+        bundles = self.settings.bundles(self.num_stages, driver_ip)
+        self.group = await self._place(bundles)
+        node_ips = self._bundle_ips()
+        if node_ips[0] != driver_ip:  # the node:<ip> resource pins it; a cluster that disagrees is broken
+            raise RuntimeError(f"Ray placed stage 0's bundle on {node_ips[0]}, not on this node ({driver_ip})")
+        endpoints = [_endpoint(ip, self.settings.port + i) for i, ip in enumerate(node_ips)]
+        self.on_placed(f"Ray placed {self.num_stages} stages ({self.settings.strategy}): "
+                       + ", ".join(f"stage-{i} on {ip}" for i, ip in enumerate(node_ips)))
+        configs = self._plan(endpoints, weights=self.weights or split_weights(bundles))
+        ca_dir = Path(self._dir.name) / "tls"
+        stage0_tls = certificates.issue_certificates(ca_dir, {"stage-0": driver_ip})["stage-0"]
+        threads = [self.threads or max(1, int(bundle.get("CPU", 1))) for bundle in bundles]
+        torch.set_num_threads(threads[0])  # stage 0, here
+        self.placement = RayActors(self.group, bundles, configs, self.topology, ca_dir, threads,
+                                   chain_id=self.chain_id, log_level=self.log_level,
+                                   ready_timeout_s=self.stage_wait_s, standby=self.settings.standby)
+        self._tls = stage0_tls.resolved(Path(self._dir.name))
+        await self._start_stages(self.placement.start(on_stage_ready))
 
     def _plan(self, endpoints: list[str], *, weights: list[float] | None = None,
               ranges: list[tuple[int, int]] | None = None) -> list[StageConfig]:
