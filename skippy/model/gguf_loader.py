@@ -48,19 +48,15 @@ def release(reader: GGUFFile) -> None:
     drop_resident_pages(reader.data)
 
 
-def metadata_value(reader: GGUFFile, key: str, default=None):
-    return reader.fields.get(key, default)
-
-
 def read_model_args(reader: GGUFFile) -> ModelArgs:
     """Hyperparameters from llama.cpp's metadata keys (`<arch>.block_count`, ...)."""
-    name = metadata_value(reader, "general.architecture")
+    name = reader.fields.get("general.architecture")
     if name not in GGUF_ARCHITECTURES:
         raise ModelLoadError(unsupported("general.architecture", name, GGUF_ARCHITECTURES))
     arch = GGUF_ARCHITECTURES[name]
 
     def get(key: str, default=None):
-        value = metadata_value(reader, f"{name}.{key}", default)
+        value = reader.fields.get(f"{name}.{key}", default)
         if value is None:
             raise ModelLoadError(f"GGUF metadata is missing {name}.{key}")
         return value
@@ -69,12 +65,12 @@ def read_model_args(reader: GGUFFile) -> ModelArgs:
     num_layers = int(get("block_count"))
     head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // num_heads)))
     tensors = {t.name: t for t in reader.tensors}
-    vocab = metadata_value(reader, f"{name}.vocab_size")
+    vocab = reader.fields.get(f"{name}.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"])
-    if metadata_value(reader, f"{name}.attn_logit_softcapping"):
+    if reader.fields.get(f"{name}.attn_logit_softcapping"):
         raise ModelLoadError(f"{name} with attention logit softcapping (Gemma 2's) is not supported.")
-    window = metadata_value(reader, f"{name}.attention.sliding_window")
+    window = reader.fields.get(f"{name}.attention.sliding_window")
     pattern = arch.gguf_swa_pattern
     sliding = tuple(i for i in range(num_layers) if pattern == 0 or i % pattern < pattern - 1) if window else ()
     # no key holds Gemma 3's query_pre_attn_scalar; llama.cpp takes hidden / heads for the 27B (62 layers)
@@ -96,19 +92,19 @@ def read_model_args(reader: GGUFFile) -> ModelArgs:
         architecture=arch.name,
         sliding_window=int(window) if window else None,
         sliding_layers=sliding,
-        sliding_rope_theta=(float(metadata_value(reader, f"{name}.rope.freq_base_swa", arch.gguf_swa_rope_base))
+        sliding_rope_theta=(float(reader.fields.get(f"{name}.rope.freq_base_swa", arch.gguf_swa_rope_base))
                             if window and arch.gguf_swa_rope_base is not None else None),
         query_pre_attn_scalar=query_scalar,
-        final_logit_softcapping=metadata_value(reader, f"{name}.final_logit_softcapping") or None,
+        final_logit_softcapping=reader.fields.get(f"{name}.final_logit_softcapping") or None,
     )
 
 
 def _rope_freq_factors(reader: GGUFFile, arch: str, rope_freqs, head_dim: int) -> tuple[float, ...] | None:
     """Linear scaling's factor for every frequency, or the file's rope_freqs tensor: llama.cpp's
     converter writes Llama 3's per-frequency factors there (and no scaling type)."""
-    scaling = metadata_value(reader, f"{arch}.rope.scaling.type")
+    scaling = reader.fields.get(f"{arch}.rope.scaling.type")
     if scaling == "linear":
-        factor = metadata_value(reader, f"{arch}.rope.scaling.factor")
+        factor = reader.fields.get(f"{arch}.rope.scaling.factor")
         if factor is None:
             raise ModelLoadError(f"GGUF metadata is missing {arch}.rope.scaling.factor")
         return (float(factor),) * (head_dim // 2)
