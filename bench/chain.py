@@ -23,6 +23,12 @@ rows or the token, over a socketpair), with the co-located spin as LocalChain se
 What 2 stages lose beyond that ratio is our hop's own code; what they lose down to it is
 waking a thread, a second OpenMP region and cold caches, which on a 2-core VM cost
 ~450 us a token with no Python of ours at all.
+
+`--wan-floor 5,20` measures only that floor, with a sleep of each one-way delay (ms) before
+every hop's write, in both processes (the one-process loop sleeps both delays a token): what
+this machine charges a token across a WAN with nothing of ours on it. Issue 47's WAN floor
+is 1 / (back-to-back compute + 2 x delay); a bare loop's ratio to it is the most any chain
+can reach here (bench/wan.py).
 """
 
 from __future__ import annotations
@@ -165,7 +171,8 @@ def floor_child(processes: int, args: argparse.Namespace) -> float:
     if processes == 2:
         mine, theirs = socket.socketpair()
         peer = subprocess.Popen([sys.executable, __file__, "--floor-peer", str(theirs.fileno()),
-                                 "--threads", str(args.threads), "--model", args.model], pass_fds=[theirs.fileno()])
+                                 "--threads", str(args.threads), "--model", args.model,
+                                 "--delay-ms", str(args.delay_ms)], pass_fds=[theirs.fileno()])
         theirs.close()
     import torch
 
@@ -175,6 +182,8 @@ def floor_child(processes: int, args: argparse.Namespace) -> float:
     torch.set_num_threads(args.threads)
     models = [load_stage(path, half, device="cpu", progress=False) for half in (halves if peer is None else halves[:1])]
     prompt = np.random.default_rng(0).integers(100, 40000, size=args.prompt_tokens).tolist()
+
+    delay = args.delay_ms / 1e3  # a one-way trip, slept before each hop's write (never in the prompt's)
 
     def generate(ids: list[int], steps: int) -> float:
         caches = [model.new_cache() for model in models]
@@ -186,7 +195,11 @@ def floor_child(processes: int, args: argparse.Namespace) -> float:
                 rows = model.forward(rows, [Segment(cache, cache.length, len(rows))])
             if peer is None:
                 token = int(models[-1].compute_logits(rows[-1:] if step == 0 else rows).argmax())
+                if step and delay:
+                    time.sleep(2 * delay)
             else:
+                if step and delay:
+                    time.sleep(delay)
                 mine.sendall(struct.pack("<i", -len(rows) if step == 0 else len(rows)) + rows.numpy().tobytes())
                 (token,) = struct.unpack("<i", read_exactly(mine, 4))
             rows = torch.tensor([token])
@@ -219,18 +232,41 @@ def floor_peer(fd: int, args: argparse.Namespace) -> None:
         rows = torch.frombuffer(bytearray(read_exactly(sock, count * model.args.hidden_size * 4)),
                                 dtype=torch.float32).view(count, model.args.hidden_size)
         hidden = model.forward(rows, [Segment(cache, cache.length, count)])
-        sock.sendall(struct.pack("<i", int(model.compute_logits(hidden[-1:] if count > 1 else hidden).argmax())))
+        token = int(model.compute_logits(hidden[-1:] if count > 1 else hidden).argmax())
+        if count == 1 and args.delay_ms:
+            time.sleep(args.delay_ms / 1e3)
+        sock.sendall(struct.pack("<i", token))
 
 
-def measure_one(n: int | str, args: argparse.Namespace) -> tuple[float, ...]:
+def measure_one(n: int | str, args: argparse.Namespace, delay_ms: float = 0.0) -> tuple[float, ...]:
     env = dict(os.environ)
     if not args.user_spin:  # each child sets its own, as serve does (none for one stage)
         env.pop("GOMP_SPINCOUNT", None)
     command = [sys.executable, __file__, "--child", str(n), "--threads", str(args.threads),
                "--decode-tokens", str(args.decode_tokens), "--prompt-tokens", str(args.prompt_tokens),
-               "--model", args.model]
+               "--model", args.model, "--delay-ms", str(delay_ms)]
     out = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
     return tuple(json.loads(out.strip().splitlines()[-1]))
+
+
+def wan_floor(args: argparse.Namespace) -> None:
+    """--wan-floor: per one-way delay, the bare loop's tok/s against issue 47's floor."""
+    cells = {name: [] for d in args.wan_floor for name in ((1, 0.0), (1, d), (2, d))}
+    for round_index in range(args.rounds):
+        for processes, delay in cells:
+            cells[processes, delay].append(measure_one(f"floor{processes}", args, delay)[0])
+        print(f"round {round_index + 1}/{args.rounds}: " + "  ".join(
+            f"{p} process{'es' * (p > 1)} {d:g} ms {v[-1]:.1f}" for (p, d), v in cells.items()), flush=True)
+    tok_s = {cell: statistics.median(values) for cell, values in cells.items()}
+    compute = 1 / tok_s[1, 0.0]  # back to back in one process: what the stages' probes time
+    print(f"\nthe 2-stage split's halves, nothing of ours on a hop, {args.decode_tokens} decode tokens, medians of "
+          f"{args.rounds} interleaved rounds; back to back in one process {compute * 1e3:.2f} ms a token")
+    for d in args.wan_floor:
+        floor = 1 / (compute + 2 * d / 1e3)
+        one, two = tok_s[1, d], tok_s[2, d]
+        print(f"{d:g} ms one way: floor 1/(compute + 2 x delay) {floor:.1f} tok/s; one process sleeping the delays "
+              f"{one:.1f} ({one / floor:.2f}), two processes {two:.1f} ({two / floor:.2f} of the floor; "
+              f"{1e3 / two - 2 * d:.2f} ms a token beside the delays)")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -283,6 +319,9 @@ if __name__ == "__main__":
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--floor-peer", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # a floor child's one-way delay
+    parser.add_argument("--wan-floor", type=lambda t: [float(x) for x in t.split(",") if x], default=None,
+                        help="only the bare floor, at these one-way delays (ms), against issue 47's WAN floor")
     args = parser.parse_args()
     if args.model is None:
         from skippy.model.locate import bundled_model_path
@@ -295,5 +334,7 @@ if __name__ == "__main__":
         print(json.dumps([floor_child(int(args.child[len("floor"):]), args)]))
     elif args.child:
         print(json.dumps(asyncio.run(measure_child(int(args.child), args))))
+    elif args.wan_floor:
+        wan_floor(args)
     else:
         asyncio.run(main(args))

@@ -19,6 +19,10 @@ one row, and affine in rows from a 64-row chunk: 8 rows for the aggregate, the p
 TTFT); the round trips are the injected delays (2 x one-way a token; 8 tokens a trip at 8
 streams; the prompt pays one trip). A ratio of 1.0 is a chain that costs nothing but
 compute and the wire's delay; speculation can beat the floor (several tokens a trip).
+Below the table, one stream's token without speculation, taken apart: the stages' decode
+forwards as they served it (their metrics around the request), the two delays, and the
+rest (frames, TLS, the knob, the loops). A forward served after an idle wait for the
+wire costs more than the back-to-back forwards the probe times (docs/decisions.md).
 
 Before the table, the codecs' TTFT alone (delay 0) at each of --ttft-mbps: what q8 saves a
 prompt where the wire, not the compute, is the cost.
@@ -65,6 +69,18 @@ STREAMS = 8
 SPECULATION = {"off": SpeculativeSettings(), "on": SpeculativeSettings("ngram-suffix", 1, 16)}
 
 
+async def decode_forwards(client, topology) -> tuple[int, int]:
+    """(decode forwards, their total µs) summed over every stage so far (its metrics)."""
+    metrics = [(await client.local_status())[1]]
+    for stage in topology.stages[1:]:
+        status = await client.transport.query_status(stage.endpoint)
+        if status is None:
+            raise RuntimeError(f"{stage.endpoint} did not answer a status query")
+        metrics.append(status.metrics)
+    forwards = [m.histograms["forward_us.decode"] for m in metrics]
+    return sum(h.count for h in forwards), sum(h.total for h in forwards)
+
+
 def forward_s(probe, rows: int) -> float:
     """A stage's forward of `rows` rows, affine through its probe's one row and chunk."""
     row, chunk = probe.row_ns / 1e9, probe.chunk_ns / 1e9
@@ -94,14 +110,18 @@ async def as_client(args) -> None:
         for name, settings in SPECULATION.items():
             ask = dict(max_tokens=args.max_tokens, stop_ids=tokenizer.eog_ids, speculative=settings)
             await client.generate(copy, **ask)  # warm: this cell's first trips, the proposer
+            before = await decode_forwards(client, topology)
             one = await client.generate(copy, **ask)
+            after = await decode_forwards(client, topology)
             started = time.perf_counter()
             many = await asyncio.gather(*(client.generate(copy, **ask) for _ in range(STREAMS)))
             wall = time.perf_counter() - started
             first = await client.generate(long_prompt, max_tokens=1)
             out[name] = {"one": (len(one.tokens) - 1) / one.timings.decode_s,
                          "many": sum(len(r.tokens) for r in many) / wall,
-                         "ttft": first.timings.first_token_s, "tokens": len(one.tokens)}
+                         "ttft": first.timings.first_token_s, "tokens": len(one.tokens),
+                         # a decode forward of every stage, as served to one stream (µs -> s)
+                         "served_s": (after[1] - before[1]) / 1e6 / max(after[0] - before[0], 1) * len(probes)}
         print(json.dumps(out))
     finally:
         await client.close()
@@ -185,6 +205,12 @@ def table(args: argparse.Namespace, cells: dict) -> None:
                   f"{cells[d, c, 'on']['one'] / cells[d, c, 'off']['one']:.2f}x")
         if s == "off" and d == 20:
             print(f"goal 20 ms {c}: {STREAMS} streams >= 4x 1 stream: {cells[d, c, s]['many'] / cells[d, c, s]['one']:.2f}x")
+    for (d, c, s), r in cells.items():
+        if s == "off":
+            token_ms, served_ms, trip_ms = 1e3 / r["one"], r["served_s"] * 1e3, 2 * d
+            print(f"{d:g} ms {c}, 1 stream: a token {token_ms:.2f} ms = served forwards {served_ms:.2f} (probed "
+                  f"{compute['1'] * 1e3:.2f}) + delays {trip_ms:.0f} + the rest {token_ms - served_ms - trip_ms:.2f}; "
+                  f"1 / (served forwards + delays) = {1e3 / (served_ms + trip_ms):.1f} tok/s")
     print(f"compute of the whole model (the probes' median): one row {compute['1'] * 1e3:.2f} ms, {STREAMS} rows "
           f"{compute[str(STREAMS)] * 1e3:.2f} ms, a {args.prompt_tokens}-token prompt "
           f"{compute[str(args.prompt_tokens)] * 1e3:.0f} ms (the probe's line from 1 to 64 rows, extended: a "

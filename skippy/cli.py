@@ -176,7 +176,8 @@ def add_stage_wait_option(parser: argparse.ArgumentParser) -> None:
 def add_split(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default=None, choices=["equal", "auto"],
                         help="--stages N: layers by weight bytes (equal, default), or by what each stage measures "
-                             "of its forward and link (auto: measure, then start again on that split)")
+                             "of its forward and link (auto: measure, then start again on that split; a restart after "
+                             "a stage's death applies /v1/stages' split advice, restarting every stage on it)")
 
 
 def add_activation_dtype(parser: argparse.ArgumentParser) -> None:

@@ -1,11 +1,9 @@
 """The one way cleanup outlives a cancellation (a leaf: imports no skippy code).
 
-A request's Stop, a lane's release, a connection's cleanup, a backend's close: each must run
-to its end even when the task awaiting it is cancelled (a client that hung up, a server
-shutting down), or a stage keeps a session nobody will stop. `to_the_end` runs the cleanup as
-a task of its own and waits for it, holding back both kinds of cancellation meanwhile:
-asyncio's own (`task.cancel()`, edge-triggered: caught and waited out) and anyio's scopes
-(starlette's, level-triggered: shielded), then lets the cancellation through.
+A request's Stop, a lane's release, a backend's close must run to their end even when the task
+awaiting them is cancelled, or a stage keeps a session nobody will stop. `to_the_end` runs the
+cleanup as a task of its own and holds back both kinds of cancellation meanwhile (asyncio's,
+edge-triggered: waited out; anyio's scopes, level-triggered: shielded), then lets it through.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Spans, counters and per-request summary lines (spec §7). A leaf: imports no skippy code.
 
-Every stage message gets one OpenTelemetry span. Without an exporter the spans go
-nowhere (the API's no-op tracer, a few hundred nanoseconds each); `--otlp-endpoint`
-installs an SDK provider with a batching OTLP exporter (HTTP or gRPC), which never blocks
-the caller.
-
-One trace per request: stage 0 opens a root span for it, and every frame of the request
-carries a W3C trace context (`traceparent` here: trace id, span id, flags as 25 bytes,
-the protocol's TRACE_CONTEXT section), so each stage's message span is the child of the
-span that sent the frame, and names itself as the parent in what it forwards.
+Every stage message gets one OpenTelemetry span (a no-op without `--otlp-endpoint`, which
+installs a batching OTLP exporter that never blocks the caller). One trace per request: each
+frame carries a W3C trace context (25 bytes), so each stage's span is the child of the span
+that sent the frame.
 
 Privacy rule (spec §7): attributes are numbers, booleans and short labels (kind
 names, stage ids) only, never prompt text or token ids. `Telemetry` rejects any
@@ -68,10 +63,6 @@ class Span:
     def set(self, key: str, value: Any) -> None:
         self.attrs[key] = _check(key, value)
 
-    def add(self, key: str, value: float) -> None:
-        """Accumulate a number (for example milliseconds spent in several waits)."""
-        self.attrs[key] = self.attrs.get(key, 0) + value
-
     def end(self) -> None:
         """Attach the attributes and end the span (once; `Telemetry.span` does it on exit)."""
         if self._span is not None and not self._ended:
@@ -89,7 +80,7 @@ class Telemetry:
         (an SDK `SpanExporter`, e.g. in-memory in tests) overrides OTLP."""
         self.service_name, self.otlp_endpoint, self.otlp_protocol = service_name, otlp_endpoint, otlp_protocol
         self.counters: Counter[str] = Counter()
-        self._lock = threading.Lock()  # counters are bumped from the runtime worker thread too
+        self._lock = threading.Lock()  # counters are bumped from the engine thread too
         self._provider = None
         if otlp_protocol not in OTLP_PROTOCOLS:
             raise TelemetryError(f"Expected --otlp-protocol to be one of {', '.join(OTLP_PROTOCOLS)}, "
@@ -100,11 +91,6 @@ class Telemetry:
             exporter = _otlp_exporter(otlp_endpoint, otlp_protocol)
             self._provider = _sdk_provider(service_name, exporter, batch=True)
         self._tracer = None if self._provider is None else self._provider.get_tracer("skippy")
-
-    @property
-    def tracing(self) -> bool:
-        """Spans go somewhere: stage 0 then sends a trace context with every frame."""
-        return self._provider is not None
 
     def start_span(self, name: str, *, parent: bytes | None = None, **attrs: Any) -> Span:
         """A span begun now, the child of `parent` (a 25-byte trace context from a frame; None:

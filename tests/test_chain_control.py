@@ -230,7 +230,7 @@ def test_relay_fallback_and_persistent_lanes(make_stage, greedy):
             for _ in range(2):
                 result = await chain.client.generate(PROMPT, max_tokens=4)
                 assert result.tokens == greedy[:4]
-            assert chain.client.listener.num_streams == 0       # nothing came back directly
+            assert chain.client.inbox.num_streams == 0       # nothing came back directly
             assert len(chain.servers[0].lanes) == 1       # one lane, reused
             assert len(chain.servers[1].lanes) == 1
             assert all(len(server.runtime.sessions) == 0 for server in chain.servers)

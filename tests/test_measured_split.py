@@ -224,3 +224,85 @@ def test_plan_auto_writes_the_split_a_servers_stages_measured(tmp_path, gguf_pat
     ranges = [(s["layer_start"], s["layer_end"]) for s in topology["stages"]]
     assert [s["endpoint"] for s in topology["stages"]] == ["10.0.0.1:9000", "10.0.0.2:9001"]
     assert ranges[0][0] == 0 and ranges[-1][1] == 30 and ranges[0][1] > 19  # the slow host holds fewer
+
+
+def test_a_failed_link_probe_is_tried_again_and_a_lasting_failure_is_reported_at_once(monkeypatch):
+    """Under load one link probe can fail (a reply past its timeout, a reset) where the next passes:
+    StageMeasurement tries it again. One that keeps failing is reported (FAILED), and a planner
+    waiting for every stage's measurements learns it at once instead of waiting out its timeout."""
+    from types import SimpleNamespace
+
+    from skippy.launch.measured_split import measured_reports
+    from skippy.model.probe import ForwardTimes
+    from skippy.protocol import MessageKind, StageReply
+    from skippy.protocol.stage_probe import FAILED
+    from skippy.protocol.stream import read_message, write_reply
+    from skippy.stage import measure
+
+    monkeypatch.setattr(measure, "QUIET_S", 0.01)
+    monkeypatch.setattr(measure, "LINK_RETRY_S", 0.01)
+    monkeypatch.setattr(measure, "measure_forward", lambda model, rows: ForwardTimes(2e-3, 25e-3, rows, 2e-3, 1))
+
+    async def measure_against(refusals: int):
+        """A measurement whose downstream drops the connection on its first `refusals` LinkProbes."""
+        probes_seen = 0
+
+        async def downstream(reader, writer):
+            nonlocal probes_seen
+            while (msg := await read_message(reader)) is not None:
+                if msg.kind == MessageKind.LinkProbe:
+                    probes_seen += 1
+                    if probes_seen <= refusals:
+                        break  # refused: the connection closes under the probe
+                await write_reply(writer, StageReply.ack())
+            writer.close()
+
+        server = await asyncio.start_server(downstream, "127.0.0.1", 0)
+        address = server.sockets[0].getsockname()[:2]
+
+        async def dial(transport, endpoints, wait_s=0):  # the fake speaks no handshake: a plain socket
+            sock = socket.socket()
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, address)
+            return sock
+
+        monkeypatch.setattr(measure, "dial_downstream", dial)
+        runtime = SimpleNamespace(model=SimpleNamespace(args=SimpleNamespace(hidden_size=576), parameter_bytes=1),
+                                  sessions={})
+        measurement = measure.StageMeasurement(runtime, activation_dtype="auto", downstream="127.0.0.1:1",
+                                               transport=Transport())
+
+        async def call(fn):
+            return fn()
+
+        try:
+            measurement.start(call)
+            await asyncio.wait_for(measurement.done.wait(), 60)
+        finally:
+            await measurement.close()
+            server.close()
+        return measurement, probes_seen
+
+    async def main():
+        once, seen = await measure_against(refusals=1)
+        assert not once.failed and once.probe.link_rtt_ns > 0 and once.probe.link_bytes_per_s > 0
+        assert seen > 2  # after the refused one, a whole probe: its round trips and bursts
+        always, seen = await measure_against(refusals=1000)
+        assert always.failed and always.probe.link_rtt_ns == FAILED and always.probe.failed
+        assert seen == measure.LINK_TRIES  # each try's first probe was refused
+        assert always.probe.row_ns > 0  # the forward it did measure still shows
+
+        # a planner waiting for every stage's measurements hears of it at once
+        fine = StageProbe(row_ns=1, chunk_ns=2, chunk_rows=64)
+        stages = [TopologyStage(stage_id=f"stage-{i}", stage_index=i, endpoint=f"127.0.0.1:{9000 + i}",
+                                layer_start=15 * i, layer_end=15 * i + 15) for i in range(2)]
+
+        async def query_status(endpoint):
+            return SimpleNamespace(probe=fine)
+
+        client = SimpleNamespace(measurement=always, transport=SimpleNamespace(query_status=query_status))
+        with pytest.raises(RuntimeError, match="stage-0 failed"):
+            await asyncio.wait_for(measured_reports(client, Topology(topology_id="t", model_id="m", stages=stages),
+                                                    timeout_s=300), 5)
+
+    run(main())

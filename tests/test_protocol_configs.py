@@ -26,7 +26,7 @@ def test_valid_topology():
         _topology(_stage(0, 0, 10), _stage(1, 10, 20), _stage(2, 20, 30)))
     assert topo.num_layers == 30
     assert topo.driver_endpoint == "10.0.0.1:9000"
-    assert topo.stage(1).layer_start == 10
+    assert topo.stages[1].layer_start == 10
 
 
 TOPOLOGY_ERRORS = [
@@ -95,7 +95,7 @@ def test_stage_config_defaults():
     assert config.max_deferred_replies == 3  # max_inflight - 1
     assert config.kv_cache.max_entries == 64 and config.kv_cache.min_tokens == 64
     assert config.kv_cache.stride_tokens == 128
-    assert config.is_final and not config.is_first
+    assert config.downstream is None and config.stage_index != 0
 
 
 def test_stage_config_peers_and_token(tmp_path):
@@ -104,7 +104,7 @@ def test_stage_config_peers_and_token(tmp_path):
         downstream={"stage_id": "s2", "stage_index": 2, "endpoint": "10.0.0.3:9000"},
         auth_token="hunter2", reply_credit_limit=0, activation_dtype="bf16"))
     assert config.downstream == PeerEndpoint(stage_id="s2", stage_index=2, endpoint="10.0.0.3:9000")
-    assert config.downstream.port == 9000 and not config.is_final
+    assert config.downstream.endpoints == ["10.0.0.3:9000"]
     assert config.max_deferred_replies == 0
     assert "hunter2" not in repr(config)
     path = tmp_path / "stage.json"

@@ -7,11 +7,10 @@ import socket
 
 import pytest
 
-from skippy.protocol import (
-    AuthError, AuthPreamble, FrameError, Ready, VersionMismatch, client_handshake,
-    server_handshake,
-)
-from skippy.protocol.handshake import auth_token_length, check_auth
+from skippy.protocol import AuthError, AuthPreamble, FrameError, Ready, Timeouts, VersionMismatch, client_handshake
+from skippy.protocol.handshake import check_auth, preamble_fields
+from skippy.stage.tls import RefusalLog
+from skippy.stage.transport import Transport
 
 
 def test_auth_preamble_bytes():
@@ -37,7 +36,7 @@ PREAMBLE_ERRORS = [
 @pytest.mark.parametrize("prefix, fragment", PREAMBLE_ERRORS)
 def test_preamble_prefix_errors(prefix, fragment):
     with pytest.raises(AuthError, match=fragment):
-        auth_token_length(prefix)
+        preamble_fields(prefix)
 
 
 def test_token_length_limits_on_encode():
@@ -72,23 +71,29 @@ def test_ready_errors(wire, error):
 
 
 # ---------------------------------------------------------------------------
-# Async helpers over a socketpair
+# A client's streams against a stage's own accepting side (stage/transport.py), over TCP
 # ---------------------------------------------------------------------------
 async def _pair():
-    a, b = socket.socketpair()
-    client = await asyncio.open_connection(sock=a)
-    server = await asyncio.open_connection(sock=b)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = await asyncio.open_connection("127.0.0.1", listener.getsockname()[1])
+        server, _ = listener.accept()
+    server.setblocking(False)
     return client, server
 
 
+async def _accept(sock, token, timeout=2.0):
+    transport = Transport(auth_token=token, timeouts=Timeouts(handshake_s=timeout))
+    return await transport.accept_handshake(sock, None, RefusalLog("test"), "peer")
+
+
 async def _run_handshake(client_token, server_token, *, timeout=2.0):
-    (c_reader, c_writer), (s_reader, s_writer) = await _pair()
+    (c_reader, c_writer), s_sock = await _pair()
 
     async def server():
         try:
-            await server_handshake(s_reader, s_writer, server_token, timeout=timeout)
+            await _accept(s_sock, server_token, timeout)
         finally:
-            s_writer.close()  # after READY or a refusal, as the stage server does on errors
+            s_sock.close()  # after READY or a refusal, as the stage server does
 
     try:
         results = await asyncio.gather(
@@ -124,14 +129,13 @@ def test_missing_token_times_out_as_auth_error():
 
 def test_wrong_version_is_refused():
     async def scenario():
-        (c_reader, c_writer), (_, s_writer) = await _pair()
-        s_writer.write(Ready(version=7).encode())
-        await s_writer.drain()
+        (c_reader, c_writer), s_sock = await _pair()
+        s_sock.send(Ready(version=7).encode())
         try:
             return await client_handshake(c_reader, c_writer, None, timeout=2.0)
         finally:
             c_writer.close()
-            s_writer.close()
+            s_sock.close()
 
     with pytest.raises(VersionMismatch, match="expected 6, got 7"):
         asyncio.run(scenario())
@@ -140,14 +144,15 @@ def test_wrong_version_is_refused():
 def test_server_reads_nothing_past_the_preamble():
     # A message written right after the preamble must still be readable afterwards.
     async def scenario():
-        (c_reader, c_writer), (s_reader, s_writer) = await _pair()
+        (c_reader, c_writer), s_sock = await _pair()
         c_writer.write(AuthPreamble(b"tok").encode() + b"NEXT")
         await c_writer.drain()
-        await server_handshake(s_reader, s_writer, b"tok")
-        leftover = await s_reader.readexactly(4)
+        s_sock, _ = await _accept(s_sock, "tok")
+        s_sock.setblocking(True)
+        leftover = s_sock.recv(4)
         ready = await client_handshake(c_reader, c_writer, None)
         c_writer.close()
-        s_writer.close()
+        s_sock.close()
         return leftover, ready
 
     assert asyncio.run(scenario()) == (b"NEXT", Ready(6))

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray is optional: pip install 'skippy[ray]' (CI installs it)")
 
-from netns_support import run_in  # noqa: E402
+from netns_support import cpu_limited, run_in  # noqa: E402
 from ray_support import ServedOnRay, process_in, ray_cluster, skippy_left_on  # noqa: E402
 from skippy.model.locate import bundled_model_path  # noqa: E402
 
@@ -221,6 +221,36 @@ def test_a_measured_split_restarts_the_stages_a_node_fetching_each_slice(open_cl
         current = fetched[f"layers-{stage['layer_start']}-{stage['layer_end']}.gguf"]
         assert current.stat().st_size < model.stat().st_size  # its slice, not the file
         assert wait_for(lambda: f"cached as {current}" in served.log(), 10), served.log()[-3000:]
+    finally:
+        assert served.stop(signal.SIGINT) == 0
+    assert skippy_left_on(unsecured) == {"actors": [], "groups": []}
+
+
+def test_a_restart_applies_the_split_advice_on_ray(open_cluster, one_process_ids, tmp_path):
+    """(--insecure: this cluster has no token.) Under `--split auto`, once the worker's stage
+    runs slower than its probe said (a cgroup holds it to a tenth of a core), `/v1/stages`
+    advises other ranges; when that stage dies, the restart starts every stage on them (the
+    worker fetching its new slice) and the chain answers as one process does."""
+    unsecured, model = open_cluster
+    worker = unsecured.hosts[1]
+    served = ServedOnRay(unsecured, unsecured.head, ["--stages", "2", "--model", str(model), "--insecure",
+                                                     "--split", "auto"], tmp_path / "serve.log", port=9402)
+    try:
+        before = [(s["layer_start"], s["layer_end"]) for s in served.stages()]
+        with cpu_limited(0.1) as procs:
+            procs.write_text(str(process_in(worker, STAGE_PROCESS)))
+            served.stream(max_tokens=48)
+            assert wait_for(lambda: (served.get("/v1/stages")["split_advice"] or {}).get("ranges"), 10), \
+                served.get("/v1/stages")
+            advised = [tuple(r) for r in served.get("/v1/stages")["split_advice"]["ranges"]]
+            time.sleep(1.5)  # the supervisor's next status query holds the slow forwards
+            assert advised != before and len(advised) == 2, (advised, before)
+            os.kill(process_in(worker, STAGE_PROCESS), signal.SIGKILL)
+            assert wait_for(lambda: [(s["layer_start"], s["layer_end"]) for s in served.stages()] == advised
+                            and all(s["state"] == "ready" for s in served.stages()), 120), served.log()[-3000:]
+        assert greedy_ids(served) == one_process_ids
+        line = " ".join(f"[{a}, {b})" for a, b in before) + " -> " + " ".join(f"[{a}, {b})" for a, b in advised)
+        assert f"restarting every stage on the advised split: {line}" in served.log()
     finally:
         assert served.stop(signal.SIGINT) == 0
     assert skippy_left_on(unsecured) == {"actors": [], "groups": []}

@@ -1,9 +1,7 @@
 """What the chain page shows live: tokens per second now, and the last requests' figures.
 
-Prometheus histograms answer "how is it over time"; the page asks "what is it doing
-this second", which a scrape interval blurs. So the API keeps, beside its metrics, a
-few seconds of token counts and a short list of finished requests. Numbers only:
-no text and no token ids, like every other figure skippy exports.
+A scrape interval blurs "what is it doing this second", so the API keeps, beside its
+metrics, a few seconds of token counts and the last finished requests (numbers only).
 """
 
 from __future__ import annotations

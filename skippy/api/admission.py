@@ -1,11 +1,8 @@
 """Admission control for generations (spec §6.3): lanes, a bounded FIFO queue, a timeout.
 
-A request first checks that it could ever fit (`check_fits`: prompt + max_tokens
-within the context), so a hopeless request is a 400 before it waits. Then it
-takes a lane: at once when one is free and nobody waits (the fast path), else it
-queues. A full queue is refused with a Retry-After estimate; a waiter that is not
-served within the admission timeout gives up the same way. A freed lane passes
-straight to the oldest waiter, so nobody can overtake the queue.
+A request that could never fit the context is a 400 before it waits (`check_fits`). Then
+it takes a free lane or queues; a full queue, or a wait past the admission timeout, is
+refused with a Retry-After estimate. A freed lane passes straight to the oldest waiter.
 """
 
 from __future__ import annotations

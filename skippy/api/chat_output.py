@@ -1,9 +1,6 @@
 """A chat reply's shape: the prompt a request's tools and reasoning need, and the text out split
 into reasoning, content and tool calls (whole, or as OpenAI's streamed deltas).
 
-    render_chat(ctx, body)             -> (prompt ids, ChatShape, the grammar a forced call needs)
-    ChatOutput(shape)                  text pieces in -> ChatDelta pieces out; .message() at the end
-
 Reasoning is split first (a thought may mention a call it never makes), then the rest goes
 through the tool-call parser.
 """

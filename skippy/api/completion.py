@@ -198,11 +198,9 @@ def _prompt_entries(job: Job, generation: Generation) -> tuple[list, list[int]]:
 
 
 async def stream(job: Job, generation: Generation, lease: Lease) -> AsyncIterator[bytes]:
-    """SSE bytes: (chat) a role chunk, content chunks, the finish chunk, a usage chunk if asked, [DONE].
-
-    A failure after the first byte becomes an error event before [DONE]. The lane and
-    the backend session are released however the stream ends, client disconnect included.
-    """
+    """SSE bytes: (chat) a role chunk, content chunks, the finish chunk, a usage chunk if asked,
+    [DONE]. A failure after the first byte is an error event before [DONE]; the lane and the
+    session are released however the stream ends."""
     chunk = _chat_chunk if job.kind == "chat" else _text_chunk
     logprobs = _ChunkLogprobs(job, generation, LogprobFormatter(generation.tokenizer))
     try:

@@ -63,12 +63,9 @@ class Job:
 class Generation:
     """Drive one backend generation: text pieces out; counts, timings and metrics kept.
 
-    The backend's event iterator runs in a task of its own (the pump), never in the
-    response's task: a client disconnect cancels the response task (anyio, repeatedly),
-    and a backend's cleanup (Stop down the chain) must not be cut short by that. When
-    the consumer leaves early, the pump stops at the backend's next event and closes
-    the iterator there, so the session ends between steps; a backend that stays silent
-    is cancelled instead.
+    The backend's iterator runs in a task of its own (the pump), so a client disconnect,
+    which cancels the response task, cannot cut its cleanup (Stop down the chain) short. A
+    consumer that leaves stops the pump at the backend's next event; a silent one is cancelled.
     """
 
     def __init__(self, ctx: ServeContext, job: Job):

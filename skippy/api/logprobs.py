@@ -3,9 +3,8 @@
     chat          choices[i].logprobs.content[]: {token, logprob, bytes, top_logprobs: [...]}
     completions   choices[i].logprobs: {tokens, token_logprobs, top_logprobs, text_offset}
 
-The final stage computed the values from the model's raw logits (docs/architecture.md,
-"Logprobs"); here they only get their token strings. A token's string is its decoded text
-alone, so a token holding part of a UTF-8 character reads as U+FFFD (its `bytes` too).
+Here the final stage's values only get their token strings: a token's decoded text alone,
+so one holding part of a UTF-8 character reads as U+FFFD (its `bytes` too).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The live chain page: GET / (one self-contained HTML page) and GET /v1/chain (what it polls).
 
-No build step and no outside assets: the page is this file's HTML, its script polls
-/v1/chain once a second and redraws. The browser sends the API's credentials with each
-poll by itself: with `--auth-token`, GET / answers 401 with a Basic challenge (any user
-name, the token as password), and a browser resends those credentials to the same
-origin, so the page's own requests pass the same check as every /v1 call.
+No build step and no outside assets: its script polls /v1/chain once a second. With
+`--auth-token`, GET / answers 401 with a Basic challenge (the token as password), and the
+browser resends those credentials with each poll, so they pass the same check as /v1.
 """
 
 from __future__ import annotations

@@ -6,10 +6,9 @@ the rest to `content`, whole or streamed.
     reasoning.opens_in_thought(prompt)                the prompt ends inside <think> (R1 distills)
     ReasoningStream(starts_inside)                    text in -> (reasoning, content) out
 
-A template thinks when it writes `<think>`. Thinking is on unless the request turns it off
-with `chat_template_kwargs: {"enable_thinking": false}` (vLLM's and Qwen3's switch) or
-`reasoning_effort: "none"`; the template decides what "off" renders (Qwen3-style templates
-write an empty think block into the prompt).
+A template thinks when it writes `<think>`; thinking is on unless the request turns it off
+(`chat_template_kwargs: {"enable_thinking": false}`, vLLM's and Qwen3's switch, or
+`reasoning_effort: "none"`), and the template decides what "off" renders.
 """
 
 from __future__ import annotations

@@ -4,11 +4,9 @@
     ResponseStore            responses kept for `previous_response_id` (bounded, in memory)
     respond_once / events    a run's ChatOutput -> the Response object, or its SSE events
 
-A request becomes a chat completion (input items -> messages, `instructions` -> a system
-message, function tools and `text.format` -> tools and response_format), so tool calls,
-reasoning and structured output behave exactly as on /v1/chat/completions. Stateless unless
-`previous_response_id` names a kept response: its conversation (input and output, not its
-instructions) comes first. `store: false` keeps nothing.
+A request becomes a chat completion, so tool calls, reasoning and structured output behave
+exactly as on /v1/chat/completions. `previous_response_id` puts a kept response's
+conversation (not its instructions) first; `store: false` keeps nothing.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""Every stage's own metrics on stage 0's /metrics, with a `stage` label (docs/operations.md).
+"""Every stage's own metrics on stage 0's /metrics, with a `stage` label (the series: docs/operations.md).
 
-Stage 0 asks each stage for its StageStatus, which carries the stage's counters, gauges and
-histograms (protocol/stage_metrics.py), so a remote stage needs no port of its own. The
-/metrics route sets `latest` from `backend.status()` just before it renders; a stage that
-does not answer has no series in that scrape (and `skippy_stage_up{stage} 0`).
-
-    skippy_stage_forward_seconds{stage,kind}          histogram: one forward's worker time (prefill, decode, verify)
-    skippy_stage_queue_wait_seconds{stage}            histogram: waited for the worker
-    skippy_stage_batch_steps{stage}                   histogram: sessions' steps in one decode/verify forward
-    skippy_stage_tokens_total{stage,kind}             rows computed through the stage's layers
-    skippy_stage_sessions_opened_total{stage}, skippy_stage_sessions_reclaimed_total{stage}
-    skippy_stage_kv_{hits,misses,disk_hits,evictions,rollbacks,recorded_entries,recorded_bytes,restore_errors}_total{stage}
-    skippy_stage_{active_sessions,kv_session_bytes,kv_cache_entries,kv_cache_bytes,queue_depth,connections}{stage}
-    skippy_stage_start_time_seconds{stage}            when the stage process started (a restart moves it)
+Each stage's StageStatus carries its counters, gauges and histograms (protocol/stage_metrics.py),
+so a remote stage needs no port of its own. The /metrics route sets `latest` from
+`backend.status()` just before it renders; a stage that does not answer has no series in
+that scrape (and `skippy_stage_up{stage} 0`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Token ids to text pieces with stop strings, and Server-Sent Events framing.
 
-`StopTextStream` turns tokens into text that is safe to send: whole UTF-8
-characters (IncrementalDecoder), cut before the first stop string, and never a
-piece that might turn out to be the start of a stop string: such a tail is held
-back until the next token settles it. So a stop string never leaks, even when it
-spans tokens.
+`StopTextStream` turns tokens into text that is safe to send: whole UTF-8 characters, cut
+before the first stop string, and holding back a tail that may be the start of one until
+the next token settles it, so a stop string never leaks, even when it spans tokens.
 """
 
 from __future__ import annotations
@@ -28,11 +26,9 @@ def sse(payload: BaseModel | dict) -> bytes:
 class PieceEvents:
     """The SSE event of a chunk that differs from the stream's others only in its text.
 
-    `make(text)` builds the chunk; it is serialized once, with a marker for the text,
-    and each event is that template around the piece's JSON string: a streamed token's
-    chunk costs ~2 us instead of ~11 us of pydantic building, validating and dumping
-    (more with the caches cold, on the event loop a served stream shares with its
-    forwards). A piece the template cannot carry byte for byte goes the pydantic way.
+    `make(text)` builds the chunk, serialized once with a marker for the text; each event is
+    that template around the piece's JSON string (~2 us a token instead of pydantic's ~11).
+    A piece the template cannot carry byte for byte goes the pydantic way.
     """
 
     MARK = "skippy-piece-0f6c2a"

@@ -9,11 +9,9 @@ and the parser that turns the output back into OpenAI `tool_calls`.
     ToolCallStream(plan)              text pieces in -> content text and whole calls out,
                                       holding back text that may be the start of a call
 
-A template that reads `tools` renders them itself, and the model answers in its own
-format: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks, Llama 3.x's bare JSON object
-with "parameters", Mistral's `[TOOL_CALLS][...]`. A template without tools (SmolLM2's)
-gets the generic format llama.cpp's server uses: an instruction in the system prompt and
-a JSON object reply `{"tool_calls": [{"name": ..., "arguments": {...}}]}`.
+A template that reads `tools` renders them itself and the model answers in its own format
+(ToolFormat); one without (SmolLM2's) gets the generic format llama.cpp's server uses: an
+instruction in the system prompt and a `{"tool_calls": [...]}` JSON reply.
 """
 
 from __future__ import annotations
@@ -169,18 +167,16 @@ class ToolPlan:
         (a lark expression, e.g. a reasoning block) then one call to an offered function with
         arguments matching its parameters schema, or several with parallel_tool_calls."""
         one = _lark_json(self._call_schema())
+        calls = {"type": "array", "items": self._call_schema(), "minItems": 1,
+                 "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
         key = self.format
         if key is ToolFormat.GENERIC:
-            calls = {"type": "array", "items": self._call_schema(), "minItems": 1,
-                     "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
             body = _lark_json({"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"]})
             rules = [f"calls: {body}"]
         elif key is ToolFormat.HERMES:
             repeat = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if self.parallel else ""
             rules = [f"calls: call{repeat}", f'call: "<tool_call>\\n" {one} "\\n</tool_call>"']
         elif key is ToolFormat.MISTRAL:
-            calls = {"type": "array", "items": self._call_schema(), "minItems": 1,
-                     "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
             rules = [f'calls: "[TOOL_CALLS]" {_lark_json(calls)}']
         else:  # Llama 3.x: one JSON object a reply
             rules = [f"calls: {one}"]

@@ -1,15 +1,9 @@
 """The seam between the HTTP layer and whatever runs the model.
 
-The API only ever calls a `GenerationBackend`: stage 0 of a chain (`ChainBackend`),
-whether it holds the whole model or the first of N stages. A generation is an
-async iterator of events, always in this order:
-
-    PrefillDone -> Token* -> Finished
-
-A consumer that stops iterating early (stop string matched, client gone, timeout)
-closes the iterator; the backend must then stop the session and free it on every
-stage. Failures raise `BackendError` subclasses, which the API maps to HTTP
-statuses in one place (errors.py).
+The API only ever calls a `GenerationBackend` (`ChainBackend`: stage 0 of a chain). A
+generation is an async iterator of events, PrefillDone -> Token* -> Finished; a consumer
+that stops early closes it, and the backend then frees the session on every stage.
+Failures raise `BackendError` subclasses, which the API maps to HTTP statuses (errors.py).
 """
 
 from __future__ import annotations

@@ -38,19 +38,23 @@ class ChainBackend:
         what started the chain. `health`: per stage, its supervisor's `StageHealth` (state,
         restarts, last failure, where it runs now) when something restarts the stages. `advise`:
         the split the stages' measured times give (launch/measured_split.py), asked when they drift."""
-        layers = client.runtime.model.layers
-        first = "in-process" if topology is None else topology.stages[0].endpoint
-        self._first = StageStatus("stage-0", layers.start, layers.end, first, "ready", 0)
-        self.client, self._remote = client, [] if topology is None else topology.stages[1:]
+        self.rebind(client, topology, health)
         self._auth_token = auth_token
-        self._health = health
         self._on_close = on_close
         self._advise = advise
         # prefix-cache restores as the chain saw them, per stage: [hits, misses]
         self._restores = [[0, 0] for _ in range(1 + len(self._remote))]
         self._figures = StageFigures()
         self._drafts = [0, 0]  # speculation over every request: [proposed, accepted] draft tokens
-        # the client's, fixed for its life (GenerationBackend documents each)
+
+    def rebind(self, client: ChainClient, topology: Topology | None, health: Sequence | None) -> None:
+        """The chain's stage 0, topology and health: at start, and again when a restart started
+        every stage on another split (launch/split_restart.py)."""
+        layers = client.runtime.model.layers
+        first = "in-process" if topology is None else topology.stages[0].endpoint
+        self._first = StageStatus("stage-0", layers.start, layers.end, first, "ready", 0)
+        self.client, self._remote, self._health = client, [] if topology is None else topology.stages[1:], health
+        # the client's, alike on every client of a chain (GenerationBackend documents each)
         self.num_lanes, self.ctx_size, self.speculative = client.num_lanes, client.ctx_size, client.speculative
         self.check_speculative, self.check_grammar = client.check_speculative, client.check_grammar
 
@@ -105,9 +109,10 @@ class ChainBackend:
                 return StageUnavailable(stage.stage_id, f"it does not answer at {where} ({exc})")
         return BackendError(f"The stage chain failed: {exc}")
 
-    async def status(self) -> list[StageStatus]:
+    async def status(self, *, last_known: bool = False) -> list[StageStatus]:
         """Stage 0, then every stage below as its own status answers say (a supervisor's view
-        of a restarting or failed one first), with its standbys'."""
+        of a restarting or failed one first), with its standbys'. `last_known`: a stage that
+        does not answer is described by the last answer its supervisor had from it."""
         homes = [self._endpoint(index, stage) for index, stage in enumerate(self._remote, start=1)]
         endpoints = [e for home, stage in zip(homes, self._remote) for e in (home, *stage.standby_endpoints)]
         reports = iter(await asyncio.gather(*(self.client.transport.query_status(e) for e in endpoints)))
@@ -122,6 +127,8 @@ class ChainBackend:
         for index, (stage, home) in enumerate(zip(self._remote, homes), start=1):
             report = next(reports)
             state, restarts, last_failure, where = "down" if report is None else "ready", 0, "", {}
+            if report is None and last_known and self._health is not None:
+                report = self._health[index].last_report
             if self._health is not None:
                 health = self._health[index]
                 state = state if health.state == "ready" else health.state
@@ -150,6 +157,11 @@ class ChainBackend:
         if self._advise is None or not drifted([s.predicted_vs_measured for s in statuses]):
             return None
         return self._advise(statuses)
+
+    async def split_advice_after_loss(self) -> dict | None:
+        """`split_advice` as a restart after a stage's death sees it: the stage that died
+        counts with what it said last (launch/split_restart.py)."""
+        return await self.split_advice(await self.status(last_known=True))
 
     async def ready(self) -> Readiness:
         for stage in (await self.status())[1:]:

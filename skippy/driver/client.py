@@ -1,11 +1,9 @@
 """Stage 0: `ChainClient` drives generation down a chain of stages (spec §1.2).
 
-It owns the first stage's layers (a `StageRuntime` on its own engine thread, stage/engine.py,
-which also owns every data socket of stage 0), a pool of persistent lanes to stage 1 (one
-leased per request; Stop resets the session, not the socket; a broken lane is replaced on its
-next lease), and the listener that the final stage dials to return predictions directly.
-`run` is the one orchestration of a request (the API's backend and `generate` consume it),
-and lives through a chain that breaks and heals under it.
+It owns the first stage's layers on their engine thread, a pool of persistent lanes to stage
+1 (one leased per request; a broken lane is replaced on its next lease) and the listener the
+final stage returns predictions to. `run` is the one orchestration of a request, and lives
+through a chain that breaks and heals under it.
 
     client = ChainClient(first_stage_model, downstream="127.0.0.1:7001")
     await client.start()
@@ -90,7 +88,7 @@ class ChainClient:
                  auth_token: str | None = None, return_bind: str = "127.0.0.1:0",
                  concurrency: int = 1, ctx_size: int | None = None,
                  activation_dtype: str = "f32", prefill_chunk: int = 256,
-                 max_inflight: int = 4, reply_credit_limit: int = 3,
+                 reply_credit_limit: int = 3,
                  timeouts: Timeouts = Timeouts(), tls: TlsConfig | None = None,
                  link_conditioning: LinkConditioning | None = None,
                  telemetry: Telemetry | None = None, record_logits: bool = False,
@@ -100,17 +98,11 @@ class ChainClient:
                  draft_model: StageModel | None = None,
                  grammars: GrammarCompiler | None = None, holder: TensorHolder | None = None,
                  wait_for_chain: Callable[[Transport], Awaitable[None]] | None = None):
-        """`prefix_cache`: stage 0's prefix KV cache; with it a prompt first tries a chain
-        restore (session.ChainSession.prefill). `speculative`: the default speculative
-        decoding of a request (decoder.py); `draft_model`: the whole small model the
-        "draft" proposer runs in this process (shared by every request, each with its own KV).
-        `grammars`: the grammar engine for response_format: stage 0 compiles each grammar
-        before its request runs (`check_grammar`), and samples with it when it holds the
-        head; the final stage compiles its own. None: requests with a grammar are refused.
-        `tls`, `link_conditioning`: this process's TLS identity and WAN knob (stage/transport.py).
-        `holder`: serves this process's model file to stages that fetch their layers, on the
-        return listener's port (stage/holder.py). `wait_for_chain(transport)`: awaited once the
-        listener is up and before the lanes dial, so stages still fetching or loading are waited for."""
+        """`speculative`: a request's default speculative decoding; `draft_model`: the small
+        model the "draft" proposer runs here (shared, each request with its own KV).
+        `grammars`: None refuses requests with a grammar. `holder`: serves this process's
+        model file to stages that fetch their layers (stage/holder.py). `wait_for_chain`:
+        awaited before the lanes dial, so stages still fetching or loading are waited for."""
         if not model.layers.is_first:
             raise ValueError(f"Expected the first stage's layers [0, k), got {model.layers}")
         if (downstream is None) != model.layers.is_last:
@@ -119,11 +111,13 @@ class ChainClient:
         if prefill_chunk < 1:
             raise ValueError(f"Expected a prefill chunk of >= 1 tokens, got {prefill_chunk}")
         self.downstream = downstream  # stage 1's endpoint, or it and its standbys in the order to try
-        self.max_inflight, self.reply_credit_limit = max_inflight, reply_credit_limit
+        self.reply_credit_limit = reply_credit_limit
         self.timeouts = timeouts
         # False once the chain cannot heal (a supervisor gave up on a stage): fail at once
         self.can_recover: Callable[[], bool] = lambda: True
         self._chain_back = asyncio.Event()  # set (and replaced) by chain_changed: waiting requests try now
+        self.successor: ChainClient | None = None  # stage 0 of the chain started again on another split
+        self.retiring = False  # that chain is starting: dial nothing (its stage 1 may be where ours was)
         self.telemetry = telemetry or Telemetry("skippy-stage0")
         self.transport = Transport(tls_identity=tls, auth_token=auth_token, conditioning=link_conditioning,
                                    timeouts=timeouts)
@@ -187,8 +181,9 @@ class ChainClient:
                       prompt_token_count: int = 0, cache_namespace: bytes | None = None,
                       skip_draws: int = 0, trace_context: bytes | None = None) -> AsyncIterator[ChainSession]:
         """Lease a lane, configure generation, yield the session, Stop it (or drop the lane).
-        `cache_namespace`: the prefix-cache namespace digest (protocol.cache_namespace_digest).
         `trace_context`: the request's span, which every frame of the session names as parent."""
+        if self.retiring:
+            raise ChainError("the chain is starting again on another split")
         lane = await self._lanes.get()
         session = None
         try:
@@ -272,9 +267,8 @@ class ChainClient:
 
     async def run(self, prompt_ids: Sequence[int], *, request_id: str = "",
                   **options) -> AsyncIterator[GenerationEvent]:
-        """`_run` (below) inside the request's root span: one trace per request, and every
-        frame of it names that span as parent, so each stage's spans join the trace.
-        `request_id`: the API's id (a UUID), on the span and the summary line."""
+        """`_run` inside the request's root span, which every frame names as parent, so each
+        stage's spans join one trace. `request_id`: the API's id, on the span and summary line."""
         with self.telemetry.span("stage0.request", request_id=request_id) as root:
             async with contextlib.aclosing(self._run(prompt_ids, root=root, **options)) as events:
                 async for event in events:
@@ -284,18 +278,13 @@ class ChainClient:
                    sampling: SamplingConfig = SamplingConfig(), stop_ids: Sequence[int] = (),
                    cache_namespace: bytes | None = None,
                    speculative: SpeculativeSettings | None = None) -> AsyncIterator[GenerationEvent]:
-        """One request, start to end, as events (PrefillDone -> Token* -> Finished): lease a
-        lane, prefill (through the prefix cache), decode until a stop id, `max_tokens` or the
-        context end, Stop. The only orchestration of a request: the API and `generate` both
-        consume it. A consumer that leaves early still gets the session stopped on every stage
-        (or, when Stop fails, the lane closed, so every stage reclaims it).
+        """One request as events (PrefillDone -> Token* -> Finished). A consumer that leaves
+        early still gets the session stopped on every stage (or its lane closed).
 
-        When the chain breaks under the request (a stage gone, a reply timeout), it waits for
-        the chain to be whole again, for up to `timeouts.recovery_s`: a fresh lane, the same
-        generation config, the prompt and every committed token replayed as a prefill
-        (through the prefix cache where it still holds them), and decoding goes on. The
-        consumer sees a pause, and the output is the same as without the break: greedy, and
-        seeded sampling too (the new session's sampler skips the draws the old one made)."""
+        When the chain breaks under the request, it waits up to `timeouts.recovery_s` for the
+        chain to be whole, replays the prompt and every committed token on a fresh lane and
+        decodes on: the output is the same as without the break, seeded sampling included
+        (the new sampler skips the draws the old one made)."""
         if not prompt_ids:
             raise ValueError("Expected a non-empty prompt")
         if len(prompt_ids) > self.ctx_size:
@@ -306,9 +295,10 @@ class ChainClient:
         decoder, timings, first_token_at, started = None, None, 0.0, time.perf_counter()
         num_tokens, recoveries, recover_by, waiting, draws = 0, 0, None, False, 0
         while True:
+            client = self.current  # after a re-split (hand_over), its new stage 0
             try:
-                async with self.session(sampling, len(prompt_ids), cache_namespace, draws,
-                                        root.traceparent) as session:
+                async with client.session(sampling, len(prompt_ids), cache_namespace, draws,
+                                          root.traceparent) as session:
                     if decoder is None or not decoder.is_started:
                         decoder = self.decoder(max_tokens=max_tokens, stop_ids=stop_ids, speculative=speculative)
                         await session.prefill(prompt_ids)
@@ -368,7 +358,7 @@ class ChainClient:
             except ChainError as error:
                 now = time.monotonic()
                 recover_by = recover_by or now + recovery_s
-                if not self.can_recover():
+                if not client.can_recover():
                     raise ChainError(f"{error} (a stage is down for good)") from error
                 if now >= recover_by:
                     if recovery_s > 0:
@@ -378,12 +368,31 @@ class ChainClient:
                     waiting = True
                     log.warning("the chain broke under a request (%s); waiting for it to be whole again", error)
                 with contextlib.suppress(TimeoutError):  # the next try: in a while, or once a stage is back
-                    await asyncio.wait_for(self._chain_back.wait(), RECOVERY_RETRY_S)
+                    await asyncio.wait_for(client._chain_back.wait(), RECOVERY_RETRY_S)
 
     def chain_changed(self) -> None:
         """A stage is back (restarted, or moved): requests waiting for the chain try again now."""
         self._chain_back.set()
         self._chain_back = asyncio.Event()
+
+    def hand_over(self, successor: ChainClient) -> None:
+        """The chain was started again on another split, `successor` its stage 0: a request
+        waiting here for the chain goes on there, replayed as after any break."""
+        self.successor = successor
+        self.chain_changed()
+
+    @property
+    def current(self) -> ChainClient:
+        """This client, or the stage 0 it handed its requests over to."""
+        client = self
+        while client.successor is not None:
+            client = client.successor
+        return client
+
+    @property
+    def idle(self) -> bool:
+        """No lane leased: no request is on this client's chain now."""
+        return self._lanes.qsize() == len(self._all_lanes)
 
     async def generate(self, prompt_ids: Sequence[int], *, on_token: Callable[[int], None] | None = None,
                        **options) -> GenerationResult:
@@ -419,9 +428,8 @@ class ChainClient:
 
 
 async def _stop_quietly(session: ChainSession, stop_s: float) -> None:
-    """Send Stop for a session the consumer left early, to its end whatever cancels the
-    consumer meanwhile. If it fails or takes longer than `stop_s`, `session.stopped` stays
-    False: the lane is then closed and every stage reclaims the session."""
+    """Stop a session the consumer left early, whatever cancels the consumer meanwhile. If it
+    fails or takes over `stop_s`, the lane is closed and every stage reclaims the session."""
     try:
         await to_the_end(asyncio.wait_for(session.stop(), stop_s))
     except (asyncio.CancelledError, Exception):
@@ -429,9 +437,7 @@ async def _stop_quietly(session: ChainSession, stop_s: float) -> None:
 
 
 def _timing_extras(stats: StageReplyStats, timings: SessionTimings) -> dict[str, float]:
-    """Chain figures for the `timings` object: the worst prefill edge and the prefix restore
-    (tokens restored on every stage, tokens prefilled after them, its time, the stages that
-    hit, the entries recorded). `cache_n` / `prompt_n` carry the same two token counts."""
+    """Chain figures for the `timings` object: the worst prefill edge and the prefix restore."""
     return {
         "chain_prefill_edge_max_ms": stats.prefill_edge_total_us_max / 1e3,
         "chain_kv_imported_tokens": stats.kv_imported_tokens,

@@ -1,25 +1,16 @@
 """Stage 0's decode loop for one request, on its engine: token by token, or in speculative verify windows.
 
-Without speculation every token is one `DecodeEmbd` trip through the chain. With it (spec
-§5.3), stage 0 proposes drafts from the committed tokens and sends `VerifyWindow [current,
-d1..dn]` at the committed position P; the final stage samples a target for every row with
-the request's sampler, and stage 0 keeps the longest prefix where draft == target plus one
-correction or bonus token (`speculation.Speculator`: the one stop rule and acceptance rule,
-the same code as the one-process loop). The rows it rejects are cut on every stage by the
-next message's authoritative `pos_start` (auto-align); the window's checkpoints are then retired.
+With speculation (spec §5.3) stage 0 sends `VerifyWindow [current, d1..dn]` at the committed
+position; the final stage samples a target for every row, and `speculation.Speculator` (the
+one stop and acceptance rule, shared with the one-process loop) keeps the longest matching
+prefix plus one token. Rejected rows are cut on every stage by the next message's `pos_start`.
+The loop runs on the engine thread, so no step waits for the event loop, which only hears
+the tokens to emit.
 
-The loop runs on the engine thread (driver/slot.py): each prediction is settled the moment it
-arrives and the next step starts from it there, so neither a plain step nor a window waits
-for the event loop, which only hears the tokens to emit (`emit`).
-
-Pipelined windows (`pipeline_depth` > 1). While window k is in flight, stage 0 may send
-window k+1 at P + len(window k), whose first row is the proposer's guess for window k's
-bonus token. The proposer still sees only committed tokens: a run-ahead window is the tail of
-a proposal that must begin with the tokens already in flight, so stage 0 computes window k+1
-while the stages below compute window k. Replies are resolved in order. Window k+1 stays
-valid only if window k was accepted in full and its bonus equals k+1's first row; otherwise
-every window still in flight is stale: `DiscardStaleWindows` (the final stage skips them) and
-the next window rewinds every stage with its `pos_start`.
+Pipelined windows (`pipeline_depth` > 1): while window k is in flight, window k+1 goes at
+P + len(window k), its first row the proposer's guess for k's bonus token, so stage 0
+computes k+1 while the stages below compute k. It stays valid only if k was accepted in full
+with that bonus; otherwise every window in flight is discarded (`DiscardStaleWindows`).
 """
 
 from __future__ import annotations
@@ -58,16 +49,9 @@ class _Window:
 
 
 class ChainDecoder:
-    """Decode after the prefill until a stop id, max_tokens or the context end.
-
-        decoder = client.decoder(max_tokens=64, stop_ids=eog, speculative=settings)
-        async for token, logprob in session.decode_loop(decoder, prompt_ids, first_token): ...
-        decoder.finish_reason   # "stop", "length" or "context"
-
-    Each token comes with its logprob entry (None when the request asked for none): the final
-    stage returns one per predicted row, and an emitted token is always the target of its row
-    (a plain step's only row, or a verify window's row i for its i-th token).
-    """
+    """Decode after the prefill until a stop id, max_tokens or the context end
+    (`finish_reason`: "stop", "length" or "context"); each token comes with its row's logprob
+    entry (None when the request asked for none)."""
 
     def __init__(self, *, max_tokens: int, stop_ids: Collection[int], ctx_size: int,
                  proposer: Proposer | None = None, settings: SpeculativeSettings = SpeculativeSettings()):
@@ -93,15 +77,13 @@ class ChainDecoder:
         return bool(self.spec.history) or self.spec.is_finished
 
     def replay_tokens(self) -> list[int]:
-        """What a fresh session prefills to continue where a broken one stopped: the prompt
-        and every committed token, ending with the current one (its prediction is the next
-        token, as the interrupted step would have returned)."""
+        """What a fresh session prefills to continue where a broken one stopped: the prompt and
+        every committed token, ending with the current one (whose prediction comes next)."""
         return list(self.spec.history)
 
     def report(self, telemetry: Telemetry) -> dict:
-        """Log the request's speculation summary and count it; returns the summary (flat
-        figures for `timings`, /metrics and telemetry) plus the window-width histogram ({}
-        without speculation)."""
+        """Log and count the request's speculation summary; returns it with the window-width
+        histogram ({} without speculation)."""
         if not self.settings.is_enabled:
             return {}
         summary = {"speculative_mode": self.settings.mode, "speculative_pipeline_depth": self.pipeline_depth,
@@ -196,10 +178,8 @@ class ChainDecoder:
         self._advance()
 
     def _plan(self) -> _Window | None:
-        """The next window to send, or None: nothing proposed, or no room left for one.
-
-        With no window in flight it is [current, d1..dn] at the committed position. Behind
-        windows in flight it continues their tokens: [guess for the last one's bonus, d...]."""
+        """The next window to send (None: nothing proposed, or no room): [current, d1..dn] at the
+        committed position, or behind windows in flight [guess for the last one's bonus, d...]."""
         spec, inflight = self.spec, self._inflight
         if not inflight:
             base = spec.num_committed_positions

@@ -1,13 +1,8 @@
 """One request's session across the whole chain, driven from stage 0: the event loop's half.
 
-`ChainSession` sends the request's control messages down its leased lane and waits for their
-ACKs (ConfigureGeneration, the prefix restore, TrimSession, Stop), and starts what runs on
-stage 0's engine (driver/slot.py): the prompt's chunks, each decode step, each verify window,
-and the whole decode loop (`decode_loop`, driver/decoder.py), hearing back their predictions
-and tokens as events. Every wait has a deadline on the engine (`reply_s`); any failure raises
-`ChainError` naming the stage and the phase. With a single stage (stage 0 holds the whole
-model) the same calls run over `NoStagesBelow`: nothing goes on the wire, and stage 0's own
-samples arrive where the return stream's would.
+`ChainSession` sends the request's control messages down its leased lane and awaits their
+ACKs, and starts what runs on stage 0's engine (driver/slot.py, driver/decoder.py), hearing
+back predictions and tokens as events. Any failure raises `ChainError` naming the phase.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ from ..protocol import (
     LOOKUP_ERROR, MessageKind, SamplingConfig, StageMessage, StageReply, StageReplyStats,
     lookup_observation, merge, record_observation, restore_missed_below,
 )
-from ..protocol.logprobs import TokenLogprob
 from ..runtime.prefix_identity import cacheable_prefix_length
 from ..stage.engine import Engine
 from ..stage.returns import ReturnInbox
@@ -72,26 +66,17 @@ class ChainSession:
         self.stop_ack_stats = StageReplyStats()   # what the Stop ACK itself carried
         self.timings = SessionTimings()
         self.stopped = False
-        self.draws = 0            # predictions received: one sampler draw each (a window: one a row)
         self.position = 0         # where the next step goes (the message API's default pos_start)
-        self.decode_step = 0
-        # the logprobs of the last prediction received (one per predicted token; None when the
-        # request asked for none), and the prompt's, from the first-token reply (prompt logprobs)
-        self.last_logprobs: list[TokenLogprob] | None = None
-        self.prompt_logprobs: list[TokenLogprob] | None = None
+        self.prompt_logprobs = None  # the first-token reply's, when the request asks for them
         self.first_reply: StageReply | None = None
         self.slot: Slot | None = None
         self._windows: dict[int, asyncio.Future] = {}
         self._restore_ack: asyncio.Future | None = None
 
     @property
-    def samples_here(self) -> bool:
-        return not self.lane.link.stages_below
-
-    @property
-    def session(self):
-        """Stage 0's runtime session (tests read its ledger and cache)."""
-        return self.slot.session
+    def draws(self) -> int:
+        """The final stage's sampler draws for this session: one a prediction (a window: one a row)."""
+        return self.slot.draws
 
     async def open(self) -> None:
         """The request's slot on stage 0's engine, holding the lane."""
@@ -113,22 +98,28 @@ class ChainSession:
         engine = self.env.engine
         return lambda value: engine.settle(future, value)
 
-    async def _request(self, msg: StageMessage, *, rows_from: Callable[[], object] | None = None) -> StageReply:
-        """A control round trip: `msg` down the lane, its ACK back (merged into the stats)."""
-        loop = asyncio.get_running_loop()
-        acked = loop.create_future()
-        slot, on_ack = self.slot, self._on_loop(acked)
+    def _post(self, start: Callable[[Slot, Callable[[object], None]], None]) -> asyncio.Future:
+        """start(slot, settle) on stage 0's engine; the future `settle` sets here."""
+        future = asyncio.get_running_loop().create_future()
+        slot, settle = self.slot, self._on_loop(future)
+        self.env.engine.post(lambda: start(slot, settle))
+        return future
 
-        def send() -> None:
+    @staticmethod
+    def _acked(reply: StageReply | Exception, what: str) -> StageReply:
+        if isinstance(reply, Exception):
+            raise ChainError(f"stage chain failed during {what}: {reply}") from reply
+        return reply
+
+    async def _request(self, msg: StageMessage) -> StageReply:
+        """A control round trip: `msg` down the lane, its ACK back (merged into the stats)."""
+        def send(slot: Slot, on_ack) -> None:
             try:
                 slot.link.send(msg, on_ack)
             except ConnectionError as error:
                 on_ack(error)
 
-        self.env.engine.post(send)
-        reply = await acked
-        if isinstance(reply, Exception):
-            raise ChainError(f"stage chain failed during {msg.kind.name}: {reply}") from reply
+        reply = self._acked(await self._post(send), msg.kind.name)
         self.stats = merge(self.stats, reply.stats)
         return reply
 
@@ -138,27 +129,20 @@ class ChainSession:
             if isinstance(reply, ChainError):
                 raise reply
             raise ChainError(f"stage chain failed: {reply}") from reply
-        self.draws += len(reply.predicted_tokens)
-        self.last_logprobs = reply.logprobs
         return reply
-
-    def _message(self, kind: MessageKind, **fields) -> StageMessage:
-        return StageMessage(kind, request_id=self.request_id, session_id=self.session_id,
-                            prompt_token_count=self.prompt_token_count, trace_context=self.trace_context, **fields)
 
     # -- the request's messages ---------------------------------------------------------------------
     async def configure(self) -> None:
         slot = self.slot
         await self.env.engine.call(lambda: self.env.slots.runtime.configure(
             slot.key, self.sampling, self.prompt_token_count, self.skip_draws))
-        await self._request(self._message(MessageKind.ConfigureGeneration, sampling=self.sampling,
+        await self._request(self.slot.message(MessageKind.ConfigureGeneration, sampling=self.sampling,
                                           cache_namespace=self.cache_namespace, decode_step=self.skip_draws))
 
     async def prefill(self, tokens: Sequence[int]) -> int:
-        """Prefill `tokens` at the current position, in chunks; returns the first prediction.
-        A prompt (position 0) first tries a chain restore of its longest cached prefix and
-        then prefills only the rest, unless it asks for prompt logprobs: restored rows have no
-        logits, so such a prompt is always computed in full (and still recorded)."""
+        """Prefill `tokens` at the current position; returns the first prediction. A prompt
+        first tries a chain restore of its longest cached prefix, unless it asks for prompt
+        logprobs (restored rows have no logits)."""
         started = time.perf_counter()
         runtime = self.env.slots.runtime
         if self.position == 0 and runtime.prefix_cache is not None and not self.sampling.prompt_logprobs:
@@ -170,14 +154,13 @@ class ChainSession:
                 return self._first(first)
             tokens = tokens[restored:]
         self.timings.prefilled_tokens += len(tokens)
-        future = asyncio.get_running_loop().create_future()
-        slot, on_first, start = self.slot, self._on_loop(future), self.position
+        start = self.position
 
-        def prefill() -> None:
+        def prefill(slot: Slot, on_first) -> None:
             slot.position = start
             slot.prefill(tokens, on_first)
 
-        self.env.engine.post(prefill)
+        future = self._post(prefill)
         self.position = start + len(tokens)
         reply = await self._prediction(future)
         self.timings.prefill_s += time.perf_counter() - started
@@ -197,16 +180,11 @@ class ChainSession:
             await ack
 
     async def _restore(self, tokens: Sequence[int]) -> tuple[int, StageReply | None]:
-        """The chain restore (spec §4.4): restore stage 0's longest cached prefix of the
-        prompt's cacheable part, then ask the stages below for exactly that prefix. Keep it
-        only if every stage hit; otherwise drop it (each stage below that hit has already
-        rolled back) and return 0 for a cold prefill. Returns (restored length, first reply).
-
-        When the hit covers the whole cacheable part (all but the last prompt token), it is
-        a TryRestorePrefillDecode: the last token's rows ride along, and on a chain hit the
-        final stage samples the first token and sends it straight back, as the seed does:
-        the request decodes from it at once, while the ACKs climb the chain behind it.
-        """
+        """The chain restore (spec §4.4): stage 0's longest cached prefix, then exactly that
+        prefix on the stages below, kept only if every stage hit (else 0: a cold prefill).
+        Returns (restored length, first reply). A hit on the whole cacheable part is a
+        TryRestorePrefillDecode: the last token rides along and the first token comes back
+        before the ACKs climb the chain."""
         env, slot, started = self.env, self.slot, time.perf_counter()
         runtime = env.slots.runtime
         cacheable = list(tokens[:cacheable_prefix_length(len(tokens))])
@@ -227,9 +205,9 @@ class ChainSession:
             if restored == len(cacheable):
                 missed, first = await self._restore_decode(cacheable, tokens, span)
             else:
-                down = (await self._request(self._message(MessageKind.TryRestorePrefill, token_count=restored,
-                                                          tokens=cacheable[:restored],
-                                                          cache_namespace=self.cache_namespace))).stats
+                down = (await self._request(self.slot.message(
+                    MessageKind.TryRestorePrefill, token_count=restored, tokens=cacheable[:restored],
+                    cache_namespace=self.cache_namespace))).stats
                 missed, extra = restore_missed_below(down)
                 self.stats = merge(self.stats, extra) if missed else self.stats
             if missed:
@@ -262,9 +240,9 @@ class ChainSession:
         loop = asyncio.get_running_loop()
         predicted, acked = loop.create_future(), loop.create_future()
         slot, last, start = self.slot, int(tokens[len(prefix)]), len(prefix)
-        msg = self._message(MessageKind.TryRestorePrefillDecode, pos_start=start, token_count=1,
-                            tokens=prefix + [last], current_token=last, sampling=self.sampling,
-                            cache_namespace=self.cache_namespace)
+        msg = slot.message(MessageKind.TryRestorePrefillDecode, pos_start=start, token_count=1,
+                           tokens=prefix + [last], current_token=last, sampling=self.sampling,
+                           cache_namespace=self.cache_namespace)
         on_reply, on_ack = self._on_loop(predicted), self._on_loop(acked)
         self.env.engine.post(lambda: slot.restore_decode(msg, last, start, on_reply, on_ack))
         await asyncio.wait([predicted, acked], return_when=asyncio.FIRST_COMPLETED)
@@ -272,9 +250,7 @@ class ChainSession:
             first = await self._prediction(predicted)
             self._restore_ack = loop.create_task(self._restore_acked(acked))
             return False, first
-        reply = acked.result()
-        if isinstance(reply, Exception):
-            raise ChainError(f"stage chain failed during TryRestorePrefillDecode: {reply}") from reply
+        reply = self._acked(acked.result(), "TryRestorePrefillDecode")
         missed, extra = restore_missed_below(reply.stats)
         self.stats = merge(self.stats, merge(reply.stats, extra) if missed else reply.stats)
         if missed:
@@ -283,31 +259,22 @@ class ChainSession:
         return False, await self._prediction(predicted)
 
     async def _restore_acked(self, acked: asyncio.Future) -> None:
-        reply = await acked
-        if isinstance(reply, Exception):
-            raise ChainError(f"stage chain failed during TryRestorePrefillDecode: {reply}") from reply
-        self.stats = merge(self.stats, reply.stats)
+        self.stats = merge(self.stats, self._acked(await acked, "TryRestorePrefillDecode").stats)
 
     async def decode(self, token: int, *, pos_start: int | None = None) -> int:
         """One decode step of `token` at `pos_start` (default: the current position)."""
         position = self.position if pos_start is None else pos_start
-        self.decode_step += 1
-        future = asyncio.get_running_loop().create_future()
-        slot, on_reply = self.slot, self._on_loop(future)
-        self.env.engine.post(lambda: slot.decode(token, position, on_reply))
+        future = self._post(lambda slot, on_reply: slot.decode(token, position, on_reply))
         self.position = position + 1
         reply = await self._prediction(future)
         self.timings.decode_steps += 1
         return reply.predicted_tokens[0]
 
     async def submit_verify(self, tokens: Sequence[int], window_id: int, *, pos_start: int | None = None) -> None:
-        """Send a VerifyWindow of [current, draft...] (its predictions: `wait_window`). The rows
-        stay in every stage's KV provisionally; the next message's `pos_start` (or a
-        TrimSession) decides how many of them are kept."""
+        """Send a VerifyWindow of [current, draft...] (its predictions: `wait_window`)."""
         base = self.position if pos_start is None else pos_start
-        future = self._windows[window_id] = asyncio.get_running_loop().create_future()
-        slot, on_reply, tokens = self.slot, self._on_loop(future), list(tokens)
-        self.env.engine.post(lambda: slot.verify(tokens, window_id, base, on_reply))
+        tokens = list(tokens)
+        self._windows[window_id] = self._post(lambda slot, on_reply: slot.verify(tokens, window_id, base, on_reply))
         self.position = base + len(tokens)
 
     async def wait_window(self, window_id: int) -> list[int]:
@@ -324,7 +291,7 @@ class ChainSession:
         slot = self.slot
         await self.env.engine.call(lambda: self.env.slots.runtime.trim(slot.key, num_tokens))
         self.position = num_tokens
-        await self._request(self._message(MessageKind.TrimSession, token_count=num_tokens))
+        await self._request(self.slot.message(MessageKind.TrimSession, token_count=num_tokens))
 
     # -- the decode loop ---------------------------------------------------------------------------
     def decode_loop(self, decoder: ChainDecoder, prompt: Sequence[int] | None = None) -> AsyncIterator[Emitted]:
@@ -352,7 +319,6 @@ class ChainSession:
                 for emitted in item:
                     yield emitted
         finally:
-            self.draws = self.slot.draws
             self.timings.decode_steps = self.slot.decode_step
 
     async def stop(self) -> StageReplyStats:
@@ -369,7 +335,7 @@ class ChainSession:
         if recorded is not None and recorded.num_entries:
             self.stats = merge(self.stats, record_observation(0, recorded.num_entries, recorded.num_bytes))
         await self.settled()
-        reply = await self._request(self._message(MessageKind.Stop))
+        reply = await self._request(self.slot.message(MessageKind.Stop))
         self.stop_ack_stats = reply.stats
         self.stats = merge(self.stats, await self.env.engine.call(slot.take_stats))
         self.stopped = True

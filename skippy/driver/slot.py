@@ -1,21 +1,11 @@
 """One request on stage 0's engine thread: its steps, its frames down the lane, its predictions back.
 
-(llama.cpp's server calls this a slot.) Everything here runs on the engine (stage/engine.py),
-which also owns the lane's socket and the return stream's: a prediction that arrives is
-handed to the request's decode loop (driver/decoder.py) at once, which starts the next step
-on the same thread, so a token crosses stage 0 with no hand-off between threads. The event
-loop (driver/session.py) starts what a slot does and hears its outcomes as events.
-
-Every step of stage 0's goes through `_step` (and from there `StageRuntime.submit`, where
-every step of every stage starts): prompt chunks, plain decode rows and verify windows. Its
-frame goes down the lane as its forward ends (`DownLink.send_step`); on a chain of one stage
-(`NoStagesBelow`) stage 0 samples the step itself and its prediction is handed over as a
-return stream's would be.
-
-Predictions are owed in order. Each owed one waits in `_owed` with a deadline (`reply_s`);
-a late answer to a window already discarded as stale is ignored by its window id. A link
-that breaks, a step that fails or a deadline that passes fails the slot: every wait hears
-`ChainError`, and the request's recovery (driver/client.py) takes it from there.
+(llama.cpp's server calls this a slot.) It runs on the engine, which owns the lane's socket
+and the return streams, so a prediction reaches the decode loop (driver/decoder.py) and the
+next step starts with no hand-off between threads. Every step goes through `_step`; on a
+chain of one stage (`NoStagesBelow`) stage 0 samples it itself. Predictions are owed in
+order, each with a deadline (`reply_s`); a broken link, a failed step or a missed deadline
+fails the slot with `ChainError`, and the request's recovery (driver/client.py) takes over.
 """
 
 from __future__ import annotations
@@ -135,18 +125,13 @@ class Slot:
             token = tokens[0]
             return self._decode.derived(pos_start=start, decode_step=decode_step, current_token=token,
                                         tokens=np.array(tokens, dtype=_I32))
-        return StageMessage(kind, pos_start=start, token_count=len(tokens), request_id=self.request_id,
-                            session_id=self.session_id, seq_id=window_id or 0,
-                            prompt_token_count=self.prompt_token_count, decode_step=decode_step,
-                            current_token=tokens[0], trace_context=self.trace_context, tokens=tokens)
+        return self.message(kind, pos_start=start, token_count=len(tokens), seq_id=window_id or 0,
+                            decode_step=decode_step, current_token=tokens[0], tokens=tokens)
 
     # -- what a request asks of stage 0 --------------------------------------------------------
     def prefill(self, tokens: Sequence[int], on_first: Callable[[Reply], None]) -> None:
-        """Prefill `tokens` at the current position, in chunks; `on_first` gets the first
-        prediction. Each chunk's frame goes down as its forward ends and is early-ACKed; past
-        the credit window the next chunk waits for a deferred ACK, and the last waits for all
-        of them (spec §2.6). The prompt is recorded in stage 0's prefix cache while the stages
-        below compute (spec §4.3)."""
+        """Prefill `tokens` at the current position, in chunks (spec §2.6); `on_first` gets the
+        first prediction. The prompt is recorded while the stages below compute (spec §4.3)."""
         chunk_size, runtime = self.env.prefill_chunk, self.env.runtime
         chunks = [list(tokens[start:start + chunk_size]) for start in range(0, len(tokens), chunk_size)]
 
@@ -191,9 +176,7 @@ class Slot:
         self.position = position + 1
 
     def verify(self, tokens: list[int], window_id: int, base: int, on_reply: Callable[[Reply], None]) -> None:
-        """A VerifyWindow of [current, drafts...] at `base`; `on_reply` gets its predictions.
-        The rows stay in every stage's KV provisionally; the next step's `pos_start` (or a
-        TrimSession) decides how many of them are kept."""
+        """A VerifyWindow of [current, drafts...] at `base`; `on_reply` gets its predictions."""
         self._owe(window_id, f"VerifyWindow {window_id}", on_reply)
         self._step(MessageKind.VerifyWindow, tokens, base, window_id=window_id)
         self.position = base + len(tokens)
@@ -227,7 +210,7 @@ class Slot:
 
     def retire(self, start: int, count: int) -> None:
         """RetireVerifyWindow on every stage: the checkpoints of windows based in [start, start + count)."""
-        self._send(self._control_message(MessageKind.RetireVerifyWindow, pos_start=start, token_count=count))
+        self._send(self.message(MessageKind.RetireVerifyWindow, pos_start=start, token_count=count))
         if self.key in self.env.runtime.sessions:
             self.env.runtime.retire(self.key, start, count)
 
@@ -236,10 +219,11 @@ class Slot:
         self.session.discard_windows(low, high)
         self._owed = deque(owed for owed in self._owed
                            if owed.window_id is None or not low <= owed.window_id <= high)
-        self._send(self._control_message(MessageKind.DiscardStaleWindows, tokens=[low, high]))
+        self._send(self.message(MessageKind.DiscardStaleWindows, tokens=[low, high]))
         self._arm()
 
-    def _control_message(self, kind: MessageKind, **fields) -> StageMessage:
+    def message(self, kind: MessageKind, **fields) -> StageMessage:
+        """A frame of this request's session."""
         return StageMessage(kind, request_id=self.request_id, session_id=self.session_id,
                             prompt_token_count=self.prompt_token_count, trace_context=self.trace_context, **fields)
 
@@ -337,9 +321,8 @@ class Slot:
 
 
 class NoStagesBelow:
-    """The link of a chain of one stage: stage 0 holds every layer, so nothing goes on the
-    wire. It answers as an empty chain below would: every control message an ACK with no
-    stats, every frame sent nowhere; stage 0 samples its own steps (Slot.samples_here)."""
+    """The link of a chain of one stage: nothing goes on the wire, every control message gets an
+    ACK with no stats, and stage 0 samples its own steps (Slot.samples_here)."""
 
     stages_below = False  # a prefix restore is complete at stage 0; nothing overlaps a window
     broken = None

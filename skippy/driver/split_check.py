@@ -30,7 +30,7 @@ def compare(probe: StageProbe, metrics: StageMetricValues) -> dict[str, float] |
     or None before the stage has measured itself and run MIN_FORWARDS decode forwards."""
     forwards = metrics.histograms["forward_us.decode"]
     batches = metrics.histograms["batch_steps"]
-    if not probe.row_ns or forwards.count < MIN_FORWARDS:
+    if probe.row_ns <= 0 or forwards.count < MIN_FORWARDS:
         return None
     # each step records its batch's forward; the rows it held are taken as the mean batch (exact
     # for one stream, and for batches of one size)

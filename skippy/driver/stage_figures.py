@@ -1,9 +1,8 @@
 """Per-stage figures for a live view (`/v1/stages`): rates and means from two metric samples.
 
-A stage reports only totals (protocol/stage_metrics.py); a rate needs two of them. Stage 0
-keeps, per stage, a sample at least RATE_WINDOW_S old and computes each rate over the time
-since it, so any poller (the chain page, a scrape, /readyz) sees rates over the last few
-seconds however often it asks. Numbers only, JSON-friendly.
+A stage reports only totals; stage 0 keeps, per stage, a sample at least RATE_WINDOW_S old and
+computes each rate since it, so any poller sees rates over the last few seconds however often
+it asks.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from ..stage.transport import Transport
 from ..telemetry import Telemetry
 from .measured_split import model_cost, plan_from_measurements
 from .placement import LocalProcesses, PortTaken, stop_chain
+from .split_restart import close_retired, restart_on_advice
 from .stage_wait import wait_for_stages
 from .supervisor import Supervisor
 
@@ -194,7 +195,8 @@ class LocalChain:
                  dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
                  log_level: str = "WARNING", otlp_endpoint: str | None = None, otlp_protocol: str = "http",
                  kv_cache: KvCacheConfig | None = None, max_restarts: int | None = None,
-                 link_conditioning: LinkConditioning | None = None, split: str = "equal", **client_options):
+                 link_conditioning: LinkConditioning | None = None, split: str = "equal",
+                 apply_split_advice: bool = False, **client_options):
         """`kv_cache`: every stage's prefix-cache settings (disk tier: one subdirectory per
         stage under `disk_dir`); None: no prefix cache anywhere. `threads`: torch threads in
         every stage; by default every core: a stream visits the stages in turn, so each may use
@@ -207,7 +209,9 @@ class LocalChain:
         this often; None: no supervision (a stage that dies stays down). `link_conditioning`: a
         test knob on every link of the chain, stage 0's lanes included (stage/link.py).
         `split`: "equal" (bytes: plan_chain) or "auto": start so, wait for every stage's
-        measurements, and start again on the split they give (planner.py) if it differs."""
+        measurements, and start again on the split they give (planner.py) if it differs.
+        `apply_split_advice`: a stage's restart applies the split advice of `backend` (set by
+        serve.py) when it names other ranges, starting every stage again on them (split_restart.py)."""
         if num_stages < 2:
             raise ValueError(f"Expected at least 2 stages for a chain, got {num_stages}")
         threads = threads or os.cpu_count() or 1
@@ -239,6 +243,8 @@ class LocalChain:
         self.client: ChainClient | None = None
         self.max_restarts = max_restarts
         self.supervisor: Supervisor | None = None
+        self.apply_split_advice, self.backend = apply_split_advice, None
+        self.retiring: set = set()  # stage 0s replaced by a re-split, closing (split_restart.py)
 
     @property
     def processes(self):
@@ -278,11 +284,15 @@ class LocalChain:
             await self.close()
             raise
         if self.max_restarts is not None:
-            self.supervisor = Supervisor(self.placement, self.num_stages, self.client.transport,
-                                         max_restarts=self.max_restarts, on_back=self.client.chain_changed)
-            self.supervisor.start()
-            self.client.can_recover = self.supervisor.can_heal
+            self._supervise()
         return self.client
+
+    def _supervise(self) -> None:
+        self.supervisor = Supervisor(self.placement, self.num_stages, self.client.transport,
+                                     max_restarts=self.max_restarts, on_back=self.client.chain_changed,
+                                     on_down=functools.partial(restart_on_advice, self))
+        self.supervisor.start()
+        self.client.can_recover = self.supervisor.can_heal
 
     async def _measured_split(self, on_stage_ready: Callable[[], None]) -> None:
         """Plan from what the stages measured of themselves; start again on that split if it
@@ -299,10 +309,17 @@ class LocalChain:
             return
         await self.client.close()
         self.client = None
+        await self._restart_on(list(self.plan.ranges), on_ready=on_stage_ready)
+
+    async def _restart_on(self, ranges: list[tuple[int, int]], *, lost: int | None = None,
+                          on_ready: Callable[[], None] = lambda: None) -> None:
+        """Every stage again on `ranges`, on fresh ports, stage 0 as a new `client` (the one
+        before it is left to the caller): a measured split at start, or a restart that applies
+        the split advice (split_restart.py; `lost`: the stage that died, here nothing to wait for)."""
         await self.placement.stop()
-        self._ranges = list(self.plan.ranges)
+        self._ranges = list(ranges)
         self._plan()
-        await self._start_stages(on_stage_ready)
+        await self._start_stages(on_ready)
         self.client = await self._connect()
 
     async def _connect(self) -> ChainClient:
@@ -320,6 +337,7 @@ class LocalChain:
 
     async def close(self) -> None:
         await stop_chain(self.supervisor, self.client, self.placement)
+        await close_retired(self)
         self.client = None
         self._dir.cleanup()
 

@@ -97,7 +97,7 @@ def cpu_share_of(probe: StageProbe) -> float:
     parts leave a free host's 2 threads ~1.7); inf: no limit seen."""
     if probe.cpu_share_milli:
         return probe.cpu_share_milli / 1000
-    if probe.row_cpu_ns and probe.row_ns and probe.threads:
+    if probe.row_cpu_ns and probe.row_ns > 0 and probe.threads:
         got = probe.row_cpu_ns / probe.row_ns
         return got if got < UNLIMITED_SHARE * probe.threads else math.inf
     return math.inf
@@ -108,12 +108,16 @@ def chain_inputs(reports: Sequence[StageReport], model: ModelCost,
     """(hosts, links) of a running chain, stage 0's host first; ValueError naming a stage
     that has not measured itself yet. `token_cpu_s`: per stage, the CPU a token cost it in
     serving, where known (host_cost)."""
+    failed = [r.name for r in reports if r.probe.failed]
+    if failed:
+        raise ValueError(f"the measurement of {', '.join(failed)} failed (its log says why); a restart "
+                         f"of that stage measures again")
     missing = [r.name for r in reports if not r.probe.row_ns]
     if missing:
         raise ValueError(f"no measurement from {', '.join(missing)} yet (a stage measures itself "
                          f"once it is up; ask again in a few seconds)")
     links = {(i, i + 1): LinkCost(r.probe.link_rtt_ns / 1e9, float(r.probe.link_bytes_per_s))
-             for i, r in enumerate(reports[:-1]) if r.probe.link_rtt_ns}
+             for i, r in enumerate(reports[:-1]) if r.probe.link_rtt_ns > 0}
     cpu = token_cpu_s or [None] * len(reports)
     return [host_cost(r, model, c) for r, c in zip(reports, cpu)], links
 
@@ -175,12 +179,16 @@ def advisor(model: ModelCost, *, use_all_hosts: bool) -> Callable[[list[StageSta
 async def measured_reports(client, topology: Topology, *, timeout_s: float = 300.0) -> list[StageReport]:
     """Every stage's report once each has measured itself (and its link, all but the last):
     stage 0 from `client` (this process), the others over the protocol (dialed as its lanes
-    are: `client.transport`'s TLS and auth token)."""
+    are: `client.transport`'s TLS and auth token). RuntimeError at once when a stage reports
+    that its measurement failed (it retries its link probe itself: stage/measure.py)."""
     deadline = time.monotonic() + timeout_s
     while True:
         statuses = [client.transport.query_status(s.endpoint) for s in topology.stages[1:]]
         remote = await asyncio.gather(*statuses)
         probes = [client.measurement.probe, *(StageProbe() if r is None else r.probe for r in remote)]
+        failed = [s.stage_id for s, p in zip(topology.stages, probes) if p.failed]
+        if failed:
+            raise RuntimeError(f"the measurement of {', '.join(failed)} failed (its log says why)")
         if all(p.row_ns and (p.link_rtt_ns or i == len(probes) - 1) for i, p in enumerate(probes)):
             return [StageReport(s.endpoint, s.layer_start, s.layer_end, p) for s, p in zip(topology.stages, probes)]
         if time.monotonic() > deadline:

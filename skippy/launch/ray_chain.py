@@ -28,6 +28,7 @@ certificate for its new address, and the stage before it is re-pointed there.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -48,6 +49,7 @@ from ..stage import certificates
 from .local_chain import WEIGHT_NAMES, connect_topology, plan_chain, stage_kv_cache
 from .measured_split import model_cost, plan_from_measurements
 from .placement import STARTUP_TIMEOUT_S, stop_chain
+from .split_restart import close_retired, restart_on_advice
 from .supervisor import Supervisor
 
 log = logging.getLogger("skippy.launch")
@@ -147,15 +149,17 @@ class RayChain:
                  dtype: str = "auto", device: str = "auto", repack: bool = True, concurrency: int = 1,
                  log_level: str = "WARNING", otlp_endpoint: str | None = None, otlp_protocol: str = "http",
                  kv_cache: KvCacheConfig | None = None, max_restarts: int = 5, insecure: bool = False,
-                 stage_wait_s: float = 3600.0, split: str = "equal",
+                 stage_wait_s: float = 3600.0, split: str = "equal", apply_split_advice: bool = False,
                  on_placed: Callable[[str], None] = lambda line: None, **client_options):
         """`threads`: torch threads of every stage (default: its bundle's CPUs). `insecure`: use
         a cluster without token authentication off loopback anyway. `stage_wait_s`: how long a
         stage's start may take, fetching its layers from stage 0 included. `split`: "equal" (by
         the bundles' CPUs, or `weights`) or "auto": start so, wait for every stage's
         measurements, and start the stages again on the split they give (planner.py), on the
-        same nodes, if it differs. `on_placed`: told, in words, where the stages went once Ray
-        placed them."""
+        same nodes, if it differs. `apply_split_advice`: a stage's restart applies the split
+        advice of `backend` (set by serve.py) when it names other ranges for these stages,
+        starting every stage again on them (split_restart.py). `on_placed`: told, in words,
+        where the stages went once Ray placed them."""
         if num_stages < 2:
             raise ValueError(f"Expected at least 2 stages on Ray, got {num_stages}")
         self.model_path, self.num_stages, self.settings = Path(model_path), num_stages, settings
@@ -165,6 +169,8 @@ class RayChain:
         if split not in ("equal", "auto"):
             raise ValueError(f"Expected a split of 'equal' or 'auto', got {split!r}")
         self.split, self.plan, self.first_plan = split, None, None  # the measured plan and the split's before it
+        self.apply_split_advice, self.backend = apply_split_advice, None
+        self.retiring: set = set()  # stage 0s replaced by a re-split, closing (split_restart.py)
         self._model_cost = dict(ctx_size=ctx_size, lane_count=lane_count, activation_dtype=activation_dtype)
         self.chain_id = f"chain-{secrets.token_hex(4)}"
         self.auth_token = secrets.token_urlsafe(32)
@@ -216,12 +222,16 @@ class RayChain:
         except BaseException:
             await self.close()
             raise
+        self._supervise()
+        return self.client
+
+    def _supervise(self) -> None:
         # Ray restarts an actor at once and that takes a second or more: no backoff on top
         self.supervisor = Supervisor(self.placement, self.num_stages, self.client.transport,
-                                     max_restarts=self.max_restarts, backoff_s=0.0, on_back=self.client.chain_changed)
+                                     max_restarts=self.max_restarts, backoff_s=0.0, on_back=self.client.chain_changed,
+                                     on_down=functools.partial(restart_on_advice, self))
         self.supervisor.start()
         self.client.can_recover = self.supervisor.can_heal
-        return self.client
 
     def _plan(self, endpoints: list[str], *, weights: list[float] | None = None,
               ranges: list[tuple[int, int]] | None = None) -> list[StageConfig]:
@@ -260,10 +270,23 @@ class RayChain:
         log.info("measured split differs from %s: starting the stages again on it", current)
         await self.client.close()
         self.client = None
-        configs = self._plan([s.endpoint for s in self.topology.stages], ranges=list(self.plan.ranges))
+        await self._restart_on(list(self.plan.ranges), on_ready=on_stage_ready)
+
+    async def _restart_on(self, ranges: list[tuple[int, int]], *, lost: int | None = None,
+                          on_ready: Callable[[], None] = lambda: None) -> None:
+        """Every stage again on `ranges`, on the same actors and ports, stage 0 as a new
+        `client` (the one before it stops listening: stage 0's port is the chain's; the caller
+        closes it): a measured split at start, or a restart that applies the split advice
+        (split_restart.py). `lost`: the stage that died; its actor is waited for first (Ray
+        restarts it, on another node if its node was lost) and plans where it is now."""
+        if lost is not None:
+            await self.placement.locate(lost)
+        if self.client is not None and self.client.listener is not None:
+            await self.client.listener.close()
+        configs = self._plan(list(self.placement.endpoints), ranges=list(ranges))
         await self.placement.stop_stages()
         self.placement.configs, self.placement.topology = configs, self.topology
-        await self._start_stages(self.placement.start_stages(on_stage_ready))
+        await self._start_stages(self.placement.start_stages(on_ready))
 
     def _connect(self) -> str:
         """Join the cluster and check it is safe to use; this node's address."""
@@ -323,6 +346,7 @@ class RayChain:
 
     async def close(self) -> None:
         await stop_chain(self.supervisor, self.client, self.placement)  # the placement: actors, group
+        await close_retired(self)
         if self.placement is None and self.group is not None:  # placed, no actor yet
             from ray.util.placement_group import remove_placement_group
 
@@ -393,9 +417,15 @@ class RayActors:
 
     async def stop_stages(self) -> None:
         """End every stage but keep its actor (on its node, with its key), for a start on new
-        configs (a measured split). Before the supervisor watches: nothing restarts them."""
+        configs (a measured split). With no supervisor watching: nothing restarts them."""
         await asyncio.gather(*(actor.stop_stage.remote() for actor in self.actors if actor is not None))
         self._sentinels = [None] * len(self.configs)
+
+    async def locate(self, index: int) -> None:
+        """Wait for stage `index`'s actor to run (again: Ray restarts a dead one, elsewhere if its
+        node was lost), and take where it runs now as the stage's address."""
+        info = await self._describe(index)
+        self.endpoints[index], self.node_ips[index] = info["endpoint"], info["node_ip"]
 
     def _port(self, index: int) -> int:
         return parse_endpoint(self.topology.stages[index].endpoint)[1]

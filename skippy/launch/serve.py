@@ -183,8 +183,10 @@ async def build_backend(config: ServeConfig):
         set_one_process_threads(config)
         client = await start_stage0(config.model, kv_cache=config.kv_cache(1), **every_stage, **options)
         return ChainBackend(client, None)
+    # --split auto follows the measurements: a restart after a stage's death applies the split advice
     common = dict(threads=config.threads, lane_count=config.num_lanes, log_level=config.log_level,
-                  kv_cache=config.kv_cache(config.num_stages), max_restarts=config.max_restarts)
+                  kv_cache=config.kv_cache(config.num_stages), max_restarts=config.max_restarts,
+                  apply_split_advice=config.split == "auto")
     if config.ray is not None:
         chain = RayChain(config.model, config.num_stages, config.ray, weights=config.weights,
                          insecure=config.insecure, stage_wait_s=config.stage_wait_s, split=config.split,
@@ -204,13 +206,17 @@ async def build_backend(config: ServeConfig):
         first = "equal bytes" if config.ray is None else "the first split"
         print(f"skippy: measured split ({first} predicted {chain.first_plan.tok_s:.1f} tok/s):\n"
               + chain.plan.describe(names), flush=True)
-    return ChainBackend(client, chain.topology, auth_token=chain.auth_token, on_close=chain.close,
-                        health=chain.supervisor.health,
-                        advise=_advisor(config, ctx_size, use_all_hosts=config.ray is None))  # fmt: skip
+    chain.backend = ChainBackend(client, chain.topology, auth_token=chain.auth_token, on_close=chain.close,
+                                 health=chain.supervisor.health,
+                                 advise=_advisor(config, ctx_size, use_all_hosts=config.ray is None
+                                                 or config.split == "auto"))  # fmt: skip
+    return chain.backend
 
 
 def _advisor(config: ServeConfig, ctx_size: int, use_all_hosts: bool):
-    """The split the stages' measured times give, for `/v1/stages` when they drift (measured_split.py)."""
+    """The split the stages' measured times give, for `/v1/stages` when they drift (measured_split.py).
+    `use_all_hosts`: over every stage (a local chain, or one under --split auto, whose restart
+    applies it and keeps every stage), its `fewer_hosts` saying when fewer would be faster."""
     from .measured_split import advisor, model_cost
 
     model = model_cost(config.model, ctx_size=ctx_size, lane_count=config.num_lanes,

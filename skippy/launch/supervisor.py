@@ -7,7 +7,9 @@ then killed), is started again from its config, after a backoff that doubles wit
 restart in a row (a stage that stayed up `STABLE_S` starts the count again). Past
 `max_restarts` in a row the watcher gives up: the stage stays down, marked "failed" with its
 last failure, and the API's /readyz and every request answer 503 naming it. A stage that comes
-back at another address (its Ray node was lost) counts a move.
+back at another address (its Ray node was lost) counts a move. Before a restart the chain may
+take it over (`on_down`): under `--split auto`, when the split advice names other ranges, it
+starts every stage again on them instead (split_restart.py).
 
 While a stage is down, requests wait for it up to the recovery timeout and replay themselves
 onto it (driver/client.py); once it is back, the next request re-dials its lane. Stage 0 runs
@@ -19,10 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from ..protocol import parse_endpoint
+from ..protocol import StageStatusReport, parse_endpoint
+
 from ..stage.transport import Transport
 from .placement import Placement
 
@@ -45,18 +48,21 @@ class StageHealth:
     endpoint: str = ""      # where it listens now ("" : where the topology says)
     node_ip: str = ""       # the cluster node it runs on ("" when not on a cluster)
     moves: int = 0          # restarts that came back on another host
+    last_report: StageStatusReport | None = None  # its last status answer: a dead stage's figures
 
 
 class Supervisor:
     def __init__(self, placement: Placement, num_stages: int, transport: Transport | None, *,
                  max_restarts: int = MAX_RESTARTS, probe_interval_s: float = PROBE_INTERVAL_S,
                  probe_failures: int = PROBE_FAILURES, backoff_s: float = BACKOFF_S,
-                 max_backoff_s: float = MAX_BACKOFF_S, on_back: Callable[[], None] = lambda: None):
+                 max_backoff_s: float = MAX_BACKOFF_S, on_back: Callable[[], None] = lambda: None,
+                 on_down: Callable[[int], Awaitable[bool]] | None = None):
         """`transport`: how stage 0 reaches the stages (None: plain, no token), for the status
         queries. `on_back`: called when a stage is back (stage 0's waiting requests try the
-        chain at once)."""
+        chain at once). `on_down(index)`: asked before a restart of stage `index`; True: the
+        chain restarted every stage itself, under a new supervisor, and this one is closed."""
         self.placement, self.num_stages, self.transport = placement, num_stages, transport or Transport()
-        self.on_back = on_back
+        self.on_back, self.on_down = on_back, on_down
         self.max_restarts = max_restarts
         self.probe_interval_s, self.probe_failures = probe_interval_s, probe_failures
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
@@ -74,10 +80,11 @@ class Supervisor:
                        for index in range(1, self.num_stages)]
 
     async def close(self) -> None:
-        for task in self._tasks:
+        """Stop watching (a watcher that calls this, through `on_down`, ends on its own)."""
+        tasks, self._tasks = [t for t in self._tasks if t is not asyncio.current_task()], []
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _watch(self, index: int) -> None:
         health = self.health[index]
@@ -97,6 +104,8 @@ class Supervisor:
             log.warning("stage %d %s; restarting it in %.1f s (restart %d of %d in a row)", index,
                         health.last_failure, delay, health.in_a_row + 1, self.max_restarts)
             await asyncio.sleep(delay)
+            if self.on_down is not None and await self.on_down(index):
+                return
             health.restarts += 1
             health.in_a_row += 1
             try:
@@ -121,7 +130,10 @@ class Supervisor:
                 if done:
                     return down.result()
                 endpoint = self.placement.endpoint(index)
-                misses = 0 if await self.transport.query_status(endpoint) else misses + 1
+                report = await self.transport.query_status(endpoint)
+                if report is not None:
+                    self.health[index].last_report = report
+                misses = 0 if report is not None else misses + 1
                 if misses >= self.probe_failures:
                     await self.placement.kill(index)
                     return f"stopped answering status queries ({misses} in a row at {endpoint}; killed)"

@@ -9,13 +9,11 @@ from .configs import (
 )
 from .constants import (
     KIND_INFO, PROTOCOL_VERSION, ActivationDtype, MessageKind, Phase, ReplyKind, StateFlags,
-    expects_reply, is_control, is_generation_control, is_prefix_cache_control,
-    is_session_control, requires_predicted_reply,
 )
 from .errors import AuthError, FrameError, HandshakeTimeout, ProtocolError, VersionMismatch
 from .frames import (
     StageMessage, StageReply, StageStatusReport, activation_fields, cache_namespace_digest, decode_message,
-    decode_reply, encode_message, encode_message_parts, encode_reply,
+    decode_reply, encode_message, encode_reply,
 )
 from .handshake import AuthPreamble, Ready
 from .sampling_config import SamplingConfig
@@ -25,8 +23,8 @@ from .stats import (
     stage_mask,
 )
 from .stream import (
-    client_handshake, read_message, read_message_body, read_message_header, read_reply, read_tensor_frame,
-    server_handshake, write_message, write_reply, write_tensor_frame,
+    client_handshake, read_message, read_reply, read_tensor_frame,
+    write_message, write_reply, write_tensor_frame,
 )
 from .tensor_frames import TensorRefused
 
@@ -36,11 +34,9 @@ __all__ = [
     "ReplyKind", "SamplingConfig", "StageConfig", "StageMessage", "StageReply", "StageReplyStats",
     "StageStatusReport", "StateFlags", "activation_fields", "Timeouts", "TlsConfig", "Topology", "TopologyStage", "VersionMismatch",
     "cache_namespace_digest", "client_handshake",
-    "decode_message", "decode_reply", "encode_message", "encode_message_parts", "encode_reply",
-    "expects_reply", "is_control", "is_loopback", "is_generation_control", "is_prefix_cache_control",
-    "is_session_control", "merge", "merge_all", "parse_endpoint", "plan_layer_split",
-    "prefill_compute_observation", "prefill_edge_observation", "read_message", "read_message_body",
-    "read_message_header", "read_reply", "read_tensor_frame",
-    "requires_predicted_reply", "server_handshake", "stage_mask", "TensorRefused", "write_message", "write_reply",
+    "decode_message", "decode_reply", "encode_message", "encode_reply",
+    "is_loopback", "merge", "merge_all", "parse_endpoint", "plan_layer_split",
+    "prefill_compute_observation", "prefill_edge_observation", "read_message", "read_reply", "read_tensor_frame",
+    "stage_mask", "TensorRefused", "write_message", "write_reply",
     "write_tensor_frame",
 ]

@@ -67,13 +67,12 @@ def _endpoints_parse(values: list[str]) -> list[str]:
 
 
 class PeerEndpoint(_Frozen):
-    """The stage on the other side of a data-plane connection."""
+    """A stage and where it is reached: its endpoint, then the standbys serving its layers."""
 
     stage_id: str
     stage_index: int = Field(ge=0)
     endpoint: str
-    # stages serving the same layers, dialed in turn when `endpoint` does not answer
-    standby_endpoints: list[str] = []
+    standby_endpoints: list[str] = []  # dialed in turn when `endpoint` does not answer
 
     @field_validator("endpoint")
     @classmethod
@@ -85,16 +84,7 @@ class PeerEndpoint(_Frozen):
 
     @property
     def endpoints(self) -> list[str]:
-        """Where this stage can be reached: its own endpoint first, then its standbys."""
         return [self.endpoint, *self.standby_endpoints]
-
-    @property
-    def host(self) -> str:
-        return parse_endpoint(self.endpoint)[0]
-
-    @property
-    def port(self) -> int:
-        return parse_endpoint(self.endpoint)[1]
 
 
 class KvCacheConfig(_Frozen):
@@ -238,41 +228,17 @@ class StageConfig(_Frozen):
         return parse_endpoint(self.bind_addr, allow_port_zero=True)[1]
 
     @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_final(self) -> bool:
-        return self.downstream is None
-
-    @property
     def max_deferred_replies(self) -> int:
         """Deferred downstream ACKs allowed before a credit wait (spec §2.6)."""
         return self.max_inflight - 1 if self.reply_credit_limit is None else self.reply_credit_limit
 
 
-class TopologyStage(_Frozen):
-    stage_id: str
-    stage_index: int = Field(ge=0)
-    endpoint: str
+class TopologyStage(PeerEndpoint):
+    """A stage of the chain; its standbys start from its config with their own bind address."""
+
     layer_start: int = Field(ge=0)
     layer_end: int = Field(ge=1)
     host: str | None = None
-    # standby stages (same layer range, started from this stage's config with their own
-    # bind address): stage 0 and the stage above fail over to them when this one is lost
-    standby_endpoints: list[str] = []
-
-    @field_validator("endpoint")
-    @classmethod
-    def _endpoint_parses(cls, value: str) -> str:
-        parse_endpoint(value)
-        return value
-
-    _standbys_parse = field_validator("standby_endpoints")(_endpoints_parse)
-
-    @property
-    def endpoints(self) -> list[str]:
-        return [self.endpoint, *self.standby_endpoints]
 
 
 class Topology(_Frozen):
@@ -316,20 +282,15 @@ class Topology(_Frozen):
         """Stage 0's endpoint: where the final stage dials the direct prediction return (§2.7)."""
         return self.stages[0].endpoint
 
-    def stage(self, stage_index: int) -> TopologyStage:
-        return self.stages[stage_index]
-
 
 def plan_layer_split(n_layers: int, n_stages: int, weights: Sequence[float] | None = None,
                      head_layers: float = 0.0) -> list[tuple[int, int]]:
     """Split [0, n_layers) into `n_stages` contiguous half-open ranges of >= 1 layer each.
 
-    Without weights the split is even (earlier stages take the remainder); with
-    weights (e.g. per-host memory or speed) each stage gets a share proportional to
-    its weight, rounded by largest remainder, ties to the earlier stage.
-    `head_layers`: the output head's work in layers (its weight bytes over one
-    layer's), which the last stage does on top of its layers; the shares cover
-    n_layers + head_layers, so the last stage takes that many fewer layers.
+    Without weights the split is even (earlier stages take the remainder); with weights each
+    stage's share is proportional, by largest remainder, ties to the earlier stage.
+    `head_layers`: the output head's work in layers, which the last stage does on top of its
+    layers, so it takes that many fewer.
     """
     if n_stages < 1:
         raise ValueError(f"Expected n_stages >= 1, got {n_stages}")

@@ -151,10 +151,7 @@ def activation_dtype_of(rows: np.ndarray) -> ActivationDtype:
     return _BY_NUMPY_DTYPE[rows.dtype]
 
 
-# ---------------------------------------------------------------------------
-# Limits. Decoders check every count against these on the fixed header, before
-# reading or allocating the body.
-# ---------------------------------------------------------------------------
+# -- Limits: decoders check every count against these on the fixed header, before the body -
 MiB = 1 << 20
 
 MAX_SIDEBAND_COUNT     = 1_048_576  # i32 values per token / position sideband    (§2.2)
@@ -171,9 +168,7 @@ MIN_AUTH_TOKEN_BYTES   = 1          # auth preamble token length                
 MAX_AUTH_TOKEN_BYTES   = 64         #                                             (§2.1)
 
 
-# ---------------------------------------------------------------------------
-# Struct formats, all little-endian ("<", no padding).
-# ---------------------------------------------------------------------------
+# -- Struct formats, all little-endian ("<", no padding). --------------------------------
 class HeaderField(NamedTuple):
     name: str
     fmt: str
@@ -256,7 +251,6 @@ AUTH_PREFIX = struct.Struct("<IB")  # magic, token length; the token bytes follo
 READY = struct.Struct("<Ii")        # magic, protocol version                      (§2.1)
 
 I32_MIN, I32_MAX = -(1 << 31), (1 << 31) - 1
-U32_MAX = (1 << 32) - 1
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 U64_MAX = (1 << 64) - 1
 
@@ -271,9 +265,7 @@ def header_offset(fields: tuple[HeaderField, ...], name: str) -> int:
     raise KeyError(name)
 
 
-# ---------------------------------------------------------------------------
-# Per-kind rules (spec §2.3 expected phase, §2.4 direction and reply).
-# ---------------------------------------------------------------------------
+# -- Per-kind rules (spec §2.3 expected phase, §2.4 direction and reply). ----------------
 class KindInfo(NamedTuple):
     phase: Phase                 # the phase the state header must carry
     has_activation: bool         # may carry an activation payload
@@ -300,41 +292,6 @@ KIND_INFO: dict[MessageKind, KindInfo] = {
 }
 del K, P, R
 
-EXPECTED_PHASE: dict[MessageKind, Phase] = {kind: info.phase for kind, info in KIND_INFO.items()}
-
-_PREDICTED_REPLY_KINDS = frozenset({MessageKind.DecodeEmbd, MessageKind.PrefillFinalEmbd,
-                                    MessageKind.VerifyWindow})
-_SESSION_CONTROL_KINDS = frozenset({MessageKind.TrimSession})
-_PREFIX_CACHE_CONTROL_KINDS = frozenset({MessageKind.TryRestorePrefill,
-                                         MessageKind.TryRestorePrefillDecode})
-_GENERATION_CONTROL_KINDS = frozenset({MessageKind.ConfigureGeneration})
 # Kinds that may carry a CACHE_NAMESPACE section: where a session learns its namespace.
 NAMESPACE_KINDS = frozenset({MessageKind.ConfigureGeneration, MessageKind.TryRestorePrefill,
                              MessageKind.TryRestorePrefillDecode})
-
-
-def requires_predicted_reply(kind: MessageKind) -> bool:
-    """Kinds whose reply is a prediction; deferred ACKs are drained before them (§2.4, §2.6)."""
-    return kind in _PREDICTED_REPLY_KINDS
-
-
-def is_session_control(kind: MessageKind) -> bool:
-    return kind in _SESSION_CONTROL_KINDS
-
-
-def is_prefix_cache_control(kind: MessageKind) -> bool:
-    return kind in _PREFIX_CACHE_CONTROL_KINDS
-
-
-def is_generation_control(kind: MessageKind) -> bool:
-    return kind in _GENERATION_CONTROL_KINDS
-
-
-def is_control(kind: MessageKind) -> bool:
-    """Kinds before which the async forwarder is flushed and deferred ACKs drained (§2.6)."""
-    return (kind == MessageKind.Stop or is_session_control(kind)
-            or is_prefix_cache_control(kind) or is_generation_control(kind))
-
-
-def expects_reply(kind: MessageKind) -> bool:
-    return KIND_INFO[kind].reply is not None

@@ -1,21 +1,13 @@
 """A decode step's frames from templates: a session's DecodeEmbd, the final stage's token.
 
 Two decode frames of a session differ in four header values (pos_start, decode_step,
-current_token and the token sideband) and the activation row. `encode_message` builds and
-checks every section of every frame: ~13 us hot, but 70-130 us where a decode frame is
-encoded, on the runtime's worker right after a forward, with its caches full of weights;
-there it is on the chain's critical path at every stage of every token. The template is the
-session's first frame, encoded and checked in full; each later frame is a copy with those
-values written in (struct.pack_into at fixed offsets, the row copied over the old one).
-The final stage's reply to a decode step is, as a rule, one token with no stats and no
-logprobs: `token_reply` writes the token into that reply's bytes. tests/test_protocol_frames.py
-holds both byte for byte to encode_message and encode_reply.
-
-Reading is the same in reverse (`DecodeFrameReader`): a frame that equals a session's
-checked frame everywhere but in those four values is read from them alone, without the
-header's field-by-field checks and the body's sections. On a lent lane, cold, those took
-61 + 70 us and the reader ~90, most of it the StageMessage it built with `replace`; built
-field by field from the checked one, 78 -> 42 us (10.4 us hot).
+current_token, the token sideband) and the activation row. `encode_message` checks every
+section: 70-130 us right after a forward (caches full of weights), on the critical path at
+every stage of every token. So a session's first frame is encoded and checked in full and
+each later one is a copy with those values written in; `token_reply` does the same for the
+final stage's usual reply, and `DecodeFrameReader` reads a frame that differs from a
+checked one only there (cold, 78 -> 42 us). tests/test_protocol_frames.py holds both byte
+for byte to encode_message and encode_reply.
 """
 
 from __future__ import annotations
@@ -87,11 +79,8 @@ class DecodeFrames:
 
 
 class DecodeFrameReader:
-    """A session's one-row DecodeEmbd frames read against one of them already decoded and
-    checked in full (`frame`, decoded as `message`): a frame that equals it everywhere but in
-    pos_start, decode_step, current_token, the token sideband and the activation row passed
-    every check it did, so only those values are read (pos_start checked as the header's
-    check would)."""
+    """A session's one-row DecodeEmbd frames read against one already checked in full: a frame
+    that equals it but for the four values and the row passed every check it did."""
 
     def __init__(self, frame: bytes, message: StageMessage):
         if not is_decode_frame(message):
@@ -155,10 +144,8 @@ def token_of_reply(frame) -> int | None:
 
 
 class MessageReader:
-    """Stage messages taken whole from the front of a byte buffer (a socket's bytes, as they
-    come): each frame's header checked before its body is waited for; a session's one-row
-    decode frames read against the first of them (`DecodeFrameReader`), every other frame
-    decoded and checked in full. Call it with the buffer: (message, size) or None (not whole yet)."""
+    """Stage messages taken whole from the front of a byte buffer: (message, size), or None
+    while not whole; each header is checked before its body is waited for."""
 
     def __init__(self) -> None:
         self._decode: DecodeFrameReader | None = None

@@ -1,7 +1,7 @@
 """Errors raised for anything wrong that arrives from, or would go onto, the wire.
 
-A connection handler catches `ProtocolError`, logs it and closes that connection
-only. Messages follow "<field>: expected <x>, got <y>".
+A `ProtocolError` closes that connection only, logged; messages follow
+"<field>: expected <x>, got <y>".
 """
 
 from __future__ import annotations

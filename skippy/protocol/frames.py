@@ -1,9 +1,8 @@
 """Stage messages and replies as dataclasses, and their pure binary encode/decode.
 
-Layouts are the tables in `constants.py` and docs/protocol.md. Decoding validates
-in a fixed order (magic -> version -> counts and limits -> kind/phase/flags ->
-lengths -> body -> no trailing bytes) and returns views into the input buffer, not
-copies: keep the buffer alive (a view does) and do not mutate it while in use.
+Decoding validates in a fixed order (magic, version, counts and limits, kind/phase/flags,
+lengths, body, no trailing bytes) and returns views into the input buffer, not copies: do not
+mutate the buffer while a message uses it.
 """
 
 from __future__ import annotations
@@ -93,8 +92,8 @@ def _byte_view(buf: object) -> memoryview:
 class StageMessage:
     """One stage message (spec §2.2, §2.4).
 
-    `version`, `phase` and `flags` are not fields: they follow from the protocol,
-    the kind and which optional sections are present, so they cannot disagree.
+    `phase` and `flags` are not fields: they follow from the kind and which optional
+    sections are present, so they cannot disagree.
     `tokens` / `positions` become 1-D int32 arrays and `activation` a flat byte
     memoryview of `activation_rows x activation_width` elements of
     `activation_dtype`, token-major.
@@ -137,10 +136,6 @@ class StageMessage:
             set_(self, "trace_context", bytes(self.trace_context))
 
     @property
-    def version(self) -> int:
-        return PROTOCOL_VERSION
-
-    @property
     def phase(self) -> Phase:
         return KIND_INFO[self.kind].phase
 
@@ -159,15 +154,9 @@ class StageMessage:
             flags |= StateFlags.TRACE_CONTEXT
         return flags
 
-    @property
-    def window_id(self) -> int:
-        """VerifyWindow / DiscardStaleWindows vocabulary for `seq_id`."""
-        return self.seq_id
-
     def activation_array(self) -> np.ndarray:
-        """The activation as a (rows, width) view; bf16 comes back as raw uint16 bits, q8 as
-        (rows, width / 32) Q8_BLOCK records, their scales checked (a lent lane's decode frames
-        skip decode_message's body checks, and every row a stage computes is read here)."""
+        """The activation as a (rows, width) view; bf16 as raw uint16 bits, q8 as Q8_BLOCK
+        records with their scales checked (template-read decode frames skip the body checks)."""
         dtype = self.activation_dtype
         rows = np.frombuffer(self.activation, dtype=ACTIVATION_NUMPY_DTYPE[dtype]
                              ).reshape(self.activation_rows, self.activation_width // dtype.block_elements)
@@ -217,9 +206,7 @@ class MessageHeader(namedtuple("MessageHeader", [f.name for f in MESSAGE_HEADER_
                 + (TRACE_CONTEXT_BYTES if self.flags & _TRACE else 0))
 
 
-# ---------------------------------------------------------------------------
-# Stage message: validation shared by the encoder and the decoder
-# ---------------------------------------------------------------------------
+# -- Stage message: validation shared by the encoder and the decoder ---------------------
 _KIND_CODES = frozenset(MessageKind)
 _REPLY_KIND_CODES = frozenset(ReplyKind)
 _DTYPE_CODES = frozenset(ActivationDtype)
@@ -316,9 +303,7 @@ def parse_message_header(buf: Buffer) -> MessageHeader:
     return header
 
 
-# ---------------------------------------------------------------------------
-# Sampling block (spec §2.3, our layout)
-# ---------------------------------------------------------------------------
+# -- Sampling block (spec §2.3, our layout) ----------------------------------------------
 _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty")
 
@@ -409,9 +394,7 @@ def _decode_grammar(kind: int, text: Buffer) -> GrammarSpec | None:
 _GRAMMAR_KIND_CODES = frozenset(GrammarKind)
 
 
-# ---------------------------------------------------------------------------
-# Stage message encode / decode
-# ---------------------------------------------------------------------------
+# -- Stage message encode / decode -------------------------------------------------------
 def _pack(layout: struct.Struct, fields: tuple, values: tuple, what: str) -> bytes:
     try:
         return layout.pack(*values)
@@ -425,8 +408,8 @@ def _pack(layout: struct.Struct, fields: tuple, values: tuple, what: str) -> byt
         raise
 
 
-def encode_message_parts(msg: StageMessage) -> list[bytes | memoryview]:
-    """Header, then the non-empty body sections, without copying the activation."""
+def encode_message(msg: StageMessage) -> bytes:
+    """Header, then the body's sections."""
     sampling = encode_sampling(msg.sampling) if msg.sampling is not None else b""
     metadata = msg.chat_metadata if msg.chat_metadata is not None else b""
     namespace = msg.cache_namespace if msg.cache_namespace is not None else b""
@@ -448,14 +431,9 @@ def encode_message_parts(msg: StageMessage) -> list[bytes | memoryview]:
     if msg.activation_dtype == ActivationDtype.q8:
         msg.activation_array()  # checks its scales
     # Fixed-stride arrays first, so they stay 4-byte aligned for zero-copy views.
-    sections = (header, memoryview(np.ascontiguousarray(msg.tokens)).cast("B"),
-                memoryview(np.ascontiguousarray(msg.positions)).cast("B"), msg.activation,
-                sampling, metadata, namespace, trace)
-    return [section for section in sections if len(section)]
-
-
-def encode_message(msg: StageMessage) -> bytes:
-    return b"".join(encode_message_parts(msg))
+    return b"".join((header, memoryview(np.ascontiguousarray(msg.tokens)).cast("B"),
+                     memoryview(np.ascontiguousarray(msg.positions)).cast("B"), msg.activation,
+                     sampling, metadata, namespace, trace))
 
 
 def _check_trace_context(trace: Buffer) -> None:
@@ -523,9 +501,7 @@ def decode_message(buf: Buffer) -> StageMessage:
     return decode_message_body(header, view[MESSAGE_HEADER.size:])
 
 
-# ---------------------------------------------------------------------------
-# Replies (spec §2.5)
-# ---------------------------------------------------------------------------
+# -- Replies (spec §2.5) -----------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class StageStatusReport:
     """A stage's answer to GetStageStatus, sent in a StageStatus reply's token array: these
@@ -573,13 +549,10 @@ class StageReply:
     """A reply upstream: an Ack, one predicted token, a verify window's predictions, or a
     stage's status.
 
-    `predicted_tokens[0] == predicted` for the prediction kinds (a PredictedToken
-    built with no tokens gets `[predicted]`). `draft_tokens` is the optional native
-    MTP draft, kept apart so it is never confused with target predictions.
-    `status` is set on StageStatus replies only. `logprobs` (a request that asked for
-    them) is one entry per predicted token, `prompt_logprobs` one per prompt token after
-    the first (a request with prompt logprobs, on its first-token reply); every entry of
-    a reply has the same number of top pairs.
+    `predicted_tokens[0] == predicted` for the prediction kinds. `draft_tokens` is the
+    optional native MTP draft, kept apart from the target's predictions. `logprobs` is one
+    entry per predicted token, `prompt_logprobs` one per prompt token after the first (on
+    the first-token reply); every entry of a reply has the same number of top pairs.
     """
 
     kind: ReplyKind

@@ -1,9 +1,8 @@
 """Connection setup frames (spec §2.1): the auth preamble and READY, as bytes <-> dataclasses.
 
-The dialer sends the preamble (only when the run has a token), the server checks
-it in constant time and answers READY, which carries the protocol version so a
-mismatched peer fails closed. The asyncio side lives in `stream.py`. The same preamble
-with the magic FETCH_MAGIC opens the tensor side channel instead (tensor_frames.py, §11).
+The dialer sends the preamble (only when the run has a token), the server checks it in
+constant time and answers READY, whose protocol version makes a mismatched peer fail
+closed. FETCH_MAGIC in the preamble opens the tensor side channel instead (§11).
 """
 
 from __future__ import annotations
@@ -47,10 +46,6 @@ class AuthPreamble:
                             f"got {len(buf)}")
         return cls(bytes(buf[AUTH_PREFIX.size:]), magic)
 
-    @property
-    def opens_tensors(self) -> bool:
-        return self.magic == FETCH_MAGIC
-
 
 def preamble_fields(prefix: bytes) -> tuple[int, int]:
     """Check the 5-byte preamble prefix: (its magic, how many token bytes follow)."""
@@ -65,14 +60,6 @@ def preamble_fields(prefix: bytes) -> tuple[int, int]:
         raise AuthError(f"auth token length: expected {MIN_AUTH_TOKEN_BYTES}.."
                         f"{MAX_AUTH_TOKEN_BYTES}, got {length}")
     return magic, length
-
-
-def auth_token_length(prefix: bytes) -> int:
-    """Check a data-plane preamble's 5-byte prefix and return how many token bytes follow."""
-    magic, length = preamble_fields(prefix)
-    if magic != AUTH_MAGIC:
-        raise AuthError(f"auth preamble magic: expected {AUTH_MAGIC:#010x}, got {magic:#010x}")
-    return length
 
 
 def check_auth(preamble: AuthPreamble, expected_token: str | bytes) -> None:

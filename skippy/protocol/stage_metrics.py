@@ -19,7 +19,7 @@ STEPS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # name -> bucket bounds, in wire order
 HISTOGRAMS: dict[str, tuple[int, ...]] = {
     **{f"forward_us.{kind}": FORWARD_BUCKETS_US for kind in FORWARD_KINDS},  # one op's worker time
-    "queue_wait_us": WAIT_BUCKETS_US,   # queued before the worker took it (the runtime-lock wait)
+    "queue_wait_us": WAIT_BUCKETS_US,   # queued before its forward began
     "batch_steps": STEPS_BUCKETS,       # sessions' steps in one decode/verify forward
 }
 COUNTERS = (
@@ -31,7 +31,7 @@ COUNTERS = (
 GAUGES = (
     "active_sessions", "kv_session_bytes",   # KV memory of the open sessions
     "kv_cache_entries", "kv_cache_bytes",    # the prefix cache's memory tier
-    "queue_depth",                           # work waiting for the worker now
+    "queue_depth",                           # steps waiting for a forward now
     "connections",                           # upstream lanes open on this stage
     "start_time_s",                          # when the process started (unix seconds): a restart moves it
 )

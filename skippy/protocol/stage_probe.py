@@ -2,8 +2,9 @@
 its StageStatus reply beside its metrics: the planner's input (launch/planner.py).
 
 i64 values in a fixed order; times in nanoseconds, sizes in bytes, rates in bytes per
-second; 0 = not measured (yet). The dtypes are ActivationDtype codes, -1 where the stage
-sends no rows (the final stage).
+second; 0 = not measured (yet); FAILED (-1) in `row_ns` or `link_rtt_ns`: that measurement
+failed and will not come (the stage's log says why). The dtypes are ActivationDtype codes, -1
+where the stage sends no rows (the final stage).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass, fields
 
 from .constants import ActivationDtype
+
+FAILED = -1  # row_ns or link_rtt_ns: the measurement ended without it
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +46,7 @@ class StageProbe:
 
     def __post_init__(self) -> None:
         values = self.flat()
-        if min(values[:7] + values[9:]) < 0:
+        if min(values[1:5] + values[6:7] + values[9:]) < 0 or min(values[0], values[5]) < FAILED:
             raise ValueError(f"stage probe: expected values >= 0, got {values}")
         for name in ("row_dtype", "chunk_dtype"):
             if getattr(self, name) != -1 and getattr(self, name) not in set(ActivationDtype):
@@ -71,7 +74,6 @@ class StageProbe:
                 "link_rtt_ms": self.link_rtt_ns / 1e6, "link_mbit_s": self.link_bytes_per_s * 8 / 1e6,
                 "link_row_dtype": dtype(self.row_dtype), "link_chunk_dtype": dtype(self.chunk_dtype)}
 
-
     @classmethod
     def from_figures(cls, figures: dict) -> StageProbe:
         """`figures`' inverse (to the nanosecond and byte): a probe read from `/v1/stages`."""
@@ -86,6 +88,11 @@ class StageProbe:
                    link_rtt_ns=round(figures["link_rtt_ms"] * 1e6),
                    link_bytes_per_s=round(figures["link_mbit_s"] * 1e6 / 8),
                    row_dtype=code(figures["link_row_dtype"]), chunk_dtype=code(figures["link_chunk_dtype"]))
+
+    @property
+    def failed(self) -> bool:
+        """Its forward or its link probe failed: no plan will get it from this stage."""
+        return FAILED in (self.row_ns, self.link_rtt_ns)
 
 
 PROBE_VALUE_COUNT = len(fields(StageProbe))

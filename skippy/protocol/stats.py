@@ -108,12 +108,9 @@ def merge(a: StageReplyStats, b: StageReplyStats) -> StageReplyStats:
     * sums for counts and times, bitwise OR for the stage masks, max for the maxima;
     * worst edge: the (total, stage index, bytes) entry with the larger total wins
       (ties go to the larger stage index, then the larger frame);
-    * prefill compute calibration: the sample with more tokens wins and, among
-      equally long samples, the slower one. A 9-token tail chunk therefore never
-      displaces a 128-token sample, however slow its per-token rate looks: its
-      time is mostly fixed overhead. Because the chunks of one prefill have the
-      same size on every stage, this keeps the slowest per-token rate of the
-      chain. Observation counts are summed.
+    * prefill compute calibration: the sample with more tokens wins, then the slower one,
+      so a short tail chunk (mostly fixed overhead) never displaces a full one; with equal
+      chunks on every stage this keeps the chain's slowest per-token rate.
     """
     if is_empty(b):  # most replies on a decode step carry nothing: skip the 60-field rebuild
         return a
@@ -192,10 +189,9 @@ def record_observation(stage_index: int, num_entries: int, num_bytes: int) -> St
 
 
 def restore_missed_below(down: StageReplyStats) -> tuple[bool, StageReplyStats]:
-    """The restore rule (spec §4.4), for stage 0 and every stage alike: what the stages below
-    answered a TryRestore with. (False, nothing more to count) when they all hit; (True, the
-    miss to add) when one missed or failed, or the reply was neutral (no stage below has a
-    cache): a neutral reply counts as one miss, so the chain's lookups add up."""
+    """The restore rule (spec §4.4), for every stage alike, from what the stages below answered:
+    (False, nothing) when they all hit; (True, the miss to add) when one missed or failed, or
+    the reply was neutral (no cache below), which counts as one miss so the lookups add up."""
     neutral = not (down.kv_lookup_hits or down.kv_lookup_misses or down.kv_lookup_errors)
     missed = bool(down.kv_lookup_misses or down.kv_lookup_errors or neutral)
     return missed, StageReplyStats(kv_lookup_misses=int(neutral))

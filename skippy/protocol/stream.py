@@ -1,4 +1,5 @@
-"""The protocol package's only I/O: frames and the handshake over asyncio streams.
+"""The protocol package's only I/O: frames and the handshake over asyncio streams (a client's:
+the stages themselves use stage/transport.py).
 
 Each read takes the fixed header first and checks every count and limit on it
 before reading (and allocating) the body, so an oversized length never allocates.
@@ -9,38 +10,27 @@ from __future__ import annotations
 
 import asyncio
 
-from .constants import AUTH_MAGIC, AUTH_PREFIX, FETCH_MAGIC, MESSAGE_HEADER, READY, REPLY_HEADER, STATS_BLOCK
+from .constants import AUTH_MAGIC, FETCH_MAGIC, MESSAGE_HEADER, READY, REPLY_HEADER, STATS_BLOCK
 from .errors import AuthError, FrameError, HandshakeTimeout
 from .frames import (
-    MessageHeader, StageMessage, StageReply, decode_message_body, decode_reply_body, encode_message_parts,
+    StageMessage, StageReply, decode_message_body, decode_reply_body, encode_message,
     encode_reply, parse_message_header, parse_reply_header,
 )
-from .handshake import AuthPreamble, Ready, check_auth, preamble_fields, token_bytes
+from .handshake import AuthPreamble, Ready, token_bytes
 from .tensor_frames import (
     TENSOR_HEADER, TensorFrame, TensorFrameKind, TensorRefused, decode_tensor_body, encode_tensor_frame,
     parse_tensor_header,
 )
 
-HANDSHAKE_TIMEOUT_S = 20.0  # READY read timeout used by the direct-return dial (spec §2.7)
-ONE_WRITE_BYTES = 64 * 1024  # frames up to this size leave in one write (see write_message)
+HANDSHAKE_TIMEOUT_S = 20.0  # client_handshake's wait for READY
 
 
-async def _read_exactly(reader: asyncio.StreamReader, nbytes: int, what: str) -> bytes:
-    if nbytes == 0:
-        return b""
+async def _read_exactly(reader: asyncio.StreamReader, nbytes: int, what: str, *, frame_start: bool = False):
+    """`nbytes` bytes; at a `frame_start`, None on a clean EOF before the first of them."""
     try:
         return await reader.readexactly(nbytes)
     except asyncio.IncompleteReadError as error:
-        raise FrameError(f"{what}: expected {nbytes} bytes, got {len(error.partial)} before EOF "
-                         "(truncated)") from None
-
-
-async def _read_frame_start(reader: asyncio.StreamReader, nbytes: int, what: str) -> bytes | None:
-    """The first `nbytes` of a frame, or None on a clean EOF before its first byte."""
-    try:
-        return await reader.readexactly(nbytes)
-    except asyncio.IncompleteReadError as error:
-        if not error.partial:
+        if frame_start and not error.partial:
             return None
         raise FrameError(f"{what}: expected {nbytes} bytes, got {len(error.partial)} before EOF "
                          "(truncated)") from None
@@ -48,39 +38,21 @@ async def _read_frame_start(reader: asyncio.StreamReader, nbytes: int, what: str
 
 async def read_message(reader: asyncio.StreamReader) -> StageMessage | None:
     """Read one stage message; None means the peer closed cleanly between frames."""
-    header = await read_message_header(reader)
-    return None if header is None else await read_message_body(reader, header)
-
-
-async def read_message_header(reader: asyncio.StreamReader) -> MessageHeader | None:
-    """A message's checked header (its body not read yet), or None on a clean EOF: a reader
-    waiting here is between frames, having consumed nothing of the next."""
-    head = await _read_frame_start(reader, MESSAGE_HEADER.size, "message header")
-    return None if head is None else parse_message_header(head)  # limits checked before the body is read
-
-
-async def read_message_body(reader: asyncio.StreamReader, header: MessageHeader) -> StageMessage:
-    body = await _read_exactly(reader, header.body_bytes, "message body")
-    return decode_message_body(header, body)
+    head = await _read_exactly(reader, MESSAGE_HEADER.size, "message header", frame_start=True)
+    if head is None:
+        return None
+    header = parse_message_header(head)  # limits checked before the body is read
+    return decode_message_body(header, await _read_exactly(reader, header.body_bytes, "message body"))
 
 
 async def write_message(writer: asyncio.StreamWriter, msg: StageMessage) -> None:
-    # A small frame (a decode step's one row) goes out in one write: with TCP_NODELAY each
-    # write is a send() and a packet of its own, and the reader wakes once per packet.
-    # A large one (a prompt chunk) goes one write per section, so the activation is sent
-    # straight from its buffer instead of being copied into a joined one first.
-    parts = encode_message_parts(msg)
-    if sum(memoryview(part).nbytes for part in parts) <= ONE_WRITE_BYTES:
-        writer.write(b"".join(parts))
-    else:
-        for part in parts:
-            writer.write(part)
+    writer.write(encode_message(msg))
     await writer.drain()
 
 
 async def read_reply(reader: asyncio.StreamReader) -> StageReply | None:
     """Read one reply; None means the peer closed cleanly between frames."""
-    head = await _read_frame_start(reader, REPLY_HEADER.size, "reply header")
+    head = await _read_exactly(reader, REPLY_HEADER.size, "reply header", frame_start=True)
     if head is None:
         return None
     header = parse_reply_header(head)
@@ -96,13 +68,9 @@ async def write_reply(writer: asyncio.StreamWriter, reply: StageReply) -> None:
 async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            token: str | bytes | None = None, *,
                            timeout: float = HANDSHAKE_TIMEOUT_S, tensors: bool = False) -> Ready:
-    """Dialer side (spec §2.1): send the auth preamble if we have a token, then await READY.
-    `tensors`: open the tensor side channel instead (§11; it needs the token).
-
-    Raises VersionMismatch if the server speaks another version, FrameError if it
-    closes (for example after refusing our token), HandshakeTimeout if it stays silent
-    past `timeout`.
-    """
+    """Dialer side (spec §2.1): the auth preamble if we have a token, then READY
+    (`tensors`: the tensor side channel, §11). VersionMismatch, FrameError (closed, e.g.
+    a refused token) or HandshakeTimeout when it fails."""
     if tensors and token is None:
         raise AuthError("the tensor side channel needs the chain's auth token")
     if token is not None:
@@ -115,37 +83,6 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     except FrameError as error:
         raise FrameError(f"{error} (did the server refuse our auth token?)") from None
     return Ready.decode(data)
-
-
-async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           expected_token: str | bytes | None = None, *,
-                           timeout: float = HANDSHAKE_TIMEOUT_S) -> bool:
-    """Server side (spec §2.1): check the auth preamble if a token is configured, send READY.
-    True when the dialer opened the tensor side channel (§11): only a dialer with the
-    token can; a server without one reads no preamble, so it never is.
-
-    Raises AuthError on a missing, malformed, late or wrong token; the caller
-    then drops the connection without sending anything.
-    """
-    preamble = None
-    if expected_token is not None:
-        expected = token_bytes(expected_token)
-
-        async def read_preamble() -> AuthPreamble:
-            prefix = await _read_exactly(reader, AUTH_PREFIX.size, "auth preamble")
-            magic, length = preamble_fields(prefix)
-            return AuthPreamble(await _read_exactly(reader, length, "auth token"), magic)
-
-        try:
-            preamble = await asyncio.wait_for(read_preamble(), timeout)
-        except TimeoutError:
-            raise AuthError(f"auth preamble: none within {timeout} s") from None
-        except FrameError as error:
-            raise AuthError(str(error)) from None
-        check_auth(preamble, expected)
-    writer.write(Ready().encode())
-    await writer.drain()
-    return preamble is not None and preamble.opens_tensors
 
 
 async def read_tensor_frame(reader: asyncio.StreamReader, expected: TensorFrameKind, *,

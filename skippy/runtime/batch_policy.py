@@ -1,30 +1,18 @@
 """Which queued steps one forward runs, and how long to wait for more (spec §6.1, §6.5).
 
 Decides only: no threads, no torch, no clock of its own (`now` is passed in), so every rule
-is tested with made-up times. The engine (stage/engine.py) queues each step it is given and
-asks `choose` what to run; it sleeps until the returned time (or until something arrives).
+is tested with made-up times.
 
-* Decode and verify steps waiting together run as ONE forward. When several sessions are
-  decoding, each one's cadence (the time between its steps: this stage's forward plus the
-  trip through the rest of the chain) says when it is due back; before a forward the policy
-  waits for the peers due within a quarter of a forward (stragglers of the same wave, a few
-  ms apart), and for one due, until a quarter of its period past due (the API's work for the
-  last token spreads 8 streams' next steps over 3-5 ms). A lone session never waits.
-  It does not wait for the other wave of a pipelined chain: that wave is computing on the
-  next stage, and one merged wave leaves each stage idle while the other works (4 sessions
-  on 2 stages on CPU: 1.3x slower).
-* Stages that share one machine's cores (`waves`, one per stage) split the decoding
-  sessions into that many waves themselves, from MIN_WAVE_SESSIONS a wave, and a wave's
-  forward runs on its share of the cores: each stage computes one wave while the other
-  stage computes the other, and the Python between forwards runs beside the other stage's
-  layers (8 streams on 2 stages, 2 cores: 246 -> 279 tok/s; two waves of 2 measured 0.94x).
-* Prompt chunks of different sessions queued together share a forward (up to
-  MAX_PREFILL_ROWS rows). The first chunk of sessions opened together (`announce`) waits up
-  to PROMPT_GATHER_S for the others' first chunks: 8 requests arriving together reach the
-  stage a few ms apart, and a forward of the first alone puts it out of step for the whole
-  decode. After a last chunk the session is a peer due at once, so sessions prefilled
-  together also take their first decode step together.
-* When prompts and decode steps both wait, forwards alternate between them.
+* Decode and verify steps waiting together run as ONE forward. Each decoding session's
+  cadence says when it is due back; the policy waits for peers due within a quarter of a
+  forward, never for the other wave of a pipelined chain (one merged wave leaves each stage
+  idle while the other works: 4 sessions on 2 stages, 1.3x slower). A lone session never waits.
+* Stages sharing one machine's cores (`waves`) split the decoding sessions into that many
+  waves, each on its share of the cores, so one stage's Python runs beside the other's
+  layers (8 streams on 2 stages, 2 cores: 246 -> 279 tok/s).
+* Prompt chunks of different sessions share a forward (up to MAX_PREFILL_ROWS rows); the
+  first chunks of sessions opened together wait up to PROMPT_GATHER_S for each other, so
+  they also decode in step. When prompts and decode steps both wait, forwards alternate.
 """
 
 from __future__ import annotations
@@ -172,12 +160,9 @@ class BatchPolicy:
         return Choice(self._prefills_from(queue, first), 1)
 
     def peer_deadline(self, queue: list[Queued], since: float, now: float) -> float | None:
-        """The latest time worth waiting until for a missing peer (None: run now).
-
-        A straggler due within a fraction of a forward is worth its wait: batched, its row
-        adds less to this forward than a forward of its own would cost. A peer of the other
-        pipeline wave is due about one forward away, beyond the budget. Waves this policy
-        splits wait for their own stragglers only, whatever `peer_wait_forwards` says."""
+        """The latest time worth waiting until for a missing peer (None: run now). A straggler
+        due within a fraction of a forward is worth it: batched, its row costs less than a
+        forward of its own. Waves this policy splits wait for their own stragglers only."""
         settings = self.settings
         waiting = {item.key for item in queue if not item.is_prefill}
         waves, size = self.waves(queue, now)

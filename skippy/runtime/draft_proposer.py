@@ -1,9 +1,4 @@
-"""The `draft` proposer: a complete small model in the stage-0 process (spec §5.2).
-
-It runs greedily over its own KV cache, which follows the committed history:
-after a rejection the drafts the target refused are cut from the cache
-(KVCache.truncate), so only the new tokens are fed on the next proposal.
-"""
+"""The `draft` proposer: a complete small model in the stage-0 process (spec §5.2)."""
 
 from __future__ import annotations
 
@@ -20,12 +15,9 @@ from .proposers import Proposer
 
 
 class DraftProposer(Proposer, name="draft"):
-    """Greedy drafts from `model` (or the GGUF at `path`), with its own KV cache.
-
-    `cached` lists the tokens whose keys and values are in `cache`, in order: the
-    committed history it has seen, then the drafts it fed itself. The prefix that
-    still matches the history is kept across commits and even across requests
-    (reset), so a shared prompt prefix is not recomputed.
+    """Greedy drafts from `model` (or the GGUF at `path`), with its own KV cache: `cached` lists
+    the tokens in it (the committed history, then its own drafts). The prefix that still matches
+    the history is kept across commits and requests, so only new tokens are fed.
     """
 
     def __init__(

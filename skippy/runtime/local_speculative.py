@@ -1,10 +1,8 @@
 """Speculative generation in one process: the reference for verify windows on a chain.
 
-Same contract as local_generation.generate_tokens (the tokens, the stops, the
-context limit), but each decode step verifies a window [current, d1..dn] of
-proposed tokens in one forward and keeps the prefix the target agrees with.
-Acceptance, stops and counters are `speculation.Speculator`'s, shared with the
-chain's stage-0 decoder (driver/decoder.py).
+Same contract as local_generation.generate_tokens, but each step verifies a window of
+proposed tokens in one forward; acceptance, stops and counters are `speculation.Speculator`'s,
+shared with the chain's stage-0 decoder (driver/decoder.py).
 """
 
 from __future__ import annotations

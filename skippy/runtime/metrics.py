@@ -1,16 +1,13 @@
 """`StageMetrics`: this stage's counters and histograms, in the layout the protocol carries.
 
-The runtime records every forward it runs (by kind: prefill, decode, verify), how long
-each waited for the worker, and how many steps a decode forward batched; `values()` adds
-the gauges and the prefix cache's counters and returns what a StageStatus reply carries
-(protocol/stage_metrics.py). Stage 0 reads its own directly and asks every other stage.
-Updates come from the event loop and the worker thread, so they take a lock (~0.1 us).
+The runtime records every forward it runs (by kind), its wait in the queue, and how many
+steps a decode forward batched; `values()` adds the gauges and the prefix cache's counters.
+Like the runtime, it belongs to the stage's engine thread: nothing here locks.
 """
 
 from __future__ import annotations
 
 import bisect
-import threading
 import time
 
 from ..protocol.stage_metrics import COUNTERS, GAUGES, HISTOGRAMS, HistogramValues, StageMetricValues
@@ -24,42 +21,29 @@ _CACHE_COUNTERS = {"hits": "kv_hits", "misses": "kv_misses", "disk_hits": "kv_di
 
 class StageMetrics:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._counts = {name: [0] * (len(bounds) + 1) for name, bounds in HISTOGRAMS.items()}
         self._totals = dict.fromkeys(HISTOGRAMS, 0)
         self.start_time_s = int(time.time())
 
     def count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counters[name] += n
+        self._counters[name] += n
 
     def observe(self, name: str, value: int) -> None:
-        bucket = bisect.bisect_left(HISTOGRAMS[name], value)  # bounds are inclusive (Prometheus le)
-        with self._lock:
-            self._counts[name][bucket] += 1
-            self._totals[name] += value
+        self._counts[name][bisect.bisect_left(HISTOGRAMS[name], value)] += 1  # bounds are inclusive (le)
+        self._totals[name] += value
 
     def observe_forward(self, kind: str, rows: int, run_s: float, wait_s: float) -> None:
-        """One op of `kind` ran `rows` rows for `run_s` on the worker after waiting `wait_s`."""
-        run_us, wait_us = int(run_s * 1e6), int(wait_s * 1e6)
-        forward, queue = f"forward_us.{kind}", "queue_wait_us"
-        forward_bucket = bisect.bisect_left(HISTOGRAMS[forward], run_us)
-        wait_bucket = bisect.bisect_left(HISTOGRAMS[queue], wait_us)
-        with self._lock:
-            self._counters[f"rows.{kind}"] += rows
-            self._counts[forward][forward_bucket] += 1
-            self._totals[forward] += run_us
-            self._counts[queue][wait_bucket] += 1
-            self._totals[queue] += wait_us
+        """A forward of `kind` ran `rows` rows for `run_s` after `wait_s` in the queue."""
+        self._counters[f"rows.{kind}"] += rows
+        self.observe(f"forward_us.{kind}", int(run_s * 1e6))
+        self.observe("queue_wait_us", int(wait_s * 1e6))
 
     def values(self, gauges: dict[str, int], cache_stats: dict[str, int] | None) -> StageMetricValues:
         """A snapshot: the recorded counters and histograms, the prefix cache's counters and
         the given gauges (every name of GAUGES but start_time_s, which is ours)."""
-        with self._lock:
-            counters = dict(self._counters)
-            histograms = {name: HistogramValues(tuple(self._counts[name]), self._totals[name])
-                          for name in HISTOGRAMS}
+        counters = dict(self._counters)
+        histograms = {name: HistogramValues(tuple(self._counts[name]), self._totals[name]) for name in HISTOGRAMS}
         cache = cache_stats or {}
         for source, name in _CACHE_COUNTERS.items():
             counters[name] = int(cache.get(source, 0))

@@ -1,10 +1,9 @@
 """A stage's exact prefix KV cache: LRU over snapshots, bounded by entries and bytes (spec §4.3–§4.5).
 
-Bookkeeping only: a snapshot is opaque here (the cache reads its `nbytes`). The caller
-makes snapshots (`KVCache.snapshot`) and restores hits (`KVCache.restore`). An optional
-lower tier (`DiskCache`) takes what memory evicts (or everything recorded) and is probed
-on a memory miss. Eviction never touches a pinned entry: a session restoring it holds a pin.
-Not thread-safe: call from the stage's runtime thread (spec §3.5); `stats` may be read anywhere.
+Bookkeeping only: a snapshot is opaque here (the cache reads its `nbytes`). An optional lower
+tier (`DiskCache`) takes what memory evicts (or everything recorded) and is probed on a memory
+miss. Eviction never touches a pinned entry (a session restoring it holds a pin). Not
+thread-safe: the stage's engine thread only (spec §3.5); `stats` may be read anywhere.
 """
 
 from __future__ import annotations

@@ -121,13 +121,10 @@ def record_lengths(num_tokens: int, stride: int = 128, min_tokens: int = 64, lim
     """The lengths to record, longest first: the exact length, then aligned lengths whose
     distance below the longest aligned one doubles (0, 1, 2, 4, 8... strides, then the lowest).
 
-    Why not the top of the ladder: prompts that share a system prompt of B tokens and
-    differ after it need an entry at or below B, and every aligned length above B holds
-    tail tokens. The original policy, [exact, A] (spec §4.3), never records a shared prefix
-    once the tails reach past the next multiple of the stride. With doubling gaps, a prefix
-    shared by prompts at most 2**(limit - 3) strides longer than it is always recorded
-    (256 tokens at the defaults). Each entry is a full copy: the price is up to `limit`
-    times the prompt's KV per record, bounded by the cache's byte budget.
+    Prompts sharing a system prompt of B tokens need an entry at or below B; the original
+    [exact, A] (spec §4.3) misses it once their tails pass the next stride. With doubling gaps
+    a prefix shared by prompts at most 2**(limit - 3) strides longer is always recorded, at
+    up to `limit` copies of the prompt's KV per record (within the cache's byte budget).
     """
     ladder = candidate_lengths(num_tokens, stride, min_tokens)
     aligned = ladder[1:]

@@ -1,16 +1,8 @@
 """Draft-token proposers for speculative decoding (spec §5.2), behind a name registry.
 
-A proposer guesses the tokens that follow the committed history: the prompt plus
-every token the target has accepted, ending with the current token. Only
-`reset(prompt)` and `commit(tokens)` change that history; rejected drafts never
-reach it, so a proposer cannot drift from what the request really emitted.
-
-    proposer = create_proposer("ngram-suffix")
-    proposer.reset(prompt_ids + [first_token])
-    drafts = proposer.propose(max_tokens=4)   # [] when it has no guess
-    proposer.commit(tokens_the_window_committed)
-
-A subclass registers itself by name: `class Mine(Proposer, name="mine")`.
+A proposer guesses the tokens that follow the committed history (the prompt and every
+accepted token). Only `reset(prompt)` and `commit(tokens)` change that history, so rejected
+drafts never reach it. A subclass registers itself: `class Mine(Proposer, name="mine")`.
 """
 
 from __future__ import annotations
@@ -114,17 +106,12 @@ class NgramSimpleProposer(Proposer, name="ngram-simple"):
 
 
 class NgramSuffixProposer(Proposer, name="ngram-suffix"):
-    """Exact-seed index over the committed history (docs/skippy/SUFFIX_NGRAM_PROPOSER.md).
-
-    `index` maps every run of `seed_len` tokens to the positions where such a run
-    ends, in increasing order. A commit appends the new positions only, so a
-    proposal visits just the positions whose last `seed_len` tokens already equal
-    the history's, instead of rescanning the history. From each (most recent first)
-    it compares backwards up to `max_ngram`; the longest match wins, the most recent
-    on ties, and it stays silent below `min_ngram`. The tokens that followed the
-    match are copied, bounded by the request's width, `max_proposal_tokens`,
-    2x the match length (a short match is weak evidence for a long copy), and the
-    history itself.
+    """Exact-seed index over the committed history: `index` maps every run of `seed_len`
+    tokens to the positions where one ends, appended to on commit, so a proposal visits only
+    positions whose last `seed_len` tokens equal the history's. From each (most recent first)
+    it compares backwards up to `max_ngram`; the longest match wins (the most recent on ties,
+    none below `min_ngram`), and what followed it is copied, at most 2x the match length (a
+    short match is weak evidence for a long copy) and `max_proposal_tokens`.
     """
 
     def __init__(self, min_ngram: int = 3, max_ngram: int = 32, max_proposal_tokens: int = 16):

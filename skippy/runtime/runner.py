@@ -23,13 +23,9 @@ from .step import SampleMode, Step, StepResult
 
 
 # A batched decode step's greedy picks are made in the layers' call (StageModel.forward's
-# `greedy`): read after the call, each row's 192 KiB of logits came back from the other
-# core's caches and memory (an 8-row step's sampling 0.65 ms; 8 streams on 2 stages +4%).
-# A lone row keeps the sampler's pick after the call: on 2 stages sharing 2 cores, those
-# ~200 us of the final stage are when stage 0's API loop does its work for the last token
-# in the other process; without them that work met stage 0's next step at the interpreter
-# lock, and a served stream ran 9-12% slower (three interleaved A/Bs). On an Intel Xeon: 0.82x,
-# and 0.99x once a team's threads claimed each other's matmul blocks (docs/architecture.md).
+# `greedy`), where each row's logits are still in cache; a lone row keeps the sampler's pick
+# after the call, whose time stage 0's API loop uses on a shared machine (docs/decisions.md,
+# 2026-12-05).
 PICK_MIN_STEPS = 2
 
 # Rows a frame may ask logits of (docs/protocol.md §8.1): a verify window's (stage 0's windows
@@ -65,12 +61,9 @@ def tensor_to_rows(hidden: torch.Tensor, dtype: ActivationDtype) -> np.ndarray:
 
 
 def _check_picks(logits: torch.Tensor, tokens: list[int], bias: dict[int, float]) -> None:
-    """Each picked token's logit plus its bias must be a number above -inf. A greedy pick
-    lands on a NaN whenever its row holds one (NaN counts as the largest, in the sampler and
-    the forward's picks alike), and on a -inf only when every token is banned: either way the
-    row has no token to give, and its request fails (RequestError) instead of reading on with
-    a token that means nothing. A sampled row met its case in the sampler already. One value
-    read a row (through numpy: a torch gather's call costs more than the read)."""
+    """Each picked token's logit plus its bias must be a number above -inf: a greedy pick lands
+    on a NaN whenever its row holds one, and on -inf only when every token is banned; either
+    way the request fails (RequestError) instead of reading on with a meaningless token."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         values = logits.numpy()
         picked = [float(values[i, token]) for i, token in enumerate(tokens)]
@@ -114,12 +107,9 @@ class Runner:
 
     # -- iterations ---------------------------------------------------------------
     def run_batch(self, steps: list[Step]) -> list[StepResult | Exception]:
-        """One forward over every step that passes its checks; per-step errors are returned.
-
-        One session's step never fails another's: its inputs are checked before its rows
-        join the forward (`_check_inputs`), and what can still go wrong for one row after
-        the forward (its logits, its sampler, its grammar) fails that step alone (`_sample`).
-        """
+        """One forward over every step that passes its checks; per-step errors are returned, so
+        one session's step never fails another's (inputs checked before the forward, each
+        row's logits, sampler and grammar after it)."""
         results: list[StepResult | Exception | None] = [None] * len(steps)
         ready, aligned = [], {}
         for i, step in enumerate(steps):
@@ -136,12 +126,9 @@ class Runner:
         return results  # type: ignore[return-value]
 
     def _check_inputs(self, step: Step) -> None:
-        """What a step's frame carries, checked before it touches the session or a forward:
-        token ids inside the vocabulary (the first stage embeds them; the final stage's
-        penalties, grammar and prompt logprobs index with them), and, on later stages, one
-        finite activation row per compute row. Non-finite rows are refused, not computed:
-        one NaN row would give its session NaN logits, and a sampler nothing to draw from
-        (docs/protocol.md §7.1)."""
+        """What a step's frame carries, checked before it touches the session or a forward: token
+        ids inside the vocabulary, and on later stages one finite activation row per compute
+        row (a NaN row would leave the sampler nothing to draw from: docs/protocol.md §7.1)."""
         if step.window_id is not None:
             if step.num_rows > MAX_WINDOW_ROWS:
                 raise RequestError(f"Expected a verify window of at most {MAX_WINDOW_ROWS} rows, got "
@@ -193,7 +180,6 @@ class Runner:
         if step.start < cache.length:  # auto-align: the authoritative start wins (spec §3.4)
             aligned_from = cache.length
             cache.truncate(step.start)
-            session.num_auto_aligns += 1
         session.record_tokens(step.start, step.tokens, step.num_rows)
         if step.window_id is not None:
             session.verify_windows[step.window_id] = VerifyCheckpoint(

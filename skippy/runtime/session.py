@@ -1,17 +1,14 @@
 """Sessions on one stage: identity, token ledger, sampling settings, verify checkpoints.
 
-Bookkeeping only: no torch. The KV cache and the sampler are opaque objects that
-the runner (the only torch module in `runtime`) creates and uses. A session is
-keyed by (lane id, session id) (spec §3.1): the lane is the upstream connection on
-a stage server or the leased lane on stage 0, so two connections never share a
-session even if they reuse a session id.
+Bookkeeping only: no torch (the runner creates and uses the KV cache and the sampler). A
+session is keyed by (lane id, session id) (spec §3.1), so two connections never share one
+even if they reuse a session id.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from ..protocol.sampling_config import SamplingConfig
@@ -35,11 +32,6 @@ class LaneLimitError(SessionError):
     """Opening one more session would exceed the stage's lane_count (spec §3.1)."""
 
 
-class SessionState(Enum):
-    ACTIVE = "active"
-    DROPPED = "dropped"
-
-
 @dataclass(slots=True)
 class VerifyCheckpoint:
     """A verify window run provisionally: the KV length to return to is `base`."""
@@ -54,7 +46,7 @@ class VerifyCheckpoint:
 class Session:
     key: SessionKey
     request_id: int
-    state: SessionState = SessionState.ACTIVE
+    dropped: bool = False
     cache: Any = None                   # KVCache, created by the runner on first use
     sampler: Any = None                 # RequestSampler, final stage only
     sampling: SamplingConfig | None = None
@@ -67,7 +59,6 @@ class Session:
     verify_windows: dict[int, VerifyCheckpoint] = field(default_factory=dict)
     discarded_windows: deque[tuple[int, int]] = field(  # [min, max] ranges, the newest
         default_factory=lambda: deque(maxlen=MAX_DISCARD_RANGES))
-    num_auto_aligns: int = 0
     is_new: bool = True  # not yet counted as opened (stage metrics)
     # prompt logprobs (final stage): the entries so far, and the last chunk's last row's logits,
     # (position, tensor), whose token comes with the next chunk
@@ -75,7 +66,7 @@ class Session:
     pending_prompt_row: Any = None
 
     def check_active(self) -> None:
-        if self.state is not SessionState.ACTIVE:
+        if self.dropped:
             raise SessionError(f"session {self.key} was dropped")
 
     def record_tokens(self, start: int, tokens: list[int], num_rows: int) -> None:
@@ -144,7 +135,7 @@ class SessionTable:
     def drop(self, key: SessionKey) -> Session | None:
         session = self._sessions.pop(key, None)
         if session is not None:
-            session.state = SessionState.DROPPED
+            session.dropped = True
             session.cache = session.sampler = None  # frees the KV memory
             session.verify_windows.clear()
         return session

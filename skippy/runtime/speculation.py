@@ -87,14 +87,9 @@ def settle_window(
 
 
 class AdaptiveWindow:
-    """The number of drafts to verify next: grows after full accepts, shrinks after rejections.
-
-    Additive increase (+1 after a window whose drafts filled the width and were all
-    accepted) and multiplicative decrease (halved after any rejection), kept within
-    [min_tokens, max_tokens]. Halving backs off quickly when a proposer starts
-    guessing wrong, and the +1 steps earn the width back one success at a time.
-    A window the proposer could not fill says nothing about a wider one, so a full
-    accept of fewer drafts than the width does not grow it.
+    """The number of drafts to verify next, within [min_tokens, max_tokens]: +1 after a full
+    window all accepted, halved after any rejection, so it backs off fast when a proposer
+    starts guessing wrong. A window the proposer could not fill does not grow it.
     """
 
     def __init__(self, min_tokens: int = 1, max_tokens: int = 4, start: int | None = None):
@@ -227,17 +222,9 @@ class SpeculativeSettings:
 class Speculator:
     """One request's speculation state: committed history, proposals, settled windows, stops.
 
-    The model-side loop (one process: local_speculative.py; a chain: the stage-0
-    decoder) owns the KV cache and the forwards; this owns everything else, so both
-    decide acceptance and stops with the same code:
-
-        emitted = spec.start(prompt, first_token)       # the prefill's token, unless a stop
-        while not spec.is_finished:
-            drafts = spec.propose(spec.next_width(num_free_positions))
-            targets = <verify [spec.current, *drafts] at the committed position>
-            outcome = spec.settle(drafts, targets)       # emit outcome.tokens; keep num_kv_kept rows
-
-    `proposer` None never proposes: every step is a one-row window (plain decoding).
+    The model-side loop (local_speculative.py, or the chain's driver/decoder.py) owns the KV
+    cache and the forwards; this owns the rest, so both decide acceptance and stops with the
+    same code. `proposer` None never proposes: every step is a one-row window.
     """
 
     def __init__(self, proposer: Proposer | None, max_tokens: int, stop_ids: Collection[int],

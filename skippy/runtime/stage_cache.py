@@ -1,15 +1,11 @@
 """A stage's prefix cache wired to its sessions (spec §4.3, §4.4): restore into a session,
 record from its prefill ledger, roll a restore back.
 
-`StagePrefixCache` owns this stage's `PrefixCache` (and its disk tier) and the stage's
-base `CacheNamespace`; a request's namespace is the base plus the 32-byte digest of its
-`prompt_cache_key` that the wire carries (`protocol.cache_namespace_digest`), or None for
-the shared default. Every method that touches a session or the cache runs on the runtime
-worker (`StageRuntime.restore_prefix` / `record_prefix` / `rollback_prefix` submit them),
-because `PrefixCache` is not thread-safe (spec §3.5). `stats()` may be read anywhere.
-
-Failures fail open (spec §4.6): a model path that cannot be digested, or a disk directory
-that cannot be used, leaves the stage serving with cold prefill and a logged reason.
+A request's namespace is the stage's base `CacheNamespace` plus the digest of its
+`prompt_cache_key` (None: the shared default). Every method that touches a session or the
+cache runs on the stage's engine thread (`PrefixCache` is not thread-safe, spec §3.5);
+`stats()` may be read anywhere. Failures fail open (spec §4.6): the stage serves with cold
+prefill and a logged reason.
 """
 
 from __future__ import annotations
@@ -73,7 +69,7 @@ class StagePrefixCache:
     def namespace(self, digest: bytes | None) -> CacheNamespace:
         return self.base.with_namespace(None if digest is None else digest.hex())
 
-    # -- runtime worker only -------------------------------------------------------------
+    # -- the engine thread only -------------------------------------------------------------
     def restore(self, session: Session, tokens: list[int], *, longest: bool,
                 new_cache: Callable[[], Any]) -> int:
         """Restore the longest cached prefix of `tokens` on the ladder (stage 0), or exactly
@@ -133,7 +129,7 @@ class StagePrefixCache:
         session.verify_windows.clear()
 
     def close(self) -> int:
-        """At shutdown, with the worker stopped: write what memory holds to the disk tier
+        """At shutdown, with the engine stopped: write what memory holds to the disk tier
         (policy "evict": only evicted entries were written so far). Returns how many."""
         if self.disk is None or self.cache.disk_policy != "evict":
             return 0

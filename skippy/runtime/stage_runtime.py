@@ -1,9 +1,8 @@
 """`StageRuntime`: one stage's model, sessions, prefix cache, step queue and batch policy.
 
-Everything here belongs to one thread, the stage's engine (stage/engine.py), which calls it
-directly: no locks, no futures. `submit` is the one place a step starts (a prompt chunk, a
-decode row, a verify window, stage 0's own steps and every stage's alike); `run_ready` runs
-the forward the batch policy picks and hands each step its result.
+Everything here belongs to the stage's engine thread: no locks, no futures. `submit` is the
+one place a step starts, on every stage; `run_ready` runs the forward the batch policy picks
+and hands each step its result.
 """
 
 from __future__ import annotations
@@ -63,15 +62,11 @@ class StageRuntime:
                              record_logits=record_logits, grammars=grammars)
         self.policy = BatchPolicy(batch)
         self._queue: list[Queued] = []
-        self.num_forwards = self.num_batched_forwards = 0
+        self.num_batched_forwards = 0
 
     @property
     def is_first(self) -> bool:
         return self.runner.is_first
-
-    @property
-    def is_last(self) -> bool:
-        return self.runner.is_last
 
     @property
     def ctx_size(self) -> int:
@@ -135,9 +130,7 @@ class StageRuntime:
     # -- steps: the one way into a forward --------------------------------------------
     def submit(self, step: Step, done: StepDone, *, prefill: bool = False, last_chunk: bool = True) -> None:
         """Queue `step` for a forward; `done(result or exception, timing)` runs after it.
-        `prefill`: a prompt chunk (batched with other prompts' chunks, `last_chunk`: the
-        prompt's last, after which the session decodes), else a decode or verify step
-        (batched with other sessions' steps)."""
+        `prefill`: a prompt chunk (`last_chunk`: the prompt's last), else a decode or verify step."""
         item = Queued(step.session.key, step.num_rows, prefill, time.perf_counter(), last_chunk, (step, done))
         self._queue.append(item)
         self.policy.queued(item)
@@ -145,10 +138,6 @@ class StageRuntime:
     def cancel(self, key: SessionKey) -> None:
         """Forget the queued steps of a session (its request ended while they waited)."""
         self._queue = [item for item in self._queue if item.key != key]
-
-    @property
-    def has_queued(self) -> bool:
-        return bool(self._queue)
 
     def run_ready(self) -> float | None:
         """Run the forward the policy picks now, if any; returns when to ask again (None: when
@@ -184,7 +173,6 @@ class StageRuntime:
     def _count(self, batch: list[Queued], run_s: float, started: float) -> None:
         size = len(batch)
         if not batch[0].is_prefill:
-            self.num_forwards += 1
             self.metrics.observe("batch_steps", size)
             if size > 1:
                 self.num_batched_forwards += 1

@@ -1,9 +1,8 @@
 """A stage from its spec: `build_stage(spec)` builds one in this process, with no process-wide state.
 
 `skippy stage` builds one from a config file (stage/process.py); a cluster engine that places
-stages itself (Ray's actors, say) hands each its `StageSpec` and calls the same function. The
-spec is decided whole before anything starts and nothing patches what it built: the model,
-the prefix cache, the runtime, the server and its transport all come from it.
+stages itself hands each its `StageSpec`. Everything comes from the spec, decided whole
+before anything starts; nothing patches what it built.
 """
 
 from __future__ import annotations
@@ -26,10 +25,8 @@ WEIGHT_DTYPES = {"auto": "auto", "f32": "float32", "f16": "float16", "bf16": "bf
 
 @dataclass(frozen=True, slots=True)
 class StageSpec:
-    """One stage, decided whole: its config (a file's, with the command line's overrides) and
-    the chain's topology (where the final stage dials the direct prediction return, and whose
-    stages may fetch their layers from it; None: it relays predictions up its lane instead
-    and serves no tensors)."""
+    """One stage, decided whole: its config and the chain's topology (None: predictions are
+    relayed up the lanes, and it serves no tensors)."""
     config: StageConfig
     topology: Topology | None = None
 

@@ -1,12 +1,10 @@
 """A data socket owned by the engine thread: plain TCP or TLS, non-blocking, whole frames in and out.
 
-The engine's selector says when the socket is readable; `_read` takes everything there is and
-hands each whole frame to `on_frame` (a TLS socket's decrypted bytes are drained too:
-`pending()` holds what the selector cannot see). `send` writes at once and keeps what the
-socket would not take, in order, for when it is writable again; a TLS write that cannot
-finish is retried with the same bytes (OpenSSL's rule). A link conditioned as a WAN
-(stage/link.py) holds each frame until its delivery time. Whatever ends the socket (EOF, an
-error, a bad frame, `close`) reaches `on_close` once, with the reason.
+`_read` takes everything readable (a TLS socket's `pending()` bytes too, which the selector
+cannot see) and hands each whole frame to `on_frame`. `send` writes at once and keeps what the
+socket would not take for when it is writable; a TLS write that cannot finish is retried with
+the same bytes (OpenSSL's rule). A WAN-conditioned link (stage/link.py) holds each frame until
+its delivery time. Whatever ends the socket reaches `on_close` once, with the reason.
 """
 
 from __future__ import annotations
@@ -53,7 +51,7 @@ class Channel(Generic[F]):
         self._eof = False  # the peer has closed its side: nothing more to read
         self.closed = False
         self.close_reason: str | None = None
-        self.bytes_in = self.bytes_out = 0
+        self.bytes_in = 0
         engine.watch(sock, self._ready)
 
     # -- writing --------------------------------------------------------------------------
@@ -67,7 +65,6 @@ class Channel(Generic[F]):
         self._write(data)
 
     def _write(self, data: bytes) -> None:
-        self.bytes_out += len(data)
         if not self._out:
             try:
                 sent = self.sock.send(data)
@@ -109,7 +106,7 @@ class Channel(Generic[F]):
         now = time.perf_counter()
         self._delayed.append((self._conditioner.deliver_at(len(data), now), data))
         if self._timer is None:
-            self._timer = self.engine.at(self._delayed[0][0], self._deliver)
+            self._timer = self.engine.at(self._delayed[0][0], self._deliver, exact=True)
 
     def _deliver(self) -> None:
         self._timer = None
@@ -117,7 +114,7 @@ class Channel(Generic[F]):
         while self._delayed and self._delayed[0][0] <= now and not self.closed:
             self._write(self._delayed.popleft()[1])
         if self._delayed and not self.closed:
-            self._timer = self.engine.at(self._delayed[0][0], self._deliver)
+            self._timer = self.engine.at(self._delayed[0][0], self._deliver, exact=True)
 
     # -- reading --------------------------------------------------------------------------
     def pause_reading(self) -> None:

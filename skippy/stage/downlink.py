@@ -1,24 +1,15 @@
 """The connection to the next stage, on the engine thread: frames out in order, replies in (spec §3.2).
 
-One `DownLink` per upstream lane (a middle stage's) or per lane of stage 0's pool, kept for
-the lane's life. Every frame the stage sends down goes through it, in order, so there is
-nothing to flush before a control message: the bytes are already queued behind the frames
-before it.
+One `DownLink` per lane, for the lane's life; every frame sent down goes through it in order.
 
-* A prefill chunk's frame is early-ACKed by the stage below, and that ACK is *deferred*, as
-  the seed's `pending_prefill_replies`: `pending_deferred` counts the chunks sent whose ACK
-  the stage has not taken yet. Past `max_deferred` the lane takes one (`credit`, a credit
-  wait when it has not arrived: spec §2.6), and before anything that needs a prediction or
-  a control reply it takes all of them (`drained`). ACKs that arrive meanwhile wait here
-  (`on_deferred` says one came); Stop refuses to run while any is not taken.
-* What the stage below answers is checked against what was sent (the seed's rule: "stop
-  expected downstream ACK"). Each sent frame that is owed an ACK (a prefill chunk, a control
-  message) waits in `_acks`, in order, with the predictions the frames before it may still
-  relay (a decode step's, a window's, a restore-decode's: 0 or 1 each, since the final stage
-  sends them on the direct return stream when it can). An ACK answers the oldest wait; a
-  prediction is let through while one is owed, else it is a protocol fault; anything
-  else (an ACK nobody waits for, a status reply) too. A fault, EOF, or an ACK not back
-  within `reply_s` breaks the link: `on_broken(reason)` once, and every wait fails.
+* A prefill chunk's ACK is *deferred* (the seed's `pending_prefill_replies`): past
+  `max_deferred` outstanding the lane takes one (`credit`, spec §2.6), and before anything
+  that needs a prediction or a control reply it takes all (`drained`).
+* Replies are checked against what was sent (the seed's "stop expected downstream ACK"):
+  each frame owed an ACK waits in `_acks`, in order, with the predictions the frames before
+  it may still relay (0 or 1 each: the final stage uses the return stream when it can).
+  Anything else is a protocol fault. A fault, EOF, or an ACK not back within `reply_s`
+  breaks the link: `on_broken(reason)` once, and every wait fails.
 """
 
 from __future__ import annotations
@@ -74,7 +65,6 @@ class DownLink:
         self.deferred_stats = StageReplyStats()    # of those taken
         self.broken: str | None = None
         self.edge_stats = StageReplyStats()       # write observations of prefill forwards
-        self.credit_waits = 0
         self._acks: deque[_AckWait] = deque()
         self._trailing_predictions = 0             # predictions the frames after the last ACK wait may relay
         self._frames: DecodeFrames | None = None   # the template of this lane's one-row decode frames

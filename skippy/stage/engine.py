@@ -1,22 +1,13 @@
 """The engine: one thread per stage process that owns the model, the KV caches and every data socket.
 
-The shape of llama.cpp's server loop and vLLM's EngineCore. The thread runs one loop:
-
-    commands from asyncio -> due timers -> the forward the batch policy picks -> events to
-    asyncio -> wait on every socket (plain or TLS) and the command pipe
-
-It reads each frame as it arrives (stage/channel.py), batches steps into waves
-(runtime/stage_runtime.py: `submit` is where every step starts), runs the forward and writes
-the next frame or the token itself, so a token crosses a stage with no hand-off between
-threads. asyncio keeps the control plane (handshakes, ConfigureGeneration, Stop, TrimSession,
-prefix-cache control, status, the API) and talks to the engine through two queues only:
-`post` (a command: a callable run on this thread, in order) and `emit` (an event: a callable
-run on the event loop). `call` is the pair of them that asyncio awaits.
-
-A decode token's event reaches the loop after the engine's next forward, not before it
-(`emit_after_forward`): the loop's work for a token (detokenizing, streaming) then runs while
-the stages below compute instead of beside this forward's own Python, taking turns at the GIL
-(measured on 2 stages sharing 2 cores: 439 us a token saved this way, none the other).
+The shape of llama.cpp's server loop and vLLM's EngineCore, one loop: commands from asyncio ->
+due timers -> the forward the batch policy picks -> events to asyncio -> wait on every socket
+(plain or TLS) and the command pipe. A token crosses a stage with no hand-off between
+threads. asyncio keeps the control plane and talks to the engine through two queues only:
+`post` (a callable run on this thread, in order) and `emit` (one run on the event loop);
+`call` is the pair of them that asyncio awaits. A decode token's event waits for the next
+forward (`emit_after_forward`), so the loop's work for it overlaps the stages' compute
+(docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -25,6 +16,8 @@ import asyncio
 import heapq
 import itertools
 import logging
+import os
+import select
 import selectors
 import socket
 import threading
@@ -37,6 +30,11 @@ from ..runtime.stage_runtime import StageRuntime
 
 T = TypeVar("T")
 log = logging.getLogger("skippy.stage")
+
+# An idle vCPU here wakes 0.24-0.35 ms after its timer (a WAN knob's releases, traced), so an
+# exact timer wakes this much early and yields the core until its time comes.
+EXACT_LEAD_S = 0.0003
+_yield = getattr(os, "sched_yield", lambda: None)
 
 
 class EngineClosed(RuntimeError):
@@ -66,6 +64,10 @@ class Engine:
         self._wake_w.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        # epoll_wait counts whole milliseconds and the selector rounds a wait up: a timer due in
+        # 4.1 ms fired at 5 (a WAN knob's frame ~0.35 ms late a hop, measured). select(2) on the
+        # epoll fd itself counts microseconds, so a timed wait waits there first (_wait).
+        self._fine_wait = isinstance(self._selector, selectors.EpollSelector)
         self._timers: list[tuple[float, int, Timer]] = []
         self._timer_ids = itertools.count()
         # events: (loop, fn) for the end of this turn, and those held until after the next forward
@@ -119,10 +121,13 @@ class Engine:
         """Set `future` (of whichever loop made it) to `value` at the end of this turn."""
         self._events.append((future.get_loop(), lambda: _settle(future, value, None)))
 
-    def at(self, when: float, fn: Callable[[], None]) -> Timer:
-        """fn() on the engine thread at `when` (time.perf_counter); cancel() to forget it."""
+    def at(self, when: float, fn: Callable[[], None], *, exact: bool = False) -> Timer:
+        """fn() on the engine thread at `when` (time.perf_counter); cancel() to forget it.
+        `exact`: not later than the wake-up's own latency allows (a WAN knob's frame stands
+        for a wire, which is never late): the engine wakes EXACT_LEAD_S early and yields the
+        core until `when`."""
         timer = Timer(when, fn)
-        heapq.heappush(self._timers, (when, next(self._timer_ids), timer))
+        heapq.heappush(self._timers, (when - EXACT_LEAD_S if exact else when, next(self._timer_ids), timer))
         return timer
 
     def watch(self, sock: socket.socket, handler: Callable[[int], None], *, read: bool = True,
@@ -172,7 +177,7 @@ class Engine:
                 self._sleeping = True
                 if self._commands:
                     timeout = 0.0
-                ready = self._selector.select(timeout)
+                ready = self._wait(timeout)
                 self._sleeping = False
                 for key, mask in ready:
                     if key.data is None:
@@ -215,6 +220,8 @@ class Engine:
         while timers and timers[0][0] <= now:
             _, _, timer = heapq.heappop(timers)
             if not timer.cancelled:
+                while time.perf_counter() < timer.when:  # an exact timer, woken early: at most EXACT_LEAD_S
+                    _yield()
                 try:
                     timer.fn()
                 except Exception:  # noqa: BLE001
@@ -228,6 +235,20 @@ class Engine:
         if timers and (when is None or timers[0][0] < when):
             when = timers[0][0]
         return None if when is None else max(0.0, when - time.perf_counter())
+
+    def _wait(self, timeout: float | None) -> list:
+        """The selector's ready keys, waiting at most `timeout` seconds (None: until one is),
+        to the microsecond: a finite wait sleeps in select(2) on the epoll fd, which is
+        readable once any socket it watches is, then takes what is ready without waiting."""
+        if timeout and self._fine_wait:
+            try:
+                select.select([self._selector.fileno()], [], [], timeout)
+                timeout = 0.0
+            except InterruptedError:
+                timeout = 0.0
+            except ValueError:  # an fd past select's FD_SETSIZE (1024): epoll's milliseconds, then
+                self._fine_wait = False
+        return self._selector.select(timeout)
 
     def _drain_wake(self) -> None:
         try:

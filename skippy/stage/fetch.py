@@ -1,15 +1,10 @@
 """The model a stage loads: its own copy of the file, else its slice, fetched once from a holder.
 
 `provide_model` runs before the model loads. A file at the config's `model_path` is used as
-it is (checked against the plan's fingerprint, nothing fetched). Without one, the stage's
-slice (model/slice.py) lives in its cache directory (`model_cache`, by default
-`cache_root()/models/<fingerprint>/`): a cached slice is loaded while its tensors are
-checked against their digests (a corrupt one stops the stage before it serves, naming the
-tensor); a missing one is fetched from a holder (holder.py: stage 0 unless the config names
-others), over the chain's own authenticated link, into a partial file that a later start
-resumes (model/partial_slice.py). A holder not answering yet is waited for; a refusal, a
-model that is not the planned one, or a tensor that arrives corrupt stops the stage with
-the reason.
+it is. Without one, the stage's slice (model/slice.py) comes from its cache directory,
+checked against its digests, or is fetched from a holder (holder.py) over the chain's
+authenticated link into a partial file a later start resumes. A holder not answering yet
+is waited for; a refusal, another model or a corrupt tensor stops the stage with the reason.
 """
 
 from __future__ import annotations

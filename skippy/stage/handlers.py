@@ -1,29 +1,19 @@
 """The control messages of a stage, on the event loop, one handler per kind (spec §2.4).
 
-The data kinds (prompt chunks, decode steps, verify windows, their retirement and discard)
-never come here: the engine runs them (stage/lane.py). A control message arrives once the
-lane's deferred prefill ACKs are in, with the stats owed so far (`ctl.stats`); the lane takes
-no other frame until its handler replies. The ordering rules follow the original stage's
-control handlers:
-
-* control (Stop, TrimSession, ConfigureGeneration): act locally, forward and wait for the
-  ACK, merge its stats into ours, ACK upstream. The final stage opens the direct return
-  stream at ConfigureGeneration.
-* prefix cache (the seed's `handle_prefix_cache_control`, spec §4.4): restore locally,
-  forward only on a local hit; a neutral downstream reply counts as a miss; on a downstream
-  miss roll the local restore back. A stage records its prefill after the last prefill chunk
-  (lane.py) and again at Stop, before the session goes.
+The data kinds never come here (stage/lane.py). A control message arrives once the lane's
+deferred prefill ACKs are in, with the stats owed so far (`ctl.stats`), and the lane takes
+no other frame until its handler replies. Each acts locally, forwards and waits for the
+ACK, and ACKs upstream with the merged stats, as the original stage's handlers did.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 from ..protocol import (
-    LOOKUP_ERROR, MessageKind, StageMessage, StageReply, StageReplyStats, StageStatusReport, encode_reply,
+    LOOKUP_ERROR, MessageKind, StageReply, StageReplyStats, StageStatusReport, encode_reply,
     lookup_observation, merge, restore_missed_below,
 )
 from ..runtime import SampleMode
@@ -42,9 +32,7 @@ async def on_stop(ctl: LaneControl, span: Span) -> None:
     """End the logical session; the connection (the lane) stays open."""
     msg, stats = ctl.msg, ctl.stats
     if ctl.has_link:
-        started = time.perf_counter()
-        stats = merge(stats, (await ctl.forward(ctl.traced(span))).stats)
-        span.set("downstream_wait_ms", (time.perf_counter() - started) * 1e3)
+        stats = merge(stats, await ctl.forward(span))
 
     def reset(lane: Lane):
         runtime = lane.env.runtime
@@ -93,21 +81,14 @@ async def on_control(ctl: LaneControl, span: Span) -> None:
                     raise
             span.set("direct_return", sock is not None)
     if ctl.has_link:
-        started = time.perf_counter()
-        stats = merge(stats, (await ctl.forward(ctl.traced(span))).stats)
-        span.set("downstream_wait_ms", (time.perf_counter() - started) * 1e3)
+        stats = merge(stats, await ctl.forward(span))
     ctl.reply(StageReply.ack(stats))
 
 
 async def on_prefix_cache(ctl: LaneControl, span: Span) -> None:
-    """TryRestorePrefill(Decode), as the seed's `handle_prefix_cache_control` (spec §4.4).
-
-    Restore exactly the sideband's prefix locally. Only on a local hit is the message
-    forwarded; a downstream reply with neutral stats (a stage without a cache) counts as
-    a miss; on a downstream miss the local restore is rolled back, so the session holds
-    nothing and the cold prefill that follows starts clean. A stage without a cache
-    answers neutral stats and forwards nothing. The ACK always carries the merged stats.
-    """
+    """TryRestorePrefill(Decode), as the seed's `handle_prefix_cache_control` (spec §4.4):
+    restore exactly the sideband's prefix; forward only on a local hit; on a downstream miss
+    (neutral stats count as one) roll the restore back, so the cold prefill starts clean."""
     msg, key, stats = ctl.msg, ctl.key, ctl.stats
     kv = ctl.env.runtime.prefix_cache  # set when the stage was built; read-only here
     if kv is None or not kv.lookup_enabled:
@@ -142,9 +123,7 @@ async def on_prefix_cache(ctl: LaneControl, span: Span) -> None:
         hit, stats = await _restore_decode(ctl, stats, span)
         decision = "chain_hit" if hit else "downstream_miss_rollback"
     elif hit and ctl.has_link:
-        started = time.perf_counter()
-        down = (await ctl.forward(ctl.traced(span))).stats
-        span.set("downstream_wait_ms", (time.perf_counter() - started) * 1e3)
+        down = await ctl.forward(span)
         missed, extra = restore_missed_below(down)
         hit = not missed
         stats = merge(stats, merge(down, extra))
@@ -166,10 +145,8 @@ async def on_prefix_cache(ctl: LaneControl, span: Span) -> None:
 
 
 async def _restore_decode(ctl: LaneControl, stats: StageReplyStats, span: Span) -> tuple[bool, StageReplyStats]:
-    """TryRestorePrefillDecode after a local hit: run the current token's row at pos_start.
-    The final stage samples it and returns the token on the prediction path at once (stage 0
-    decodes from it without waiting for the ACKs: driver/session.py); every stage still ACKs
-    upstream with the merged stats, so each one learns whether the chain hit."""
+    """TryRestorePrefillDecode after a local hit: the current token's row at pos_start. The
+    final stage returns its token on the prediction path at once, ahead of the ACKs."""
     msg = ctl.msg
     step_msg = dataclasses.replace(msg, tokens=[msg.current_token])
     timed = await ctl.step(step_msg, SampleMode.LAST if ctl.is_final else SampleMode.NONE)
@@ -179,7 +156,7 @@ async def _restore_decode(ctl: LaneControl, stats: StageReplyStats, span: Span) 
         frame = encode_reply(StageReply.token(result.tokens[0], logprobs=result.logprobs))
         await ctl.run(lambda lane: lane.return_frame(msg, frame))
         return True, stats
-    down = (await ctl.forward(ctl.traced(span), rows=timed.value.rows)).stats
+    down = await ctl.forward(span, rows=timed.value.rows)
     missed, extra = restore_missed_below(down)
     return not missed, merge(stats, merge(down, extra))
 

@@ -1,17 +1,11 @@
 """A holder of the model file serves stages that have none their tensors (docs/protocol.md §11).
 
-Any process that loaded the planned GGUF itself (stage 0 in `skippy serve --topology`, or a
-`skippy stage` with `--model`) answers the tensor side channel on its own port. It sends a
-stage the file's header and digests, then the bytes of exactly the tensors of that stage's
-planned layers: a request for any other tensor is refused, and so is a peer whose
-certificate names another stage. The handshake before it has checked the chain's token (and
-TLS the chain's CA), so an unauthenticated peer never gets here.
-
-The holder keeps decoding while it serves: file reads run on one thread of their own at the
-lowest CPU priority (nice 19), one chunk ahead of the socket, the event loop only hands
-1 MiB chunks to the transport, and the kernel paces the socket a little below what the link
-delivers, so the holder's own frames find no queue of tensors ahead of them (pace.py). One
-log line per fetch says who got what, how fast.
+Any process that loaded the planned GGUF answers the tensor side channel on its own port
+(past the token and TLS checks): the file's header and digests, then exactly the tensors of
+the asking stage's planned layers; any other request, or a certificate naming another
+stage, is refused. The holder keeps decoding while it serves: reads run on their own thread
+at nice 19, and the kernel paces the socket a little below the link (pace.py), so its own
+frames find no queue of tensors ahead of them.
 """
 
 from __future__ import annotations

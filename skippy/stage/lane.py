@@ -1,24 +1,15 @@
 """One upstream connection of a stage, on the engine thread: its frames, in order (spec §2.4, §2.9).
 
-The engine reads a lane's frames as they arrive. Two things happen on arrival, ahead of the
-frames queued before: a prefill chunk is ACKed at once (the early ACK, spec §2.6), and a
-DiscardStaleWindows is recorded, so the windows queued ahead of it are skipped. Then the
-lane takes its frames one at a time, as the original stage's control handlers did:
+On arrival, ahead of the frames queued before, a prefill chunk is ACKed (the early ACK, spec
+§2.6) and a DiscardStaleWindows is recorded, so the windows queued ahead of it are skipped.
+Then the lane takes one frame at a time: a prefill chunk computes and goes down (past the
+credit window it waits for a deferred ACK); a kind that needs a prediction, or a control
+message, first waits for every deferred ACK. Control messages run on the event loop
+(`LaneControl`, stage/handlers.py) and the lane takes its next frame once their reply is
+written.
 
-* prefill chunk: compute, forward the rows down, count a deferred downstream ACK; past the
-  credit window, wait for one;
-* a kind that needs a prediction (PrefillFinalEmbd, DecodeEmbd, VerifyWindow): wait until
-  every deferred ACK is in; the final stage samples and returns the token straight to stage
-  0 (or up the lane when there is no return stream); others compute and forward;
-* RetireVerifyWindow: free the checkpoints, forward, no ACK; DiscardStaleWindows: forward;
-* control (Stop, TrimSession, ConfigureGeneration, prefix-cache control, status): once the
-  deferred ACKs are in, the message goes to the event loop with the stats owed so far
-  (`LaneControl`, stage/handlers.py); the lane takes its next frame when the handler's reply
-  is written. Stop refuses to run while deferred prefill ACKs are outstanding.
-
-Any error closes this lane only: a bad frame, a refused message, a step that fails, a broken
-link below. Its sessions are reclaimed and its link is closed, so the stages below reclaim
-theirs too (spec §3.3).
+Any error closes this lane only; its sessions are reclaimed and its link is closed, so the
+stages below reclaim theirs too (spec §3.3).
 """
 
 from __future__ import annotations
@@ -127,19 +118,19 @@ class Lane:
         self._backlog: deque[tuple[StageMessage, int]] = deque()
         self._backlog_bytes = 0
         self._busy = False         # a step or a control message of this lane is under way
-        self._credit_since: float | None = None  # waiting for a deferred ACK past the credit window
+        self._credit_wait: tuple[float, int] | None = None  # (since, session id): past the credit window
         self._eof = False          # the peer closed its side: end once its frames are done
         self._pumping = False      # _pump is running: frames that arrive inside it wait for its loop
         self.channel = Channel(env.engine, sock, name=f"connection {lane_id}", parse=MessageReader(),
-                               on_frame=self._arrived, on_close=self._channel_closed, on_eof=self._peer_done)
+                               on_frame=self._arrived, on_close=self._channel_closed, on_eof=self._peer_done,
+                               conditioner=env.transport.conditioner())  # replies cross the WAN too
 
     def key(self, session_id: int) -> tuple[int, int]:
         return (self.lane_id, session_id)
 
     def open_session(self, msg: StageMessage) -> Session:
-        """The message's session; a new request on a session id replaces the session, and what
-        the old request held here goes with it (its KV, sampler, grammar state and checkpoints
-        in the runtime; its return stream and summary here)."""
+        """The message's session; a new request on a session id replaces it, and what the old
+        request held goes with it."""
         key, runtime = self.key(msg.session_id), self.env.runtime
         if key in runtime.sessions and runtime.session(key).request_id != msg.request_id:
             self.env.returns.close(key)
@@ -182,9 +173,6 @@ class Lane:
             self._pumping = False
 
     def _take_frames(self) -> None:
-        if self._eof and not self._busy and not self._backlog:
-            self.channel.close("closed the connection")
-            return
         while not self._busy and self._backlog and not self.closed:
             msg = self._backlog[0][0]
             link = self.link
@@ -214,10 +202,8 @@ class Lane:
             self.env.engine.emit(self.env.needs_link, self)
             return
         span = self._span(msg)
-        if msg.kind == MessageKind.PrefillEmbd:
-            self._prefill(msg, span)
-        elif msg.kind in _PREDICTING:
-            self._predicting(msg, span)
+        if msg.kind == MessageKind.PrefillEmbd or msg.kind in _PREDICTING:
+            self._compute(msg, span)
         else:
             if msg.kind == MessageKind.RetireVerifyWindow:
                 key = self.key(msg.session_id)
@@ -261,10 +247,6 @@ class Lane:
             if not self.closed:
                 self.fail(result)
             return False
-        self._note_compute(msg, span, timed)
-        return True
-
-    def _note_compute(self, msg: StageMessage, span: Span, timed: Timed) -> None:
         span.set("compute_ms", timed.run_s * 1e3)
         span.set("runtime_lock_wait_ms", timed.wait_s * 1e3)
         span.set("batch_size", timed.batch_size)
@@ -276,14 +258,35 @@ class Lane:
         if timed.value.auto_aligned_from is not None:  # spec §3.4 auto-align
             span.set("auto_align_from_tokens", timed.value.auto_aligned_from)
             self.env.telemetry.count("skippy.stage.session_auto_align")
+        return True
 
-    def _prefill(self, msg: StageMessage, span: Span) -> None:
-        """PrefillEmbd: compute, forward the rows down, defer the downstream ACK."""
+    def _forward(self, msg: StageMessage, span: Span, result: StepResult) -> bool:
+        """The step's rows go down the link; False (the span ended, the lane failed) when it broke."""
+        try:
+            self.link.send_step(self._traced(msg, span), result.rows, activation_dtype_of(result.rows),
+                                self.env.config.stage_index)
+        except LinkBroken as error:
+            span.end()
+            self.fail(error)
+            return False
+        return True
+
+    def _compute(self, msg: StageMessage, span: Span) -> None:
+        """A prompt chunk, a decode step or a verify window into a forward; its result goes to
+        `_prefilled` (a chunk: rows down, a deferred ACK) or `_predicted`."""
         session = self.open_session(msg)
-        step = self._step(session, msg, SampleMode.NONE)
+        is_window, is_chunk = msg.kind == MessageKind.VerifyWindow, msg.kind == MessageKind.PrefillEmbd
+        if is_window and self.is_final and session.is_discarded(msg.seq_id):
+            span.set("skipped_stale_window", True)  # middle stages ran it; the final skips it
+            span.end()
+            return
+        sample = (SampleMode.NONE if is_chunk or not self.is_final else SampleMode.ALL if is_window
+                  else SampleMode.LAST)
+        step = self._step(session, msg, sample, window=is_window)
+        then = self._prefilled if is_chunk else self._predicted
         self._busy = True
-        self.env.runtime.submit(step, lambda result, timed: self._prefilled(msg, span, result, timed),
-                                prefill=True, last_chunk=False)
+        self.env.runtime.submit(step, lambda result, timed: then(msg, span, result, timed),
+                                prefill=is_chunk or msg.kind == MessageKind.PrefillFinalEmbd, last_chunk=not is_chunk)
 
     def _prefilled(self, msg: StageMessage, span: Span, result: StepResult | Exception, timed: Timed) -> None:
         if not self._took(msg, span, result, timed):
@@ -292,33 +295,14 @@ class Lane:
         self.add_stats(prefill_compute_observation(index, _us(timed.run_s), msg.token_count))
         link = self.link
         if link is not None:
-            try:
-                link.send_step(self._traced(msg, span), result.rows, activation_dtype_of(result.rows), index)
-            except LinkBroken as error:
-                span.end()
-                return self.fail(error)
+            if not self._forward(msg, span, result):
+                return
             if not link.credit():  # the downstream edge is the bottleneck: wait for a deferred ACK
-                link.credit_waits += 1
-                self._credit_since = time.perf_counter()
+                self._credit_wait = (time.perf_counter(), msg.session_id)
                 span.end()
                 return
         span.end()
-        self._done()
-
-    def _predicting(self, msg: StageMessage, span: Span) -> None:
-        """PrefillFinalEmbd, DecodeEmbd and VerifyWindow."""
-        session = self.open_session(msg)
-        is_window = msg.kind == MessageKind.VerifyWindow
-        if is_window and self.is_final and session.is_discarded(msg.seq_id):
-            span.set("skipped_stale_window", True)  # middle stages ran it; the final skips it
-            span.end()
-            return
-        sample = SampleMode.NONE if not self.is_final else SampleMode.ALL if is_window else SampleMode.LAST
-        step = self._step(session, msg, sample, window=is_window)
-        self._busy = True
-        is_prompt = msg.kind == MessageKind.PrefillFinalEmbd
-        self.env.runtime.submit(step, lambda result, timed: self._predicted(msg, span, result, timed),
-                                prefill=is_prompt)
+        self.resume()
 
     def _predicted(self, msg: StageMessage, span: Span, result: StepResult | Exception, timed: Timed) -> None:
         if not self._took(msg, span, result, timed):
@@ -330,11 +314,8 @@ class Lane:
             self.add_stats(prefill_compute_observation(index, _us(timed.run_s), msg.token_count))
         if link is not None:
             started = time.perf_counter()
-            try:
-                link.send_step(self._traced(msg, span), result.rows, activation_dtype_of(result.rows), index)
-            except LinkBroken as error:
-                span.end()
-                return self.fail(error)
+            if not self._forward(msg, span, result):
+                return
             write_s = time.perf_counter() - started
             span.set("forward_write_ms", write_s * 1e3)
             self.summary(msg.session_id).forward_write_ms += write_s * 1e3
@@ -349,7 +330,7 @@ class Lane:
         if msg.kind == MessageKind.PrefillFinalEmbd:  # the prompt is in: record it (spec §4.3)
             self.record(msg.session_id, span)
         span.end()
-        self._done()
+        self.resume()
 
     def return_frame(self, msg: StageMessage, frame: bytes) -> None:
         """A prediction reply, on the direct return stream when the request has one, else up this lane."""
@@ -357,8 +338,6 @@ class Lane:
             self.channel.send(frame)
 
     def _return_prediction(self, msg: StageMessage, result: StepResult, is_window: bool) -> None:
-        """The final stage's prediction: straight to stage 0 on the return stream when there is
-        one, else up this lane (every stage above relays it)."""
         stats = self.take_stats()
         if is_window:
             frame = encode_reply(StageReply.window(result.tokens, msg.seq_id, stats, result.logprobs))
@@ -378,10 +357,6 @@ class Lane:
             self.add_stats(record_observation(self.env.config.stage_index, recorded.num_entries,
                                               recorded.num_bytes))
 
-    def _done(self) -> None:
-        self._busy = False
-        self._pump()
-
     # -- the link below --------------------------------------------------------------------
     def attach_link(self, sock, endpoint: str) -> None:
         """On the engine: the dialed link to the next stage is this lane's, for its life."""
@@ -396,17 +371,18 @@ class Lane:
                              conditioner=self.env.transport.conditioner())
 
     def resume(self) -> None:
-        """On the engine: what the event loop did for this lane is done; take the next frame."""
+        """On the engine: what this lane waited for is done; take the next frame."""
         self._busy = False
         self._pump()
 
     def _deferred_ack(self) -> None:
         link = self.link
-        if self._credit_since is not None and link.credit():
-            wait_s = time.perf_counter() - self._credit_since
-            self._credit_since = None
+        if self._credit_wait is not None and link.credit():
+            (since, session_id), self._credit_wait = self._credit_wait, None
+            wait_s = time.perf_counter() - since
+            self.summary(session_id).downstream_wait_ms += wait_s * 1e3
             self.add_stats(prefill_edge_observation(self.env.config.stage_index, 0, _us(wait_s), 0))
-            self._done()
+            self.resume()
         elif not self._busy:
             self._pump()
 
@@ -441,18 +417,15 @@ class Lane:
         """On the engine: a control message's reply goes up; the lane takes its next frame."""
         if not self.closed:
             self.channel.send(encode_reply(reply))
-            self._done()
+            self.resume()
 
     # -- the end ---------------------------------------------------------------------------
-    def fail(self, error: Exception | str) -> None:
-        """Close this lane with a logged reason: a warning for what the peer did (a string reason,
-        or an upstream fault), an error with its traceback for what is ours."""
+    def fail(self, error: Exception) -> None:
+        """Close this lane with a logged reason: a warning for what the peer did (an upstream
+        fault), an error with its traceback for what is ours."""
         if self.closed:
             return
-        if isinstance(error, str):
-            reason, ours = error, False
-        else:
-            reason, ours = f"{type(error).__name__}: {error}", not isinstance(error, UPSTREAM_FAULTS)
+        reason, ours = f"{type(error).__name__}: {error}", not isinstance(error, UPSTREAM_FAULTS)
         log.log(logging.ERROR if ours else logging.WARNING, "stage %d: closing connection %d: %s",
                 self.env.config.stage_index, self.lane_id, reason, exc_info=error if ours else None)
         self.close_reason = self.close_reason or reason
@@ -509,19 +482,13 @@ class LaneControl:
 
     async def step(self, msg: StageMessage, sample: SampleMode) -> Timed:
         """`msg`'s rows through this stage's layers (a one-off step of its session)."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        lane, engine = self.lane, self.env.engine
+        done, engine = asyncio.get_running_loop().create_future(), self.env.engine
 
-        def submit() -> None:
-            if lane.closed:
-                raise LaneClosed(f"connection {lane.lane_id} closed: {lane.close_reason}")
-            session = lane.open_session(msg)
-            step = lane._step(session, msg, sample)
-            lane.env.runtime.submit(step, lambda result, timed: engine.settle(done, (result, timed)),
-                                    prefill=True)
+        def submit(lane: Lane) -> None:
+            step = lane._step(lane.open_session(msg), msg, sample)
+            lane.env.runtime.submit(step, lambda result, timed: engine.settle(done, (result, timed)), prefill=True)
 
-        await engine.call(submit)
+        await self.run(submit)
         result, timed = await done
         if isinstance(result, Exception):
             raise result
@@ -533,16 +500,13 @@ class LaneControl:
             await dial_link(self.lane)
             self.has_link = True
 
-    def traced(self, span: Span) -> StageMessage:
-        """The message as it goes on down: naming this stage's span as its parent when traced."""
-        return Lane._traced(self.msg, span)
-
-    async def forward(self, msg: StageMessage, rows=None) -> StageReply:
-        """Send `msg` down (carrying `rows` when given) and wait for its ACK (kind-checked:
-        downlink.py); LinkBroken when the link breaks first."""
+    async def forward(self, span: Span, rows=None) -> StageReplyStats:
+        """The message on down, naming `span` as parent (carrying `rows` when given); its
+        ACK's stats (kind-checked: downlink.py), the wait on the span. LinkBroken when the
+        link breaks first."""
         loop = asyncio.get_running_loop()
-        acked = loop.create_future()
-        engine, lane = self.env.engine, self.lane
+        acked, started = loop.create_future(), time.perf_counter()
+        engine, lane, msg = self.env.engine, self.lane, Lane._traced(self.msg, span)
 
         def on_ack(reply) -> None:
             engine.settle(acked, reply)
@@ -560,7 +524,8 @@ class LaneControl:
         reply = await acked
         if isinstance(reply, Exception):
             raise reply
-        return reply
+        span.set("downstream_wait_ms", (time.perf_counter() - started) * 1e3)
+        return reply.stats
 
     def reply(self, reply: StageReply) -> None:
         self.env.engine.post(lambda: self.lane.reply(reply))

@@ -1,5 +1,9 @@
 """Link conditioning, a test knob: frames a stage sends arrive late, as over a WAN.
 
+Every channel a stage writes is conditioned: the links it dials, its return streams and the
+replies (ACKs, relayed tokens) it sends back up its accepted connections, so a round trip
+pays the delay both ways, as on a real link, and a link probe's round trip reads 2 x delay.
+
 Each frame gets a delivery time: now + delay + jitter, no earlier than the previous frame's
 (a link keeps order), plus its bytes at the link's rate after the previous one (the link is
 busy while it sends), plus a random stall. The channel that writes the frame holds it until

@@ -1,18 +1,11 @@
 """The link probe: round-trip time and bandwidth to the next stage, from LinkProbe frames on a
-connection dialed as a lane's link is (the stage's Transport: its auth token, TLS off loopback,
-its link conditioning), so it sees what the chain's own frames see (docs/protocol.md, LinkProbe).
+connection dialed as a lane's link is, so it sees what the chain's frames see (docs/protocol.md).
 
-The downstream stage ACKs a LinkProbe once it has read the whole frame, and forwards nothing
-(a control message of its lane: stage/handlers.py). An empty probe's round trip is the link's
-latency plus both ends' loops. The rate is that of a burst of large probes sent back to back,
-grown until the burst takes long enough that TCP's slow start and the loops' overhead are a
-small part of it. The probe runs on the event loop over the raw (plain or TLS) socket before
-any lane uses the link, so it never touches the engine's sockets.
-
-Noise on a busy machine only ever reads a link slower than it is (an end descheduled mid-burst
-delivers nothing meanwhile), never faster: as TCP BBR filters its delivery-rate samples, the
-rate is the best of several bursts (the round trip, a hop's typical cost, stays a median). One burst
-read a veth at 11 Mbit/s while other runs read it at 1-3 Gbit/s, and `auto` then sent q8.
+The stage below ACKs a LinkProbe once it has read the whole frame. An empty probe's round trip
+is the latency; the rate is that of a burst of large probes, grown until slow start and the
+loops' overhead are a small part of it. Noise only ever reads a link slower than it is, so
+the rate is the best of several bursts, as TCP BBR filters its samples (one burst read a veth
+at 11 Mbit/s while others read 1-3 Gbit/s); the round trip stays a median.
 """
 
 from __future__ import annotations
@@ -37,6 +30,7 @@ MAX_FRAME_BYTES = 1 << 20  # filler token ids (a frame may carry 4 MiB): a 4 MiB
 LONG_ENOUGH_S = 0.1
 REPLY_TIMEOUT_S = 30.0
 DIAL_RETRY_S = 0.5
+DIAL_WAIT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +39,10 @@ class LinkTimes:
     bytes_per_s: float
 
 
-async def dial_downstream(transport: Transport, endpoints: str | Sequence[str], *,
-                          wait_s: float = 120.0) -> socket.socket:
+async def dial_downstream(transport: Transport, endpoints: str | Sequence[str]) -> socket.socket:
     """A handshaken socket to the first of `endpoints` (a stage, then its standbys) that
-    answers, dialing again for up to `wait_s` (a stage below may still be loading). LinkBroken
-    if none answers."""
-    deadline = time.monotonic() + wait_s
+    answers, dialing again for up to DIAL_WAIT_S (a stage below may still be loading)."""
+    deadline = time.monotonic() + DIAL_WAIT_S
     while True:
         try:
             return (await transport.dial(endpoints))[0]

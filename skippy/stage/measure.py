@@ -1,15 +1,11 @@
 """What a stage measures of itself and of its link at start, and the codec that reads it.
 
-`StageMeasurement` runs once, in the background after the stage is up, at its first quiet
-moment: its forward on its own kernels (model/probe.py, on the stage's engine thread, which
-owns the model) and the link to the stage below (link_probe.py). The StageStatus reply carries the result (`probe`), which is what the
-split planner (launch/planner.py) plans from and what `/v1/stages` shows. Processes on one
-machine take turns with the compute probe (a file lock): stages that share cores would
-otherwise each measure the others' forwards too, where in a chain they compute in turn.
-
-`LinkCodec` is the wire dtype of each frame this stage sends down: the configured one, or
-under `--activation-dtype auto` the codec's choice for that frame from the measured link
-and forward (protocol/activation_codec.py: auto_dtype).
+`StageMeasurement` runs once, at the stage's first quiet moment after start: its forward
+(model/probe.py, on the engine thread) and its link below (link_probe.py); StageStatus
+carries the result to the split planner and `/v1/stages`. Processes on one machine take
+turns with the compute probe (a file lock), or stages sharing cores would measure each
+other's forwards too. `LinkCodec` is the wire dtype of each frame sent down (under
+`--activation-dtype auto`, chosen from the measured link and forward).
 """
 
 from __future__ import annotations
@@ -27,9 +23,9 @@ from pathlib import Path
 from ..model.probe import ForwardTimes, cpu_share, measure_forward, memory_available
 from ..protocol import ActivationDtype, is_loopback, parse_endpoint
 from ..protocol.activation_codec import auto_dtype
-from ..protocol.stage_probe import StageProbe
+from ..protocol.stage_probe import FAILED, StageProbe
 from .link_probe import LinkTimes, dial_downstream, measure_link
-from .transport import Transport
+from .transport import LinkBroken, Transport
 
 log = logging.getLogger("skippy.stage")
 
@@ -37,6 +33,8 @@ PROBE_LOCK = Path(tempfile.gettempdir()) / "skippy-probe.lock"
 CHUNK_ROWS = 64      # the prompt chunk the probe times (with one row, a forward's cost is affine in rows)
 LOCK_POLL_S = 0.05
 QUIET_S = 0.5        # no session open this long: the probe may take the engine
+LINK_TRIES = 3       # a link probe that fails (a stage below busy past the reply timeout, a reset) is tried again
+LINK_RETRY_S = 0.25  # before the second try; doubled before each next
 
 
 class LinkCodec:
@@ -74,6 +72,7 @@ class StageMeasurement:
             is_loopback(parse_endpoint(endpoint)[0]) for endpoint in self.downstream))
         self._cpu_share_milli = round(cpu_share() * 1000)
         self._task: asyncio.Task | None = None
+        self.failed = False  # the measurement ended without its figures: the probe says so (FAILED)
         self.done = asyncio.Event()
 
     def start(self, call: Callable[[Callable[[], object]], Awaitable[object]]) -> None:
@@ -81,7 +80,6 @@ class StageMeasurement:
         self._task = asyncio.create_task(self._run(call))
 
     async def _run(self, call) -> None:
-        sock = None
         try:
             if self.downstream:  # the stage below may still be loading: wait until it answers
                 (await dial_downstream(self.transport, self.downstream)).close()
@@ -90,8 +88,7 @@ class StageMeasurement:
                 model = self.runtime.model
                 self.codec.forward = await call(lambda: measure_forward(model, CHUNK_ROWS))
                 if self.downstream:
-                    sock = await dial_downstream(self.transport, self.downstream)
-                    self.codec.link = await measure_link(sock, self.transport)
+                    self.codec.link = await self._measure_link()
             probe = self.probe
             log.info("stage measured: decode row %.2f ms, %d-row chunk %.1f ms, link rtt %.2f ms %.0f Mbit/s, "
                      "sends %s rows / %s chunks", probe.row_ns / 1e6, probe.chunk_rows, probe.chunk_ns / 1e6,
@@ -100,11 +97,28 @@ class StageMeasurement:
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - a stage serves without its measurements
+            self.failed = True  # a planner waiting for them learns it from the probe at once
             log.warning("stage measurement failed: %s: %s", type(error).__name__, error)
         finally:
-            if sock is not None:
-                sock.close()
             self.done.set()
+
+    async def _measure_link(self) -> LinkTimes:
+        """The link below, tried LINK_TRIES times: under load one probe can fail (a reply past
+        its timeout, a connection reset) where the next one passes."""
+        for attempt in range(1, LINK_TRIES + 1):
+            sock = None
+            try:
+                sock = await dial_downstream(self.transport, self.downstream)
+                return await measure_link(sock, self.transport)
+            except (LinkBroken, OSError) as error:
+                if attempt == LINK_TRIES:
+                    raise
+                delay = LINK_RETRY_S * 2 ** (attempt - 1)
+                log.info("link probe failed (%s); trying again in %.2f s", error, delay)
+                await asyncio.sleep(delay)
+            finally:
+                if sock is not None:
+                    sock.close()
 
     async def _quiet(self) -> None:
         """Wait for a moment without sessions: the probe's forwards would delay a request's
@@ -122,18 +136,19 @@ class StageMeasurement:
 
     @property
     def probe(self) -> StageProbe:
-        """What is measured so far (0: not yet)."""
+        """What is measured so far (0: not yet; FAILED: it will not be)."""
         forward, link, codec = self.codec.forward, self.codec.link, self.codec
         sends = self.downstream is not None
+        missing = FAILED if self.failed else 0
         return StageProbe(
-            row_ns=0 if forward is None else round(forward.row_s * 1e9),
+            row_ns=missing if forward is None else round(forward.row_s * 1e9),
             chunk_ns=0 if forward is None else round(forward.chunk_s * 1e9),
             chunk_rows=0 if forward is None else forward.chunk_rows,
             row_cpu_ns=0 if forward is None else round(forward.row_cpu_s * 1e9),
             threads=0 if forward is None else forward.threads, cpu_share_milli=self._cpu_share_milli,
             cpu_ns=time.process_time_ns(),
             weight_bytes=self.runtime.model.parameter_bytes, memory_available_bytes=memory_available(),
-            link_rtt_ns=0 if link is None else round(link.rtt_s * 1e9),
+            link_rtt_ns=(missing if sends else 0) if link is None else round(link.rtt_s * 1e9),
             link_bytes_per_s=0 if link is None else round(link.bytes_per_s),
             row_dtype=int(codec.dtype_for(1)) if sends else -1,
             chunk_dtype=int(codec.dtype_for(CHUNK_ROWS)) if sends else -1)

@@ -16,26 +16,21 @@ from .build import StageSpec, build_stage
 from .fetch import provide_model
 from .lifecycle import EXIT_ADDRESS_IN_USE, READY_PREFIX
 from .server import StageServer
+from .transport import bound_socket
 
 log = logging.getLogger("skippy.stage")
 
 
 def bind_listener(config: StageConfig) -> socket.socket:
     """Bind the stage's address before the (slow) model load, so a taken port fails fast."""
-    family = socket.AF_INET6 if ":" in config.bind_host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((config.bind_host, config.bind_port))
+        return bound_socket(config.bind_host, config.bind_port)
     except OSError as error:
-        sock.close()
         if error.errno == errno.EADDRINUSE:
             print(f"skippy: error: stage {config.stage_index} cannot listen on "
                   f"{config.bind_addr}: the address is in use", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_ADDRESS_IN_USE) from error
         raise
-    sock.listen(128)
-    return sock
 
 
 async def serve_stage(config: StageConfig, topology: Topology | None = None,

@@ -1,17 +1,10 @@
 """Direct prediction return (spec §2.7): the final stage sends tokens straight to stage 0.
 
-* Stage 0 listens (`ReturnListener`). At ConfigureGeneration the final stage dials it
-  (`ReturnStreams.open`): connect, TLS off loopback, auth, READY, then one
-  `PredictionReturnOpen` frame naming (request_id, session_id). After that only replies
-  flow on the stream, final -> stage 0, and both ends belong to their stage's engine: the
-  final stage writes each prediction as its forward ends, stage 0 reads it and hands it to
-  the request's handler (`ReturnInbox`), with no thread in between.
-* If the stream cannot be opened, the final stage replies upstream instead, and every middle
-  stage relays the reply (the hop-by-hop fallback); a stream that breaks falls back the same way.
-* The stream is the session's (`ReturnStreams`): it is closed on Stop, when a new request
-  replaces the session, or when the session's connection ends.
-* The listener's port also answers the tensor side channel: a stage with no model file
-  fetches its layers from stage 0 there (holder.py).
+At ConfigureGeneration the final stage dials stage 0's `ReturnListener` and sends one
+`PredictionReturnOpen` naming (request_id, session_id); then only replies flow, engine to
+engine. A stream that cannot open or breaks falls back to relaying up the lanes. The stream
+is the session's: Stop, a new request on the session, or the lane's end closes it. The
+listener's port also serves the tensor side channel (holder.py).
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from ..runtime.session import SessionKey
 from .channel import Channel
 from .engine import Engine
 from .holder import TensorHolder, serve_tensors
-from .transport import LinkBroken, Transport, recv_exactly, send_all
+from .transport import Transport, recv_exactly, send_all
 
 log = logging.getLogger("skippy.stage")
 
@@ -36,11 +29,8 @@ ReturnKey = tuple[int, int]  # (request_id, session_id)
 
 
 class ReturnStreams:
-    """The final stage's open streams back to stage 0: opened on the event loop, written by the
-    engine. One per session, keyed as the runtime keys it, (lane id, session id), and held for
-    the request it was opened for: a lane owns its streams (no other lane's frames reach or close
-    them), and whatever ends or replaces the session ends its stream (a new request on the
-    session id, Stop, the lane's end)."""
+    """The final stage's streams back to stage 0: dialed on the event loop, written by the
+    engine; one per session, keyed (lane id, session id), for the request it was opened for."""
 
     def __init__(self, engine: Engine, transport: Transport, driver_endpoint: str | None):
         self.engine, self.transport = engine, transport
@@ -55,16 +45,14 @@ class ReturnStreams:
         `attach`; None (and the fallback path) when that is not possible."""
         if self.driver_endpoint is None:
             return None
+        sock = None
         try:
             sock, _ = await self.transport.dial(self.driver_endpoint)
-        except LinkBroken as error:
-            log.warning("direct prediction return unavailable, relaying upstream: %s", error)
-            return None
-        try:
             await send_all(sock, encode_message(StageMessage(MessageKind.PredictionReturnOpen, request_id=request_id,
                                                              session_id=session_id)))
-        except OSError as error:
-            sock.close()
+        except OSError as error:  # LinkBroken too
+            if sock is not None:
+                sock.close()
             log.warning("direct prediction return unavailable, relaying upstream: %s", error)
             return None
         return sock
@@ -92,10 +80,6 @@ class ReturnStreams:
             return False
         held[1].send(frame)
         return not held[1].closed
-
-    def has(self, key: SessionKey, request_id: int) -> bool:
-        held = self._streams.get(key)
-        return held is not None and held[0] == request_id
 
     def close(self, key: SessionKey) -> None:
         held = self._streams.pop(key, None)
@@ -155,10 +139,6 @@ class ReturnListener:
         """`holder`: serves stage 0's model file to stages that fetch their layers (holder.py)."""
         self.inbox, self.transport, self.bind_addr, self.holder = inbox, transport, bind_addr, holder
         self._listener = None
-
-    @property
-    def num_streams(self) -> int:
-        return self.inbox.num_streams
 
     async def start(self) -> str:
         host, port = parse_endpoint(self.bind_addr, allow_port_zero=True)

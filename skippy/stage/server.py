@@ -1,11 +1,7 @@
 """A stage's server: the listener and handshakes on the event loop, every lane on the engine.
 
-Binds loopback unless the config says otherwise. A connection that fails the TLS handshake
-or the auth check, or speaks another protocol version, is refused with a logged reason
-(stage/transport.py). One that passes is a lane, handed to the engine for the rest of its
-life (stage/lane.py); its control messages come back here (stage/handlers.py). A malformed
-frame closes that connection only (spec §2.1, §2.11). A connection that opened the tensor
-side channel instead is a stage fetching its layers from this one's model file (holder.py).
+A connection that passes its handshake (stage/transport.py) is a lane, the engine's for the
+rest of its life (stage/lane.py); its control messages come back here (stage/handlers.py).
 """
 
 from __future__ import annotations
@@ -32,18 +28,13 @@ _lane_ids = itertools.count(1)   # spec §3.1: a fresh id per connection
 
 class StageServer:
     def __init__(self, config: StageConfig, runtime: StageRuntime, *, topology: Topology | None = None,
-                 driver_endpoint: str | None = None, telemetry: Telemetry | None = None,
-                 transport: Transport | None = None):
-        """`driver_endpoint` (default: stage 0's endpoint in `topology`) is where the final
-        stage dials the direct prediction return. `transport` (default: the config's TLS,
-        token, link conditioning and timeouts) dials and listens."""
-        if driver_endpoint is None and topology is not None and len(topology.stages) > 1:
-            driver_endpoint = topology.driver_endpoint
+                 telemetry: Telemetry | None = None):
         self.config = config
         self.runtime = runtime
         self.telemetry = telemetry or runtime.telemetry
-        self.driver_endpoint = driver_endpoint
-        self.transport = transport or Transport.for_stage(config)
+        # where the final stage dials the direct prediction return: stage 0's endpoint
+        self.driver_endpoint = topology.driver_endpoint if topology is not None and len(topology.stages) > 1 else None
+        self.transport = Transport.for_stage(config)
         # serves the tensors of the model file it loaded to stages that have none (holder.py)
         self.holder = None if topology is None else TensorHolder(config.model_path, topology,
                                                                   where=f"stage {config.stage_index}")
@@ -158,8 +149,8 @@ class StageServer:
             lane.close()
         self.returns.close_all()
 
-    async def close(self, *, abort: bool = False) -> None:
-        """Stop listening and end every connection (`abort`: drop them like a crash would)."""
+    async def close(self) -> None:
+        """Stop listening and end every connection."""
         if self._listener is not None:
             await self._listener.close()
         await self.measurement.close()
@@ -167,8 +158,6 @@ class StageServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.engine is not None:
-            if abort:
-                self._post(lambda: [lane.channel.abort() for lane in list(self.env.lanes.values())])
             await asyncio.to_thread(self.engine.close)
         if self.holder is not None:
             self.holder.close()

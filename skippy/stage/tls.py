@@ -1,12 +1,9 @@
 """Mutual TLS on the links of a chain that leaves loopback (docs/operations.md).
 
-A stage's TLS identity (its certificate and key, and the chain's CA) comes from its config
-and lives in its `Transport` (stage/transport.py): every link it dials (lanes, status
-queries, the direct return) and every listener it opens then runs over TLS whenever the far
-host is not loopback, both sides checking the other's certificate against the chain's CA
-(`skippy plan` writes them). Loopback links stay plain. The auth token check runs inside TLS
-as before. A refused peer (another CA's certificate, none, plain TCP) gets one WARNING line
-naming its address and why, at most one a minute per host and reason (`RefusalLog`).
+A stage's TLS identity (certificate, key, the chain's CA) lives in its `Transport`: every
+link it dials and every listener runs over TLS whenever the far host is not loopback, both
+sides checking the other's certificate; the auth token check runs inside. A refused peer
+gets one WARNING line, at most one a minute per host and reason (`RefusalLog`).
 """
 
 from __future__ import annotations

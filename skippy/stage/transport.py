@@ -1,17 +1,9 @@
 """How a stage process reaches other stages and lets them reach it: dials, listeners, handshakes.
 
-One `Transport` per stage (built from its config, no process-wide state): its TLS identity,
-the chain's auth token, its link conditioning and its timeouts. Every handshake runs on the
-event loop over the raw socket (TLS, then the auth preamble, then READY: spec §2.1), so a
-connection is handed to the engine (stage/engine.py) as a plain or TLS socket that no
-asyncio transport ever wrapped, and the engine owns it for the rest of its life.
-
-    sock, endpoint = await transport.dial([stage, *standbys])     # handshaken
-    listener = await transport.listen(host, port, on_connection, where="stage 1")
-
-The same handshake with FETCH_MAGIC in the preamble opens the tensor side channel instead of
-a lane (stage/holder.py, stage/fetch.py, protocol §11): `dial(..., tensors=True)` on the
-fetching side, a listener's `on_tensors` on the holder's, both over a `SocketStream`.
+One `Transport` per stage, built from its config (no process-wide state). Every handshake
+(TLS, the auth preamble, READY: spec §2.1) runs on the event loop over the raw socket, so the
+engine gets a plain or TLS socket that no asyncio transport ever wrapped. FETCH_MAGIC in the
+preamble opens the tensor side channel instead of a lane (stage/holder.py, protocol §11).
 """
 
 from __future__ import annotations
@@ -66,17 +58,15 @@ class Transport:
                    timeouts=config.timeouts)
 
     def conditioner(self) -> Conditioner | None:
-        """The conditioning of one link this process dials (None: a plain link)."""
+        """The conditioning of one channel this process writes (None: a plain link)."""
         return None if self.conditioning is None else Conditioner(self.conditioning)
 
     # -- dialing ----------------------------------------------------------------------------
     async def dial(self, endpoints: str | Sequence[str], *, connect_s: float | None = None,
                    handshake_s: float | None = None, tensors: bool = False) -> tuple[socket.socket, str]:
-        """A handshaken socket to the first of `endpoints` that answers (a stage, then its
-        standbys: the same layers elsewhere), and its endpoint. One that failed lately is
-        tried after those that did not, so once a stage is lost every new lane goes to its
-        standby without waiting on it first. LinkBroken when none answers (its cause chained
-        for `answers_later`). `tensors`: open the tensor side channel, which needs the token."""
+        """A handshaken socket to the first of `endpoints` (a stage, then its standbys) that
+        answers, and its endpoint; LinkBroken when none does. One that failed lately is tried
+        last, so once a stage is lost new lanes go to its standby without waiting on it."""
         if tensors and self.auth_token is None:
             raise AuthError("the tensor side channel needs the chain's auth token")
         candidates = [endpoints] if isinstance(endpoints, str) else list(endpoints)
@@ -130,8 +120,7 @@ class Transport:
 
     async def query_status(self, endpoint: str) -> StageStatusReport | None:
         """The stage's own status, or None when it does not answer within `probe_s` (its dial,
-        handshake and answer, each). The connection then closes cleanly, which a stage ends
-        quietly (no sessions to reclaim)."""
+        handshake and answer, each)."""
         probe_s = self.timeouts.probe_s
         try:
             sock, _ = await self.dial(endpoint, connect_s=probe_s, handshake_s=probe_s)
@@ -151,16 +140,10 @@ class Transport:
     async def listen(self, host: str, port: int, on_connection: Callable[[socket.socket, tuple], Awaitable[None]],
                      *, where: str, sock: socket.socket | None = None,
                      on_tensors: Callable[[SocketStream], Awaitable[None]] | None = None) -> Listener:
-        """Accept on `host`:`port` (or on `sock`, already bound and listening); each connection
-        that passes its handshake goes to `on_connection(sock, peer)`, or, when it opened the
-        tensor side channel, to `on_tensors` (None: closed). `where` names the listener in its
-        log lines."""
-        if sock is None:
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(128)
+        """Accept on `host`:`port` (or on `sock`, bound and listening); each connection that
+        passes its handshake goes to `on_connection(sock, peer)`, or, for the tensor side
+        channel, to `on_tensors` (None: closed)."""
+        sock = sock or bound_socket(host, port)
         listener = Listener(self, sock, tls.context(self.tls_identity, host, server=True), on_connection, where,
                             on_tensors)
         listener.start()
@@ -180,18 +163,24 @@ class Transport:
                 refusals.refused(peer, error, self.timeouts.tls_handshake_s)
                 raise
         magic = AUTH_MAGIC
-        async with asyncio.timeout(self.timeouts.handshake_s):
-            if self.auth_token is not None:
-                try:
-                    magic, length = preamble_fields(await recv_exactly(sock, AUTH_PREFIX.size, "auth preamble"))
-                    token = await recv_exactly(sock, length, "auth token")
-                except TimeoutError:
-                    raise AuthError(f"auth preamble: none within {self.timeouts.handshake_s:g} s") from None
-                except ProtocolError as error:
-                    raise AuthError(str(error)) from None
-                check_auth(AuthPreamble(token, magic), self.auth_token)
-            await send_all(sock, Ready().encode())
+        try:  # asyncio.timeout raises TimeoutError only where its block ends, so the except is out here
+            async with asyncio.timeout(self.timeouts.handshake_s):
+                if self.auth_token is not None:
+                    try:
+                        magic, length = preamble_fields(await recv_exactly(sock, AUTH_PREFIX.size, "auth preamble"))
+                        token = await recv_exactly(sock, length, "auth token")
+                    except ProtocolError as error:
+                        raise AuthError(str(error)) from None
+                    check_auth(AuthPreamble(token, magic), self.auth_token)
+                await send_all(sock, Ready().encode())
+        except TimeoutError:
+            raise AuthError(f"auth preamble and READY: none within {self.timeouts.handshake_s:g} s") from None
         return sock, magic == FETCH_MAGIC
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on `host`:`port` (SO_REUSEADDR; closed again when it cannot bind)."""
+    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128)
 
 
 class Listener:
@@ -307,9 +296,8 @@ async def recv_exactly(sock: socket.socket, nbytes: int, what: str) -> bytes:
 
 
 class SocketStream:
-    """A handshaken socket (plain or TLS) as the reader and writer the tensor side channel's
-    frames are read from and written to (protocol.read_tensor_frame, write_tensor_frame):
-    that channel lives on the event loop, and the engine never sees its socket."""
+    """A handshaken socket as the reader and writer of the tensor side channel's frames, which
+    live on the event loop (the engine never sees this socket)."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
