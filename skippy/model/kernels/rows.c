@@ -174,6 +174,22 @@ static inline __attribute__((always_inline)) void scores_vec(const int gt, const
         for (int j = 0; j < kt; j++) sj[(size_t)(g0 + g) * T + t + j] = vsum(dot[g][j]) * scale;
 }
 
+/* The cache rows stream from memory (a step's other reads evicted them): on the first pass
+   over the keys, fetch the keys KV_PREFETCH_ROWS ahead into L1 and the values of the rows
+   at hand into L2 for the pass over the values. The hardware prefetchers alone left a
+   512-key attention at ~11 GB/s on a 3B model (docs/decisions.md, "Attention's cache rows
+   prefetched"). */
+#ifndef KV_PREFETCH_ROWS
+#define KV_PREFETCH_ROWS 16
+#endif
+static inline __attribute__((always_inline)) void prefetch_rows(const void *k, const void *v, size_t row_bytes,
+                                                                int t, int T) {
+    if (t + KV_PREFETCH_ROWS + 4 <= T)
+        for (size_t at = 0; at < 4 * row_bytes; at += 64)
+            _mm_prefetch((const char *)k + (t + KV_PREFETCH_ROWS) * row_bytes + at, _MM_HINT_T0);
+    for (size_t at = 0; at < 4 * row_bytes; at += 64) _mm_prefetch((const char *)v + t * row_bytes + at, _MM_HINT_T1);
+}
+
 /* attend_group for hd = VL n. Scores: up to 3 rows of the group against 4 keys at a time,
    12 independent sums (one row against one key at a time chained each sum's multiply-adds
    on the one before, and widened a float16 key once a row); then each row's maximum in a
@@ -185,10 +201,12 @@ static inline __attribute__((always_inline)) void scores_vec(const int gt, const
 static inline __attribute__((always_inline)) void attend_group_vec(
     const int n, const float *qj, int group, const void *k, const void *v, int f16, int T, float scale,
     float *sj, float *oj) {
+    const size_t row_bytes = (size_t)VL * n * (f16 ? 2 : 4);
     for (int g0 = 0; g0 < group; g0 += 3) {
         const int gt = group - g0 < 3 ? group - g0 : 3;
         int t = 0;
         for (; t + 4 <= T; t += 4) {
+            if (g0 == 0) prefetch_rows(k, v, row_bytes, t, T);
             if (gt == 3) scores_vec(3, 4, n, g0, t, qj, k, f16, T, scale, sj);
             else scores_vec(gt, 4, n, g0, t, qj, k, f16, T, scale, sj);
         }
