@@ -214,6 +214,7 @@ class Chain:
             raise ValueError(f"Expected a split of 'equal' or 'auto', got {split!r}")
         self.model_path, self.num_stages, self.log_level = Path(model_path), num_stages, log_level
         self.kv_cache, self.max_restarts = kv_cache, max_restarts
+        self.device = device  # every stage's, stage 0's included ("auto": CUDA where present)
         self.split, self.plan, self.first_plan = split, None, None  # the measured plan and the split's before it
         self.apply_split_advice, self.backend = apply_split_advice, None
         self.retiring: set = set()  # stage 0s replaced by a re-split, closing (split_restart.py)
