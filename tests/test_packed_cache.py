@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -107,3 +108,31 @@ def test_a_cache_directory_that_cannot_be_made_leaves_packing_alone(gguf_path, t
         blocked.write_text("")
         monkeypatch.setenv("SKIPPY_CACHE_DIR", str(blocked))  # a file where the directory should be
         assert PackedCache.for_model(gguf_path) is None
+
+
+def test_the_writer_makes_no_torch_call(tmp_path):
+    """A process may exit while the writer writes. CPython then ends a daemon thread that wakes
+    inside a torch call with pthread_exit, and its unwinding through torch's C++ aborted
+    `skippy generate` at exit (SIGABRT, "terminate called without an active exception"), so
+    the writer must not call torch at all: store() hands it numpy arrays."""
+    calls: list[str] = []
+
+    def watch(frame, event, arg):
+        if event == "c_call" and threading.current_thread().name == "skippy-packed-writer":
+            owner = getattr(arg, "__self__", None)
+            if isinstance(owner, torch.Tensor) or (getattr(arg, "__module__", None) or "").startswith("torch"):
+                calls.append(arg.__qualname__)
+
+    cache = PackedCache(tmp_path)
+    whole = torch.arange(64, dtype=torch.int32)
+    cache.store("m", {"n": 1}, {"strided": whole[::2], "whole": whole, "half": whole.to(torch.float16)})
+    threading.setprofile(watch)
+    try:
+        cache.start_writing()
+        cache.close()
+    finally:
+        threading.setprofile(None)
+    assert calls == []
+    meta, tensors = cache.load("m")
+    assert meta == {"n": 1} and torch.equal(tensors["strided"], whole[::2]) and torch.equal(tensors["whole"], whole)
+    assert torch.equal(tensors["half"], whole.to(torch.float16))

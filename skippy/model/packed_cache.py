@@ -116,9 +116,20 @@ class PackedCache:
         return record["meta"], tensors
 
     def store(self, name: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-        """Write a matmul for the next start, later, on the writer thread (start_writing)."""
+        """Write a matmul for the next start, later, on the writer thread (start_writing).
+        Its bytes are taken here, as numpy arrays over the tensors' memory, so that the writer
+        makes no torch call: a process may exit mid-write, and CPython ends a daemon thread
+        that wakes inside a torch call then with pthread_exit, whose unwinding through torch's
+        C++ aborts the process ("terminate called without an active exception")."""
+        entries, arrays, offset = [], [], 0
+        for key, tensor in tensors.items():
+            entries.append({"name": key, "dtype": str(tensor.dtype).removeprefix("torch."),
+                            "shape": list(tensor.shape), "offset": offset, "nbytes": tensor.nbytes})
+            arrays.append(tensor.contiguous().view(torch.uint8).numpy())
+            offset = -(-(offset + tensor.nbytes) // ALIGN) * ALIGN
+        record = {"format": FORMAT, "size": offset, "meta": meta, "tensors": entries}
         with self._lock:
-            self._queue.append((name, meta, tensors))
+            self._queue.append((name, record, arrays))
 
     def start_writing(self) -> None:
         """Write what `store` queued on a thread of its own (the stage serves meanwhile)."""
@@ -126,7 +137,7 @@ class PackedCache:
             if not self._queue or self._writer is not None:
                 return
             queue, self._queue = self._queue, []
-        needed = sum(t.nbytes for _, _, tensors in queue for t in tensors.values())
+        needed = sum(a.nbytes for _, _, arrays in queue for a in arrays)
         free = shutil.disk_usage(self.directory).free
         if needed + (1 << 30) > free:
             log.warning("packed weights not kept for the next start: they need %d MiB and %d MiB of disk are free",
@@ -144,28 +155,22 @@ class PackedCache:
     def _write_all(self, queue) -> None:
         _lower_priority()  # the stage serves meanwhile: its threads come first
         try:
-            for name, meta, tensors in queue:
-                self._write(name, meta, tensors)
+            for name, record, arrays in queue:
+                self._write(name, record, arrays)
         except OSError as e:  # a full disk, a cache directory deleted under us: the next start packs
             log.warning("packed weights not kept for the next start: %s", e)
 
-    def _write(self, name: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-        entries, offset = [], 0
-        for key, tensor in tensors.items():
-            entries.append({"name": key, "dtype": str(tensor.dtype).removeprefix("torch."),
-                            "shape": list(tensor.shape), "offset": offset, "nbytes": tensor.nbytes})
-            offset = -(-(offset + tensor.nbytes) // ALIGN) * ALIGN
+    def _write(self, name: str, record: dict, arrays: list[np.ndarray]) -> None:
         data = self.directory / f"{name}.bin"
         tmp = data.with_name(f".{data.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as out:
-            for entry, tensor in zip(entries, tensors.values()):
+            for entry, array in zip(record["tensors"], arrays):
                 out.seek(entry["offset"])
-                out.write(tensor.contiguous().view(torch.uint8).numpy().data)
-            out.truncate(offset)
+                out.write(array.data)
+            out.truncate(record["size"])
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, data)
-        record = {"format": FORMAT, "size": offset, "meta": meta, "tensors": entries}
         _write_atomically(self.directory / f"{name}.json", json.dumps(record).encode())
 
 
