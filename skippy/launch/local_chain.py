@@ -191,7 +191,7 @@ async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = 
 class Chain:
     """What a chain of stage processes and stage 0 here is, however its stages are placed
     (LocalChain, ray_chain.RayChain): every stage's options, supervision, and the measured
-    split at start; split_restart.py reads `backend`, `retiring` and calls `_restart_on`."""
+    split at start; split_restart.py reads `backend`, `retiring` and calls `restart_on`, `supervise`."""
 
     backoff_s: float | None = None  # the supervisor's between restarts (None: its default)
 
@@ -243,7 +243,7 @@ class Chain:
             await self.close()
             raise
         if self.max_restarts is not None:
-            self._supervise()
+            self.supervise()
         return self.client
 
     def _stage_configs(self, configs: list[StageConfig]) -> list[StageConfig]:
@@ -251,7 +251,7 @@ class Chain:
         stage_kv = self.kv_cache or KvCacheConfig(mode="disabled")
         return [c.model_copy(update={"kv_cache": stage_kv_cache(stage_kv, c.stage_index)}) for c in configs]
 
-    def _supervise(self) -> None:
+    def supervise(self) -> None:
         backoff = {} if self.backoff_s is None else {"backoff_s": self.backoff_s}
         self.supervisor = Supervisor(self.placement, self.num_stages, self.client.transport,
                                      max_restarts=self.max_restarts, on_back=self.client.chain_changed,
@@ -274,7 +274,7 @@ class Chain:
             return
         await self.client.close()
         self.client = None
-        await self._restart_on(list(self.plan.ranges), on_ready=on_stage_ready)
+        await self.restart_on(list(self.plan.ranges), on_ready=on_stage_ready)
 
     async def close(self) -> None:
         """Stop the chain in the order that keeps it quiet: the supervisor first (a stage stopped
@@ -350,8 +350,8 @@ class LocalChain(Chain):
                 log.warning("%s; retrying on other ports", error)
                 self._plan()
 
-    async def _restart_on(self, ranges: list[tuple[int, int]], *, lost: int | None = None,
-                          on_ready: Callable[[], None] = lambda: None) -> None:
+    async def restart_on(self, ranges: list[tuple[int, int]], *, lost: int | None = None,
+                         on_ready: Callable[[], None] = lambda: None) -> None:
         """Every stage again on `ranges`, on fresh ports, stage 0 as a new `client` (the one
         before it is left to the caller): a measured split at start, or a restart that applies
         the split advice (split_restart.py; `lost`: the stage that died, here nothing to wait for)."""

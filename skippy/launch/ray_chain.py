@@ -187,8 +187,8 @@ class RayChain(Chain):
             await asyncio.gather(stages, return_exceptions=True)
         self.placement.client = self.client
 
-    async def _restart_on(self, ranges: list[tuple[int, int]], *, lost: int | None = None,
-                          on_ready: Callable[[], None] = lambda: None) -> None:
+    async def restart_on(self, ranges: list[tuple[int, int]], *, lost: int | None = None,
+                         on_ready: Callable[[], None] = lambda: None) -> None:
         """Every stage again on `ranges`, on the same actors and ports, stage 0 as a new
         `client` (the one before it stops listening: stage 0's port is the chain's; the caller
         closes it): a measured split at start, or a restart that applies the split advice

@@ -2,7 +2,7 @@
 
 When a stage of a `--split auto` chain dies and the advice as it stood then (its last status
 answer) names other ranges for the same stages, the supervisor's restart becomes a re-split
-through the chain's own `_restart_on`, stage 0 included, as a new ChainClient; waiting
+through the chain's own `restart_on`, stage 0 included, as a new ChainClient; waiting
 requests move to it (ChainClient.hand_over) and the old stage 0 closes once none is on it.
 Otherwise the restart is the supervisor's usual one (docs/architecture.md).
 """
@@ -60,18 +60,18 @@ async def restart_on_advice(chain: Chain, index: int) -> bool:
     old.retiring = True  # its requests wait, dialing nothing: a new stage 1 may listen where the old did
     await chain.supervisor.close()  # the other stages' watchers: every stage stops now
     try:
-        await chain._restart_on(ranges, lost=index)
+        await chain.restart_on(ranges, lost=index)
     except Exception as error:  # noqa: BLE001 - back to the split that ran
         log.error("the advised split did not start (%s); starting every stage again on %s", error, _ranges(current))
         try:
-            await chain._restart_on(current, lost=index)
+            await chain.restart_on(current, lost=index)
         except Exception as again:  # noqa: BLE001
             log.error("the chain did not start again either (%s): requests fail until skippy serve restarts", again)
             chain.supervisor.health[index].state = "failed"  # /readyz and /v1/stages name it
             old.can_recover = lambda: False
             old.chain_changed()
             return True
-    chain._supervise()
+    chain.supervise()
     chain.backend.rebind(chain.client, chain.topology, chain.supervisor.health)
     old.hand_over(chain.client)
     task = asyncio.create_task(_retire(old), name="skippy-retire-stage0")
