@@ -83,6 +83,8 @@ SIGNATURES = {  # the C functions' (argument types, return type), in their argum
     "skippy_qmatmul": ([_P, _I, _MATMUL, _P, _I], _I),
     "skippy_qmatmul_vector_path": ([], _I),
     "skippy_qmatmul_amx": ([], _I),
+    "skippy_qmatmul_bf16": ([_P, _I, _MATMUL, _P, _I], _I),
+    "skippy_qmatmul_bf16_ready": ([], _I),
     "skippy_pack_q4k": ([_P, _I64, _P, _I, _I, _P, _P, _P], _I),
     "skippy_pack_q6k": ([_P, _I64, _P, _I, _I, _P, _P, _P], _I),
     "skippy_rms_norm": ([_P, _I, _I, _P, _F, _P], None),
@@ -208,18 +210,27 @@ def available() -> bool:
         return False
 
 
-def qmatmul(x: torch.Tensor, matmul: Matmul, out: torch.Tensor | None = None) -> torch.Tensor:
+def qmatmul(x: torch.Tensor, matmul: Matmul, out: torch.Tensor | None = None, bf16: bool = False) -> torch.Tensor:
     """x [T, in] float32 contiguous through `matmul` (a QuantLinear's) -> [T, out] float32; with
-    `out`, adds into it."""
+    `out`, adds into it. `bf16`: on AMX-BF16 tiles (bf16_ready()), bfloat16's precision instead of
+    the integer paths' bits (--prefill-precision bf16; kernels/qmatmul_avx512.c)."""
     rows, in_features = x.shape
     accumulate = out is not None
     if out is None:
         out = torch.empty(rows, matmul.rows, dtype=torch.float32)
-    status = library().skippy_qmatmul(x.data_ptr(), rows, ctypes.byref(matmul), out.data_ptr(), int(accumulate))
+    kernel = library().skippy_qmatmul_bf16 if bf16 else library().skippy_qmatmul
+    status = kernel(x.data_ptr(), rows, ctypes.byref(matmul), out.data_ptr(), int(accumulate))
     if status:
         raise RuntimeError(f"qmatmul failed ({status}): x {tuple(x.shape)}, {matmul.rows} x {matmul.cols} weights "
                            f"in {matmul.num_parts} parts, {matmul.levels} levels")
     return out
+
+
+@functools.cache
+def bf16_ready() -> bool:
+    """Whether qmatmul's bf16 path runs here: the kernels built for AMX-BF16 and the OS's tile
+    data granted (SKIPPY_AMX=0 turns it off with the int8 tiles)."""
+    return available() and bool(library().skippy_qmatmul_bf16_ready())
 
 
 def matmul_struct(parts, rows: int, cols: int, levels: int) -> Matmul:

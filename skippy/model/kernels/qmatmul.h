@@ -15,6 +15,9 @@
 #define SKIPPY_VNNI 1
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define SKIPPY_AMX 1
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define SKIPPY_AMX_BF16 1 /* the opt-in bfloat16 prompt path (skippy_qmatmul_bf16) */
+#endif
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SKIPPY_AVX2 1

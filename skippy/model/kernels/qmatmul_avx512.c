@@ -369,7 +369,195 @@ int skippy_block_amx(const skippy_part *p, int b, const skippy_rows *x, int m0, 
     EACH_FORMAT_AND_LEVEL(block_amx, p, b, x, m0, m1, y, N, accumulate, unpacked)
     return m0 + (m1 - m0) / 16 * 16;
 }
-#else
+#endif
+
+#ifdef SKIPPY_AMX_BF16
+/* An opt-in prompt path that is NOT bit-equal to the integer paths (--prefill-precision bf16):
+   x rounded to bfloat16, each weight dequantized (its group's scale and offset folded in) and
+   rounded to bfloat16, and the products summed in float32 over the whole of K inside the tile
+   unit (tdpbf16ps), with no float step per group. The integer paths spend most of a prompt's
+   time in those per-group steps (docs/decisions.md, "Prompt activations stay quantized per 32");
+   here a tile multiply does 16 x 16 x 32 products and nothing else runs per group.
+
+   Per thread and pair of weight blocks (32 output columns): the blocks' whole K is dequantized
+   once into a thread-local buffer (K/32 B tiles of 1 KB a block: 256 KB at K = 8192, in L2), then
+   every pair of 16-row tiles of x runs over it with 4 sums in tile registers (2 x 2: C 0-3,
+   A 4-5, B 6-7). x is rounded to bfloat16 once per matmul, its rows padded to a multiple of 16
+   with zeros. A row's result depends on nothing but its own x and K's fixed order, so it is the
+   same bits alone and in any batch on this path (not the integer paths' bits). */
+
+#define BF16_TILE_BYTES 1024 /* a B tile: 16 pairs along K x 16 columns x 2 bfloat16 */
+
+/* 16 floats, a lane each, from byte t of every 32-bit lane of v */
+static inline __m512 byte_lane_ps(__m512i v, int t) {
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * t), _mm512_set1_epi32(255)));
+}
+
+/* Block b of part p dequantized to bfloat16 B tiles (tdpbf16ps's layout): tile g holds group g,
+   its row r the weights k = 32g + 2r, 2r + 1 of each of the block's 16 rows side by side
+   (column n: a 32-bit pair). w = d c + m (Q4, Q8, Q4K), d_h (c - 32) (Q6K), in float32 as
+   the integer paths' scales give them, then rounded to bfloat16 (nearest, ties to even). */
+static inline __attribute__((always_inline)) void dequantize_block(const int format, const skippy_part *p, int b,
+                                                                   int G, uint16_t *out) {
+    const int bytes = skippy_group_bytes(format);
+    /* cvtne2ps_pbh puts the first pair member's 16 values in the low half: interleave them */
+    _Alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i order = _mm512_load_si512(pairs);
+    const uint8_t *codes = p->codes + (size_t)b * G * bytes;
+    __m512 sd = _mm512_setzero_ps(), sm = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++, codes += bytes) {
+        __m512i cw[8];
+        unpack(format, codes, cw);
+        __m512 d, m;
+        group_scales(format, 2, p, b, G, g, &sd, &sm, &d, &m); /* levels 2: d as the file has it */
+        uint16_t *tile = out + (size_t)g * (BF16_TILE_BYTES / 2);
+        for (int j = 0; j < 8; j++) {
+            __m512 w[4];
+            for (int t = 0; t < 4; t++) {
+                if (format == SKIPPY_Q6K) { /* each half group its own scale: d (j even), m (j odd) */
+                    const __m512 c = _mm512_sub_ps(byte_lane_ps(cw[j], t), _mm512_set1_ps(32.f));
+                    w[t] = _mm512_mul_ps(c, j % 2 ? m : d);
+                } else {
+                    w[t] = _mm512_fmadd_ps(byte_lane_ps(cw[j], t), d, m);
+                }
+            }
+            const int row = k_of(format, j) / 2; /* tile rows row, row + 1: k, k + 1 and k + 2, k + 3 */
+            for (int h = 0; h < 2; h++) {
+                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(w[2 * h + 1], w[2 * h]);
+                _mm512_store_si512(tile + (size_t)(row + h) * 32, _mm512_permutexvar_epi16(order, both));
+            }
+        }
+    }
+}
+
+#define EACH_FORMAT(kernel, ...)                                                                                 \
+    switch (p->format) {                                                                                         \
+    case SKIPPY_Q4: kernel(SKIPPY_Q4, __VA_ARGS__); break;                                                       \
+    case SKIPPY_Q8: kernel(SKIPPY_Q8, __VA_ARGS__); break;                                                       \
+    case SKIPPY_Q4K: kernel(SKIPPY_Q4K, __VA_ARGS__); break;                                                     \
+    default: kernel(SKIPPY_Q6K, __VA_ARGS__); break;                                                             \
+    }
+
+/* The dequantized blocks of the pair being multiplied: a buffer per thread, as unpacked_buffer's */
+static __thread uint16_t *bf16_buffer;
+static __thread size_t bf16_capacity;
+
+static uint16_t *bf16_weights_buffer(size_t bytes) {
+    if (bytes > bf16_capacity) {
+        free(bf16_buffer);
+        bf16_buffer = aligned_alloc(64, bytes);
+        bf16_capacity = bf16_buffer ? bytes : 0;
+    }
+    return bf16_buffer;
+}
+
+/* C tile `tile`'s 16 x 16 sums into y's rows [t0, t0 + 16) below M, columns from `col`: stored
+   whole, then only the rows that exist copied (or added) */
+#define STORE_SUMS(tile, t0, col)                                                                                  \
+    do {                                                                                                           \
+        _tile_stored(tile, sums, 64);                                                                              \
+        for (int j = 0; j < 16 && (t0) + j < M; j++) {                                                             \
+            float *out = y + (size_t)((t0) + j) * N + (col);                                                       \
+            __m512 r = _mm512_load_ps(sums[j]);                                                                    \
+            if (accumulate) r = _mm512_add_ps(r, _mm512_loadu_ps(out));                                            \
+            _mm512_storeu_ps(out, r);                                                                              \
+        }                                                                                                          \
+    } while (0)
+
+/* x's bfloat16 rows [Mpad, K] (a) against the dequantized blocks at w0 (and w1 when two) into y's
+   columns col, col + 16: two row tiles at a time while two remain, then one */
+static void bf16_tiles(const uint16_t *a, int M, int Mpad, int K, const uint16_t *w0, const uint16_t *w1, float *y,
+                       int N, int col, int accumulate) {
+    const int G = K / GROUP;
+    const size_t stride = (size_t)K * 2;
+    _Alignas(64) float sums[16][16];
+    for (int t0 = 0; t0 < Mpad; t0 += 32) {
+        const int two_rows = t0 + 16 < Mpad;
+        const uint16_t *a0 = a + (size_t)t0 * K, *a1 = a0 + (size_t)16 * K;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int g = 0; g < G; g++) {
+            _tile_loadd(6, w0 + (size_t)g * 512, 64);
+            _tile_loadd(4, a0 + (size_t)g * GROUP, stride);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two_rows) {
+                _tile_loadd(5, a1 + (size_t)g * GROUP, stride);
+                _tile_dpbf16ps(2, 5, 6);
+            }
+            if (w1) {
+                _tile_loadd(7, w1 + (size_t)g * 512, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two_rows) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        STORE_SUMS(0, t0, col);
+        if (w1) STORE_SUMS(1, t0, col + 16);
+        if (two_rows) {
+            STORE_SUMS(2, t0 + 16, col);
+            if (w1) STORE_SUMS(3, t0 + 16, col + 16);
+        }
+    }
+}
+
+/* 1 where skippy_qmatmul_bf16 runs: built for AMX-BF16 (-march=native: the CPU has it) and the
+   OS granted tile data (skippy_amx_ready's request, the int8 tiles' own) */
+int skippy_qmatmul_bf16_ready(void) { return skippy_amx_ready(); }
+
+/* y [M, N] (+)= x [M, K] . W^T on the bfloat16 tiles above. Returns 0, -1 for bad arguments,
+   -2 out of memory, -3 where AMX-BF16 cannot run (the caller stays on skippy_qmatmul). */
+int skippy_qmatmul_bf16(const float *x, int M, const skippy_matmul *w, float *y, int accumulate) {
+    if (skippy_qmatmul_check(M, w)) return -1;
+    if (!skippy_amx_ready()) return -3;
+    const int K = w->cols, G = K / GROUP, N = w->rows, blocks = N / LANES, pairs = (blocks + 1) / 2;
+    const int Mpad = (M + 15) / 16 * 16;
+    uint16_t *a = aligned_alloc(64, (size_t)Mpad * K * 2);
+    if (!a) return -2;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        /* x to bfloat16, 32 values at a time (K is a multiple of 32); the padding rows zero */
+        #pragma omp for schedule(static)
+        for (int m = 0; m < Mpad; m++) {
+            uint16_t *row = a + (size_t)m * K;
+            for (int k = 0; k < K; k += 32) {
+                __m512i both = _mm512_setzero_si512();
+                if (m < M) {
+                    const float *v = x + (size_t)m * K + k;
+                    both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + 16), _mm512_loadu_ps(v));
+                }
+                _mm512_store_si512(row + k, both);
+            }
+        }
+        uint16_t *weights = bf16_weights_buffer((size_t)2 * G * BF16_TILE_BYTES);
+        tile_config config = {0};
+        config.palette = 1;
+        for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
+        if (weights) _tile_loadconfig(&config);
+        else __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        #pragma omp for schedule(dynamic)
+        for (int pair = 0; pair < pairs; pair++) {
+            if (!weights) continue;
+            uint16_t *half[2] = {weights, weights + (size_t)G * (BF16_TILE_BYTES / 2)};
+            int count = 0;
+            for (int b = 2 * pair; b < 2 * pair + 2 && b < blocks; b++, count++) {
+                int part = 0, first = 0; /* the part holding block b, and that part's first block */
+                while (b >= first + w->part[part].rows / LANES) first += w->part[part++].rows / LANES;
+                const skippy_part *p = &w->part[part];
+                EACH_FORMAT(dequantize_block, p, b - first, G, half[count])
+            }
+            bf16_tiles(a, M, Mpad, K, half[0], count == 2 ? half[1] : NULL, y, N, 2 * pair * LANES, accumulate);
+        }
+        if (weights) _tile_release();
+    }
+    free(a);
+    return failed ? -2 : 0;
+}
+#endif
+
+#ifndef SKIPPY_AMX
 int skippy_amx_ready(void) { return 0; }
 
 int skippy_block_amx(const skippy_part *p, int b, const skippy_rows *x, int m0, int m1, float *y, int N,
@@ -378,4 +566,13 @@ int skippy_block_amx(const skippy_part *p, int b, const skippy_rows *x, int m0, 
     return m0;
 }
 #endif
+#endif
+
+#ifndef SKIPPY_AMX_BF16
+int skippy_qmatmul_bf16_ready(void) { return 0; }
+
+int skippy_qmatmul_bf16(const float *x, int M, const skippy_matmul *w, float *y, int accumulate) {
+    (void)x, (void)M, (void)w, (void)y, (void)accumulate;
+    return -3;
+}
 #endif

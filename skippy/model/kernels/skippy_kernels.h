@@ -120,6 +120,12 @@ int skippy_qmatmul(const float *x, int M, const skippy_matmul *w, float *y, int 
 int skippy_qmatmul_vector_path(void);
 int skippy_qmatmul_amx(void);
 
+/* qmatmul_avx512.c: the opt-in prompt path on AMX-BF16 tiles (--prefill-precision bf16): y as
+   skippy_qmatmul's to bfloat16's precision, not its bits. Returns 0, -1 bad arguments, -2 out of
+   memory, -3 not here (no AMX-BF16, or the OS refused tile data) */
+int skippy_qmatmul_bf16(const float *x, int M, const skippy_matmul *w, float *y, int accumulate);
+int skippy_qmatmul_bf16_ready(void);
+
 /* pack.c */
 int skippy_pack_q4k(const uint8_t *raw, int64_t row_bytes, const int64_t *rows, int N, int K, uint8_t *codes,
                     uint16_t *scale, uint8_t *sub);
