@@ -21,7 +21,8 @@ each engine's decode rate as a share of it.
 
 "ours auto" is the default: the GGUF's quantized weights stay 4-bit (quant.py),
 as llama.cpp runs them; "ours no-AMX" is the same with SKIPPY_AMX=0, the prompt on the
-AVX512-VNNI path a CPU without AMX takes. "ours float32"/"float16" and transformers dequantize the
+AVX512-VNNI path a CPU without AMX takes; "ours bf16" is the same with --prefill-precision bf16
+(the prompt's matmuls on AMX-BF16 tiles, decode unchanged). "ours float32"/"float16" and transformers dequantize the
 GGUF (float32 is our parity reference).
 llama.cpp runs only when `llama_cpp` imports (pip install -e '.[bench-llamacpp]';
 it compiles llama.cpp for about ten minutes).
@@ -81,6 +82,9 @@ RATIOS = [
     ("ours auto", "llama.cpp", "prefill"),
     ("ours auto", "ours no-AMX", "prefill"),
     ("ours no-AMX", "llama.cpp", "prefill"),
+    ("ours bf16", "llama.cpp", "prefill"),
+    ("ours bf16", "ours auto", "prefill"),
+    ("ours bf16", "ours auto", "decode"),
     ("ours auto", "ours float32", "decode"),
     ("ours float32", "transformers float32", "decode"),
     ("ours float32", "transformers float32", "prefill"),
@@ -99,10 +103,10 @@ class Timings:
 
 
 class OursEngine:
-    def __init__(self, path: Path, dtype: str, amx: bool = True):
+    def __init__(self, path: Path, dtype: str, amx: bool = True, prefill_precision: str = "exact"):
         if not amx:  # the kernels read it on their first prompt (a CPU without AMX runs this path)
             os.environ["SKIPPY_AMX"] = "0"
-        self.model = load_stage(path, dtype=dtype, device="cpu", progress=False)
+        self.model = load_stage(path, dtype=dtype, device="cpu", progress=False, prefill_precision=prefill_precision)
 
     def prefill(self, prompt: list[int]) -> int:
         self.cache = self.model.new_cache()
@@ -186,6 +190,8 @@ def run_once(engine, prompt: list[int], num_decode: int) -> tuple[float, float, 
 ENGINES = {
     "ours auto": ("Loading ours auto (quantized)", lambda path, options: OursEngine(path, "auto")),
     "ours no-AMX": ("Loading ours auto, AMX off", lambda path, options: OursEngine(path, "auto", amx=False)),
+    "ours bf16": ("Loading ours auto, prompts in bfloat16", lambda path, options: OursEngine(
+        path, "auto", prefill_precision="bf16")),
     "ours float32": ("Loading ours float32", lambda path, options: OursEngine(path, "float32")),
     "ours float16": ("Loading ours float16", lambda path, options: OursEngine(path, "float16")),
     "transformers float32": ("Loading transformers float32 (converts the GGUF, ~30 s)",

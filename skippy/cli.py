@@ -23,6 +23,14 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-repack", dest="repack", action="store_false",
                         help="do not keep a second, batch-friendly copy of float32 CPU weights (halves their "
                              "memory; batched decode, prefill and verify windows run slower)")
+    add_prefill_precision(parser)
+
+
+def add_prefill_precision(parser: argparse.ArgumentParser, default: str | None = "exact") -> None:
+    parser.add_argument("--prefill-precision", default=default, choices=["exact", "bf16"],
+                        help="prompts' matmuls: exact (default) on the integer kernels, the same bits as decoding them; "
+                             "bf16 on AMX-BF16 tiles where the CPU has them (~3x faster prompts, bfloat16's "
+                             "precision: a prompt's rows no longer equal the decode rows that would replay it)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -212,6 +220,7 @@ def add_stage_commands(commands) -> None:
     stage.add_argument("--reply-credit-limit", type=int, default=None, help="deferred ACKs before a credit wait")
     stage.add_argument("--no-repack", dest="repack_weights", action="store_false", default=None,
                        help="no batch-friendly copy of float32 CPU weights (overrides the config)")
+    add_prefill_precision(stage, default=None)  # None: the config's
     add_kv_disk_options(stage, "this stage; overrides the config")
     for field in LinkConditioning.model_fields:  # --downstream-wire-delay-ms, -jitter-ms, -mbps, ...
         stage.add_argument(f"--downstream-wire-{field.replace('_', '-')}", dest=f"wire_{field}", default=None,
@@ -242,6 +251,7 @@ def add_stage_commands(commands) -> None:
     plan.add_argument("--ctx-size", type=int, default=2048)
     plan.add_argument("--lane-count", type=int, default=4)
     add_activation_dtype(plan)
+    add_prefill_precision(plan)
     plan.set_defaults(run=run_plan)
 
 
@@ -395,7 +405,7 @@ def run_plan(args: argparse.Namespace) -> int:
     topology, configs = plan_chain(model_path(args), hosts, weights=weights, ranges=ranges, standbys=standbys,
                                    auth_token=args.auth_token or secrets.token_urlsafe(32),
                                    ctx_size=args.ctx_size, lane_count=args.lane_count,
-                                   activation_dtype=activation_dtype)
+                                   activation_dtype=activation_dtype, prefill_precision=args.prefill_precision)
     off_loopback = not all(is_loopback(parse_endpoint(e)[0]) for s in topology.stages for e in s.endpoints)
     for written in write_plan(topology, configs, args.out, tls=args.tls or off_loopback):
         print(written)

@@ -159,13 +159,15 @@ async def connect_topology(topology: Topology, model_path: str | Path, *,
 
 async def start_stage0(model_path: str | Path, layers: tuple[int, int] | None = None, *,
                        dtype: str = "auto", device: str = "auto", repack: bool = True,
+                       prefill_precision: str = "exact",
                        kv_cache: KvCacheConfig | None = None, otlp_endpoint: str | None = None,
                        otlp_protocol: str = "http", peer_wait_forwards: float | None = None,
                        decode_waves: int = 1, **client_options) -> ChainClient:
     """Stage 0 holding layers [0, k) (None: the whole model, a chain of one stage), started.
     `kv_cache`: its prefix cache (the disk tier under `disk_dir`/stage-0); None: none.
     `otlp_endpoint`: where its spans go (OTLP over `otlp_protocol`, http or grpc); None: nowhere."""
-    model = load_stage(model_path, layers, dtype=dtype, device=device, progress=False, repack=repack)
+    model = load_stage(model_path, layers, dtype=dtype, device=device, progress=False, repack=repack,
+                       prefill_precision=prefill_precision)
     prefix_cache = None
     if kv_cache is not None:
         prefix_cache = StagePrefixCache.build(
@@ -197,7 +199,8 @@ class Chain:
 
     def __init__(self, model_path: str | Path, num_stages: int, *, activation_dtype: str = "f32",
                  ctx_size: int = 2048, lane_count: int = 4, dtype: str = "auto", device: str = "auto",
-                 repack: bool = True, concurrency: int = 1, log_level: str = "WARNING",
+                 repack: bool = True, prefill_precision: str = "exact", concurrency: int = 1,
+                 log_level: str = "WARNING",
                  otlp_endpoint: str | None = None, otlp_protocol: str = "http",
                  kv_cache: KvCacheConfig | None = None, max_restarts: int | None = None,
                  split: str = "equal", apply_split_advice: bool = False, **client_options):
@@ -225,6 +228,7 @@ class Chain:
         self.placement = None  # where stages 1..N-1 run (placement.py)
         self.topology: Topology | None = None
         both = dict(device=device, ctx_size=ctx_size, activation_dtype=activation_dtype,
+                    prefill_precision=prefill_precision,
                     otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol,
                     peer_wait_forwards=ONE_WAVE_PEER_WAIT_FORWARDS, decode_waves=num_stages)
         self._stage_options = dict(both, auth_token=self.auth_token, lane_count=lane_count,

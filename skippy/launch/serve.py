@@ -65,6 +65,7 @@ class ServeConfig(BaseModel):
     dtype: str = "auto"
     device: str = "auto"
     repack: bool = True  # a batch-friendly copy of float32 CPU weights (see StageModel.repack_for_batches)
+    prefill_precision: Literal["exact", "bf16"] = "exact"  # prompts' matmuls in every stage (StageModel's)
     # what stage rows cross links as; auto: per link and frame, from the measured bandwidth (f32, f16 or q8)
     activation_dtype: Literal["f32", "f16", "bf16", "q8", "auto"] = "auto"
     split: Literal["equal", "auto"] = "equal"  # --stages N: layers by weight bytes, or by measured time
@@ -163,7 +164,8 @@ async def build_backend(config: ServeConfig):
 
     ctx_size = config.ctx_size or model_args(config.model).context_length
     every_stage = dict(dtype=config.dtype, device=config.device, repack=config.repack,
-                   otlp_endpoint=config.otlp_endpoint, otlp_protocol=config.otlp_protocol)
+                       prefill_precision=config.prefill_precision,
+                       otlp_endpoint=config.otlp_endpoint, otlp_protocol=config.otlp_protocol)
     options = dict(concurrency=config.num_lanes, ctx_size=ctx_size, activation_dtype=config.activation_dtype,
                    timeouts=config.timeouts,
                    speculative=config.speculative_settings(), draft_model=await _load_draft_model(config))

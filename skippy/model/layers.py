@@ -78,8 +78,9 @@ class Linear:
         """The weight as loaded (not the repacked copy), and the bias."""
         return [self.weight] if self.bias is None else [self.weight, self.bias]
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x · W^T (+ bias), plus `residual` when given."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, bf16: bool = False) -> torch.Tensor:
+        """x · W^T (+ bias), plus `residual` when given. `bf16` (a QuantLinear's bfloat16 prompt
+        path) changes nothing here: float weights run torch's matmul in their own dtype."""
         if self.batched is not None and x.shape[0] > 1:
             out = self.through_repacked(x)
         else:
@@ -285,22 +286,23 @@ def attend_sessions(qkv: torch.Tensor, layer: int, segments, rows: "qkernel.Deco
 
 
 def gated_mlp(x: torch.Tensor, gate_up: Linear, down: Linear, activation: str, residual: torch.Tensor,
-              post_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+              post_norm: torch.Tensor | None = None, eps: float = 0.0, bf16: bool = False) -> torch.Tensor:
     """residual + down(act(gate(x)) * up(x)), act silu (SwiGLU) or gelu_tanh (GeGLU);
-    with `post_norm` (Gemma) the product is RMS-normed before the residual add."""
-    both = gate_up(x)
+    with `post_norm` (Gemma) the product is RMS-normed before the residual add. `bf16`: the
+    matmuls on the bfloat16 prompt path (QuantLinear)."""
+    both = gate_up(x, bf16=bf16)
     if _on_our_kernels(both):
         hidden = qkernel.swiglu(both) if activation == "silu" else qkernel.geglu(both)
     else:
         gate, up = both.chunk(2, dim=-1)
         hidden = (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
-    return add_residual(down, hidden, residual, post_norm, eps)
+    return add_residual(down, hidden, residual, post_norm, eps, bf16)
 
 
 def add_residual(linear: Linear, x: torch.Tensor, residual: torch.Tensor, post_norm: torch.Tensor | None,
-                 eps: float) -> torch.Tensor:
+                 eps: float, bf16: bool = False) -> torch.Tensor:
     """residual + linear(x), summed inside the matmul where it can be; with `post_norm`,
-    residual + rms_norm(linear(x)) (Gemma's norms after attention and the MLP)."""
+    residual + rms_norm(linear(x)) (Gemma's norms after attention and the MLP). `bf16`: as gated_mlp's."""
     if post_norm is None:
-        return linear(x, residual=residual)
-    return residual + rms_norm(linear(x), post_norm, eps)
+        return linear(x, residual=residual, bf16=bf16)
+    return residual + rms_norm(linear(x, bf16=bf16), post_norm, eps)

@@ -11,6 +11,7 @@ and attend separately, each over its own KV cache (a `Segment`).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,13 +22,20 @@ from . import qkernel
 from .args import LayerRange, ModelArgs
 from .inference import inference_mode
 from .kv_cache import KVCache
-from .layers import (Linear, add_residual, apply_rope, attend_sessions, decode_rows, gated_mlp, head_norms_,
-                     rms_norm, rope_tables, window_rows)
+from .layers import (WINDOW_ROWS_MAX, Linear, add_residual, apply_rope, attend_sessions, decode_rows, gated_mlp,
+                     head_norms_, rms_norm, rope_tables, window_rows)
 from .quant import QuantizedTensor
 from .quant_linear import QuantLinear, build_linear
 from .weight_arena import WeightArena
 
 Weight = torch.Tensor | QuantizedTensor
+log = logging.getLogger(__name__)
+
+PREFILL_PRECISIONS = ("exact", "bf16")
+# Fewest rows a forward's matmuls take on the bfloat16 prompt path (--prefill-precision bf16):
+# below it they stay on the integer kernels, whose weights stream as fast at a few rows
+# (docs/decisions.md, "Prompts on AMX-BF16 tiles, opt-in")
+BF16_PREFILL_MIN_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +73,19 @@ class StageModel:
         kv_dtype: torch.dtype = torch.float32,
         on_built: Callable[[], None] = lambda: None,
         arena: WeightArena | None = None,
+        prefill_precision: str = "exact",
     ):
         """`weights`: float tensors, or QuantizedTensors packed here one matmul at a
         time (so building never holds more than one block's unpacked codes).
         `on_built` is called after each block and the head (a progress bar). `arena`: where
-        packed weights go (default: a huge-page arena of their own on CPU)."""
+        packed weights go (default: a huge-page arena of their own on CPU).
+        `prefill_precision`: "exact" (a prompt's rows are the integer kernels' bits, those of
+        the decode steps that would replay it: the prefix cache, replay after a lost stage and
+        speculation rely on it) or "bf16" (forwards of prompt rows only, BF16_PREFILL_MIN_ROWS
+        or more, on AMX-BF16 tiles: ~3x faster, bfloat16's precision); "bf16" where the CPU or
+        OS has no AMX-BF16 stays exact, said once in the log."""
+        if prefill_precision not in PREFILL_PRECISIONS:
+            raise ValueError(f"Expected a prefill precision in {PREFILL_PRECISIONS}, got {prefill_precision!r}")
         self.args, self.layers, self.device, self.kv_dtype = args, layers, device, kv_dtype
         arch = args.arch
         self.activation = arch.activation
@@ -98,6 +114,7 @@ class StageModel:
                 self.embedding = self.head.weight  # tied: look tokens up in the head's copy, not a second one
             on_built()
         self.decode_layers = self._decode_layers()
+        self.prefill_bf16 = prefill_precision == "bf16" and self._bf16_prefill_runs()
         self._step_logits: tuple[torch.Tensor, torch.Tensor] | None = None  # (hidden, its logits) of the last step
         self._step_picks: tuple[torch.Tensor, list[int | None]] | None = None  # (hidden, its greedy picks)
 
@@ -121,6 +138,16 @@ class StageModel:
             head = (self.output_norm, self.head)  # the step's logits in the same call (compute_logits)
         return qkernel.DecodeLayers(layers, args.num_heads, args.num_kv_heads, args.head_dim,
                                     blocks[0].w_down.in_features, args.rms_norm_eps, self.scale, head)
+
+    def _bf16_prefill_runs(self) -> bool:
+        """Whether --prefill-precision bf16 can take effect here; says why not when it cannot."""
+        if not any(isinstance(linear, QuantLinear) for linear in self.linears):
+            log.warning("--prefill-precision bf16: no matmul here runs on our integer kernels; prompts run as before")
+            return False
+        if self.device.type != "cpu" or not qkernel.bf16_ready():
+            log.warning("--prefill-precision bf16: this CPU (or its OS) has no AMX-BF16 tiles; prompts stay exact")
+            return False
+        return True
 
     def _block(self, w: dict[str, Weight], i: int, arena: WeightArena | None) -> Block:
         p, args, arch = f"blk.{i}.", self.args, self.args.arch
@@ -174,7 +201,8 @@ class StageModel:
         levels): caches of KV rows computed with other weights must not be shared."""
         kinds = {lin.format if isinstance(lin, QuantLinear) else str(lin.weight.dtype).removeprefix("torch.")
                  for lin in self.linears}
-        return "+".join(sorted(kinds))
+        # a bfloat16 prompt fills other KV rows than an exact one: its prefix-cache entries are its own
+        return "+".join(sorted(kinds)) + (";prefill-bf16" if self.prefill_bf16 else "")
 
     @property
     def repack_bytes(self) -> int:
@@ -230,18 +258,22 @@ class StageModel:
             self._step_picks = None if picks is None else (x, picks.tokens())
         else:
             ropes = [self._rope_rows(segments, table) for table in self.rope_tables]  # cos, sin [T, head_dim] each
+            # prompt rows only, never a decode step's or a verify window's (which must equal their
+            # replay: the exact kernels): every session here adds more rows than a window may hold
+            bf16 = (self.prefill_bf16 and rows is None and T >= BF16_PREFILL_MIN_ROWS
+                    and all(s.num_tokens > WINDOW_ROWS_MAX for s in segments))
             for layer, block in enumerate(self.blocks):
                 # attention: x + Wo · attn(rope(Wq·h), rope(Wk·h), Wv·h), each session over its own cache
                 h = rms_norm(x, block.attn_norm, eps)
-                qkv = block.wqkv(h).view(T, H + 2 * KVH, args.head_dim)
+                qkv = block.wqkv(h, bf16=bf16).view(T, H + 2 * KVH, args.head_dim)
                 if block.q_norm is not None:  # Qwen3, Gemma 3: each q and k head normed first
                     qkv = head_norms_(qkv, H, KVH, block.q_norm, block.k_norm, eps)
                 qkv = apply_rope(qkv, H + KVH, *ropes[block.rope])  # q and k heads rotate in one go
                 attn = attend_sessions(qkv, layer, segments, rows, self.scale, block.window)
-                x = add_residual(block.wo, attn, x, block.post_attn_norm, eps)  # Gemma 3 norms Wo·attn first
+                x = add_residual(block.wo, attn, x, block.post_attn_norm, eps, bf16)  # Gemma 3 norms Wo·attn first
                 # feed-forward: x + W_down · (act(W_gate·h) * W_up·h), act silu (SwiGLU) or gelu_tanh (Gemma 3)
                 h = rms_norm(x, block.ffn_norm, eps)
-                x = gated_mlp(h, block.w_gate_up, block.w_down, self.activation, x, block.post_ffn_norm, eps)
+                x = gated_mlp(h, block.w_gate_up, block.w_down, self.activation, x, block.post_ffn_norm, eps, bf16)
 
         for s in segments:
             s.cache.commit(s.start + s.num_tokens)

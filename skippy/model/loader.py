@@ -70,6 +70,7 @@ def load_stage(
     device: str = "auto",
     progress: bool = True,
     repack: bool = False,
+    prefill_precision: str = "exact",
 ) -> StageModel:
     """Load layers [start, end) of the model at `path` (all layers when None).
 
@@ -81,13 +82,15 @@ def load_stage(
     `repack`: also keep the matmul weights prepacked for multi-row batches (CPU float32;
     see Linear), unless that copy would take over half the memory still available.
 
+    `prefill_precision`: "exact" or "bf16", how prompts' matmuls run (StageModel).
+
     Runs on a thread of its own, so the caller's thread gains no OpenMP team (threads.py).
     """
-    return on_passing_thread(_load_stage, Path(path), layers, dtype, device, progress, repack)
+    return on_passing_thread(_load_stage, Path(path), layers, dtype, device, progress, repack, prefill_precision)
 
 
 def _load_stage(path: Path, layers: tuple[int, int] | None, dtype: str | torch.dtype | None, device: str,
-                progress: bool, repack: bool) -> StageModel:
+                progress: bool, repack: bool, prefill_precision: str) -> StageModel:
     torch_device, weight_dtype = resolve_device(device), resolve_dtype(dtype)
     release_library_pages()  # torch's start-up code (~65 MiB of RSS), before the weights add theirs
     args, reader = open_model(path)
@@ -114,7 +117,7 @@ def _load_stage(path: Path, layers: tuple[int, int] | None, dtype: str | torch.d
         arena = WeightArena(packed=packed) if torch_device.type == "cpu" else None
         report = BuildReport(path, layer_range, _stage_bytes(weights), packed, advance)
         model = StageModel(args, layer_range, weights, torch_device, kv_dtype_for(weights), on_built=report.built,
-                           arena=arena)
+                           arena=arena, prefill_precision=prefill_precision)
         report.done()
     if packed is not None:
         packed.start_writing()  # on a thread of its own: the stage serves meanwhile

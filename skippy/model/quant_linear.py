@@ -262,13 +262,15 @@ class QuantLinear:
     def repack(self) -> int:
         return 0
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x · W^T, plus `residual` when given: summed into `residual` itself (no new tensor)."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, bf16: bool = False) -> torch.Tensor:
+        """x · W^T, plus `residual` when given: summed into `residual` itself (no new tensor).
+        `bf16`: on AMX-BF16 tiles, to bfloat16's precision rather than the integer paths' bits
+        (a prompt's rows under --prefill-precision bf16; the caller checked qkernel.bf16_ready)."""
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         if residual is not None and not (residual.dtype == torch.float32 and residual.is_contiguous()):
-            return residual + self(x)
-        out = qkernel.qmatmul(x, self.matmul, residual)
+            return residual + self(x, bf16=bf16)
+        out = qkernel.qmatmul(x, self.matmul, residual, bf16)
         return out if self.bias is None else out.add_(self.bias)
 
     def affine(self) -> GroupAffine:

@@ -168,6 +168,9 @@ class StageConfig(_Frozen):
     activation_dtype: Literal["f32", "f16", "bf16", "q8", "auto"] = "f32"  # auto: per frame, from the measured link
     weight_dtype: Literal["auto", "f32", "f16", "bf16", "int4", "int8"] = "auto"
     repack_weights: bool = True                # a batch-friendly copy of float32 CPU weights
+    # prompts' matmuls on AMX-BF16 tiles (bf16) or the integer kernels (exact: a prompt's rows
+    # are the bits of the decode steps that would replay it); StageModel's prefill_precision
+    prefill_precision: Literal["exact", "bf16"] = "exact"
     device: str = "auto"
     max_inflight: int = Field(4, ge=1)
     reply_credit_limit: int | None = Field(None, ge=0)   # None = max_inflight - 1 (§2.6)

@@ -39,7 +39,7 @@ def build_stage(spec: StageSpec) -> StageServer:
     telemetry = Telemetry(f"skippy-stage{config.stage_index}", config.otlp_endpoint, otlp_protocol=config.otlp_protocol)
     model = load_stage(config.model_path, (config.layer_start, config.layer_end),
                        dtype=WEIGHT_DTYPES[config.weight_dtype], device=config.device,
-                       progress=False, repack=config.repack_weights)
+                       progress=False, repack=config.repack_weights, prefill_precision=config.prefill_precision)
     ctx_size = min(config.ctx_size, model.args.context_length)
     prefix_cache = StagePrefixCache.build(config.kv_cache, model_path=config.model_path, layer_start=config.layer_start,
                                           layer_end=config.layer_end, kv_dtype=model.kv_dtype, ctx_size=ctx_size,
