@@ -15,7 +15,8 @@ STRICT = ["-Werror", "-Wmissing-prototypes", "-Wshadow"]
 # every path the sources hold, asked for explicitly: gcc builds each on any x86 machine (it need
 # not run them; test_model_quant.py runs the ones this CPU has)
 AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]
-PATHS = {"amx": [*AVX512, "-mamx-tile", "-mamx-int8"], "vnni": [*AVX512, "-mno-amx-tile", "-mno-amx-int8"],
+PATHS = {"amx": [*AVX512, "-mamx-tile", "-mamx-int8", "-mamx-bf16", "-mavx512bf16"],  # bf16: the opt-in prompt path
+         "vnni": [*AVX512, "-mno-amx-tile", "-mno-amx-int8"],
          "avx2": ["-mno-avx512f", "-mavx2", "-mfma", "-mf16c"], "plain": ["-mno-avx512f", "-mno-avx2"]}
 
 
