@@ -12,6 +12,9 @@ Two figures per engine, both against references nobody here wrote:
     python bench/accuracy.py                       # bundled SmolLM2 Q4_1
     python bench/accuracy.py --tokens 64 --ppl-tokens 1024 --model PATH.gguf
 
+"ours auto, prefill bf16" is the default weights with `--prefill-precision bf16`: every chunk
+of a sequence (CHUNK rows) on the bfloat16 prompt path.
+
 The wire dtypes (`--activation-dtype`: f32, f16, q8) are scored on the model cut into
 --stages stages, each boundary's rows through the runner's own conversion; f32 there is the
 one-process model bit for bit, so f16 and q8 against it are what the wire alone costs.
@@ -64,8 +67,8 @@ def perplexity_text() -> str:
 
 
 class Ours:
-    def __init__(self, path: Path, dtype: str):
-        self.model = load_stage(path, dtype=dtype, device="cpu", progress=False)
+    def __init__(self, path: Path, dtype: str, prefill_precision: str = "exact"):
+        self.model = load_stage(path, dtype=dtype, device="cpu", progress=False, prefill_precision=prefill_precision)
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         """float32 [len(ids), vocab]: the next-token logits after every position."""
@@ -180,6 +183,8 @@ def main() -> None:
     engines = {"transformers float32": lambda: reference}
     for dtype in ("float32", "auto", "bfloat16"):
         engines[f"ours {dtype}"] = lambda dtype=dtype: Ours(path, dtype)
+    # --prefill-precision bf16: every chunk of 64 rows or more on AMX-BF16 tiles (where the CPU has them)
+    engines["ours auto, prefill bf16"] = lambda: Ours(path, "auto", prefill_precision="bf16")
     for wire in filter(None, options.wire):
         engines[f"ours auto, {options.stages} stages, {wire} wire"] = (
             lambda wire=wire: Staged(path, wire, options.stages))
