@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 
 PREFILL_PRECISIONS = ("exact", "bf16")
 # Fewest rows a forward's matmuls take on the bfloat16 prompt path (--prefill-precision bf16):
-# below it they stay on the integer kernels, whose weights stream as fast at a few rows
-# (docs/decisions.md, "Prompts on AMX-BF16 tiles, opt-in")
-BF16_PREFILL_MIN_ROWS = 64
+# at 16 rows the integer kernels are as fast (0.9-1.65x), from 32 on the bf16 tiles are never
+# slower (1.0-2.5x; docs/decisions.md, "Prompts on AMX-BF16 tiles, opt-in")
+BF16_PREFILL_MIN_ROWS = 32
 
 
 @dataclass(frozen=True, slots=True)
