@@ -379,14 +379,20 @@ int skippy_block_amx(const skippy_part *p, int b, const skippy_rows *x, int m0, 
    time in those per-group steps (docs/decisions.md, "Prompt activations stay quantized per 32");
    here a tile multiply does 16 x 16 x 32 products and nothing else runs per group.
 
-   Per thread and pair of weight blocks (32 output columns): the blocks' whole K is dequantized
-   once into a thread-local buffer (K/32 B tiles of 1 KB a block: 256 KB at K = 8192, in L2), then
-   every pair of 16-row tiles of x runs over it with 4 sums in tile registers (2 x 2: C 0-3,
-   A 4-5, B 6-7). x is rounded to bfloat16 once per matmul, its rows padded to a multiple of 16
+   Per thread and panel of BF16_PANEL weight blocks: the blocks' whole K is dequantized once into
+   a thread-local buffer (K/32 B tiles of 1 KB a block: 256 KB at K = 8192, in L2), then every
+   pair of 16-row tiles of x runs over it, two blocks at a time, with 4 sums in tile registers
+   (2 x 2: C 0-3, A 4-5, B 6-7). x is rounded to bfloat16 once per matmul, its rows padded to a multiple of 16
    with zeros. A row's result depends on nothing but its own x and K's fixed order, so it is the
    same bits alone and in any batch on this path (not the integer paths' bits). */
 
 #define BF16_TILE_BYTES 1024 /* a B tile: 16 pairs along K x 16 columns x 2 bfloat16 */
+/* weight blocks a thread dequantizes at once (even): 4 x K 32 bytes (1 MB at K = 8192) with two
+   row tiles of x (512 KB) stays within a 2 MB L2, and x's rows stream from L3 half as often as
+   with one pair; overridable for experiments */
+#ifndef BF16_PANEL
+#define BF16_PANEL 4
+#endif
 
 /* 16 floats, a lane each, from byte t of every 32-bit lane of v */
 static inline __m512 byte_lane_ps(__m512i v, int t) {
@@ -465,39 +471,44 @@ static uint16_t *bf16_weights_buffer(size_t bytes) {
         }                                                                                                          \
     } while (0)
 
-/* x's bfloat16 rows [Mpad, K] (a) against the dequantized blocks at w0 (and w1 when two) into y's
-   columns col, col + 16: two row tiles at a time while two remain, then one */
-static void bf16_tiles(const uint16_t *a, int M, int Mpad, int K, const uint16_t *w0, const uint16_t *w1, float *y,
-                       int N, int col, int accumulate) {
+/* x's bfloat16 rows [Mpad, K] (a) against the `count` dequantized blocks of a panel into y's
+   columns from col0: per two row tiles (while two remain, then one), the panel's blocks two at a
+   time, so those rows come from L3 once a panel and from L2 for its other pairs */
+static void bf16_tiles(const uint16_t *a, int M, int Mpad, int K, const uint16_t *panel, int count, float *y,
+                       int N, int col0, int accumulate) {
     const int G = K / GROUP;
     const size_t stride = (size_t)K * 2;
     _Alignas(64) float sums[16][16];
     for (int t0 = 0; t0 < Mpad; t0 += 32) {
-        const int two_rows = t0 + 16 < Mpad;
-        const uint16_t *a0 = a + (size_t)t0 * K, *a1 = a0 + (size_t)16 * K;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int g = 0; g < G; g++) {
-            _tile_loadd(6, w0 + (size_t)g * 512, 64);
-            _tile_loadd(4, a0 + (size_t)g * GROUP, stride);
-            _tile_dpbf16ps(0, 4, 6);
+        for (int b = 0; b < count; b += 2) {
+            const int two_rows = t0 + 16 < Mpad, col = col0 + b * LANES;
+            const uint16_t *a0 = a + (size_t)t0 * K, *a1 = a0 + (size_t)16 * K;
+            const uint16_t *w0 = panel + (size_t)b * G * (BF16_TILE_BYTES / 2);
+            const uint16_t *w1 = b + 1 < count ? w0 + (size_t)G * (BF16_TILE_BYTES / 2) : NULL;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int g = 0; g < G; g++) {
+                _tile_loadd(6, w0 + (size_t)g * 512, 64);
+                _tile_loadd(4, a0 + (size_t)g * GROUP, stride);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_rows) {
+                    _tile_loadd(5, a1 + (size_t)g * GROUP, stride);
+                    _tile_dpbf16ps(2, 5, 6);
+                }
+                if (w1) {
+                    _tile_loadd(7, w1 + (size_t)g * 512, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (two_rows) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            STORE_SUMS(0, t0, col);
+            if (w1) STORE_SUMS(1, t0, col + 16);
             if (two_rows) {
-                _tile_loadd(5, a1 + (size_t)g * GROUP, stride);
-                _tile_dpbf16ps(2, 5, 6);
+                STORE_SUMS(2, t0 + 16, col);
+                if (w1) STORE_SUMS(3, t0 + 16, col + 16);
             }
-            if (w1) {
-                _tile_loadd(7, w1 + (size_t)g * 512, 64);
-                _tile_dpbf16ps(1, 4, 7);
-                if (two_rows) _tile_dpbf16ps(3, 5, 7);
-            }
-        }
-        STORE_SUMS(0, t0, col);
-        if (w1) STORE_SUMS(1, t0, col + 16);
-        if (two_rows) {
-            STORE_SUMS(2, t0 + 16, col);
-            if (w1) STORE_SUMS(3, t0 + 16, col + 16);
         }
     }
 }
@@ -511,7 +522,8 @@ int skippy_qmatmul_bf16_ready(void) { return skippy_amx_ready(); }
 int skippy_qmatmul_bf16(const float *x, int M, const skippy_matmul *w, float *y, int accumulate) {
     if (skippy_qmatmul_check(M, w)) return -1;
     if (!skippy_amx_ready()) return -3;
-    const int K = w->cols, G = K / GROUP, N = w->rows, blocks = N / LANES, pairs = (blocks + 1) / 2;
+    const int K = w->cols, G = K / GROUP, N = w->rows, blocks = N / LANES;
+    const int panels = (blocks + BF16_PANEL - 1) / BF16_PANEL;
     const int Mpad = (M + 15) / 16 * 16;
     uint16_t *a = aligned_alloc(64, (size_t)Mpad * K * 2);
     if (!a) return -2;
@@ -531,24 +543,23 @@ int skippy_qmatmul_bf16(const float *x, int M, const skippy_matmul *w, float *y,
                 _mm512_store_si512(row + k, both);
             }
         }
-        uint16_t *weights = bf16_weights_buffer((size_t)2 * G * BF16_TILE_BYTES);
+        uint16_t *weights = bf16_weights_buffer((size_t)BF16_PANEL * G * BF16_TILE_BYTES);
         tile_config config = {0};
         config.palette = 1;
         for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
         if (weights) _tile_loadconfig(&config);
         else __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
         #pragma omp for schedule(dynamic)
-        for (int pair = 0; pair < pairs; pair++) {
+        for (int panel = 0; panel < panels; panel++) {
             if (!weights) continue;
-            uint16_t *half[2] = {weights, weights + (size_t)G * (BF16_TILE_BYTES / 2)};
             int count = 0;
-            for (int b = 2 * pair; b < 2 * pair + 2 && b < blocks; b++, count++) {
+            for (int b = panel * BF16_PANEL; b < (panel + 1) * BF16_PANEL && b < blocks; b++, count++) {
                 int part = 0, first = 0; /* the part holding block b, and that part's first block */
                 while (b >= first + w->part[part].rows / LANES) first += w->part[part++].rows / LANES;
                 const skippy_part *p = &w->part[part];
-                EACH_FORMAT(dequantize_block, p, b - first, G, half[count])
+                EACH_FORMAT(dequantize_block, p, b - first, G, weights + (size_t)count * G * (BF16_TILE_BYTES / 2))
             }
-            bf16_tiles(a, M, Mpad, K, half[0], count == 2 ? half[1] : NULL, y, N, 2 * pair * LANES, accumulate);
+            bf16_tiles(a, M, Mpad, K, weights, count, y, N, panel * BF16_PANEL * LANES, accumulate);
         }
         if (weights) _tile_release();
     }
