@@ -173,7 +173,7 @@ def test_bf16_prefill_without_amx_bf16_stays_exact(make_model, exact_model, toke
     with caplog.at_level(logging.WARNING, logger="skippy.model.llama"):
         model = make_model("bf16")
     assert [r.message for r in caplog.records if "prefill-precision" in r.message] == [
-        "--prefill-precision bf16: this CPU (or its OS) has no AMX-BF16 tiles; prompts stay exact"]
+        "--prefill-precision bf16: no AMX-BF16 tiles here (the CPU, its OS, or SKIPPY_AMX=0); prompts stay exact"]
     assert not model.prefill_bf16 and model.weight_format == exact_model.weight_format
     ids = tokenizer.encode(LONG_PROMPT)
     assert torch.equal(forward_logits(model, ids, model.new_cache(256), 0),

@@ -145,7 +145,8 @@ class StageModel:
             log.warning("--prefill-precision bf16: no matmul here runs on our integer kernels; prompts run as before")
             return False
         if self.device.type != "cpu" or not qkernel.bf16_ready():
-            log.warning("--prefill-precision bf16: this CPU (or its OS) has no AMX-BF16 tiles; prompts stay exact")
+            log.warning("--prefill-precision bf16: no AMX-BF16 tiles here (the CPU, its OS, or SKIPPY_AMX=0); "
+                        "prompts stay exact")
             return False
         return True
 
