@@ -234,19 +234,22 @@ int skippy_amx_ready(void) {
     return state == 1;
 }
 
-/* The unpacked codes of the block being multiplied: a buffer per thread, grown as needed and
-   kept (the threads are OpenMP's pool, alive as long as the process) */
-static __thread uint8_t *tiles_buffer;
+/* A buffer per thread (*buffer, *capacity: __thread variables) of at least `bytes` (a multiple
+   of 64), grown as needed and kept: the threads are OpenMP's pool, alive as long as the process */
+static void *thread_buffer(void **buffer, size_t *capacity, size_t bytes) {
+    if (bytes > *capacity) {
+        free(*buffer);
+        *buffer = aligned_alloc(64, bytes);
+        *capacity = *buffer ? bytes : 0;
+    }
+    return *buffer;
+}
+
+/* The unpacked codes of the block being multiplied */
+static __thread void *tiles_buffer;
 static __thread size_t tiles_capacity;
 
-static uint8_t *unpacked_buffer(size_t bytes) {
-    if (bytes > tiles_capacity) {
-        free(tiles_buffer);
-        tiles_buffer = aligned_alloc(64, bytes);
-        tiles_capacity = tiles_buffer ? bytes : 0;
-    }
-    return tiles_buffer;
-}
+static uint8_t *unpacked_buffer(size_t bytes) { return thread_buffer(&tiles_buffer, &tiles_capacity, bytes); }
 
 /* A group's tile multiplies for 16 rows of x on tile set (A, B, C0, C1): the codes' tile at
    `tile`, the rows' group at qg (rows `stride` apart). One level: C0 = q . codes; two: C1 = r . codes
@@ -445,18 +448,11 @@ static inline __attribute__((always_inline)) void dequantize_block(const int for
     default: kernel(SKIPPY_Q6K, __VA_ARGS__); break;                                                             \
     }
 
-/* The dequantized blocks of the pair being multiplied: a buffer per thread, as unpacked_buffer's */
-static __thread uint16_t *bf16_buffer;
+/* The dequantized blocks of the panel being multiplied */
+static __thread void *bf16_buffer;
 static __thread size_t bf16_capacity;
 
-static uint16_t *bf16_weights_buffer(size_t bytes) {
-    if (bytes > bf16_capacity) {
-        free(bf16_buffer);
-        bf16_buffer = aligned_alloc(64, bytes);
-        bf16_capacity = bf16_buffer ? bytes : 0;
-    }
-    return bf16_buffer;
-}
+static uint16_t *bf16_weights_buffer(size_t bytes) { return thread_buffer(&bf16_buffer, &bf16_capacity, bytes); }
 
 /* C tile `tile`'s 16 x 16 sums into y's rows [t0, t0 + 16) below M, columns from `col`: stored
    whole, then only the rows that exist copied (or added) */
