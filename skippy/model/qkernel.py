@@ -445,15 +445,15 @@ def embed_rows(raw: np.ndarray, block_bytes: int, ids: torch.Tensor, cols: int) 
     return out
 
 
-def read_bandwidth(buffer: torch.Tensor, rounds: int = 5) -> float:
-    """The best of `rounds` timed passes of the thread team reading `buffer` (contiguous,
-    far larger than the last-level cache), in bytes per second (kernels/probe.c)."""
-    best = float("inf")
+def read_bandwidths(buffer: torch.Tensor, rounds: int = 5) -> list[float]:
+    """`rounds` timed passes of the thread team reading `buffer` (contiguous, far larger
+    than the last-level cache), each in bytes per second (kernels/probe.c)."""
+    rates = []
     for _ in range(rounds):
         started = time.perf_counter()
         library().skippy_read_probe(buffer.data_ptr(), buffer.nbytes)
-        best = min(best, time.perf_counter() - started)
-    return buffer.nbytes / best
+        rates.append(buffer.nbytes / (time.perf_counter() - started))
+    return rates
 
 
 def greedy_pick(row: torch.Tensor, ids: list[int], values: list[float]) -> int:
