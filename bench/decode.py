@@ -116,8 +116,12 @@ class OursEngine:
         return int(self.model.compute_logits(hidden[-1:]).argmax())
 
     def decode(self, token: int) -> int:
-        hidden = self.model.forward(torch.tensor([token]), [Segment(self.cache, self.cache.length, 1)])
-        return int(self.model.compute_logits(hidden).argmax())
+        # greedy as the runner takes it: the step's one kernel call picks the token as it writes
+        # the logits (llama.py's step_picks), where it computes them (the float engines: argmax)
+        hidden = self.model.forward(torch.tensor([token]), [Segment(self.cache, self.cache.length, 1)],
+                                    greedy=[([], [])])
+        picked = self.model.step_picks(hidden)
+        return picked[0] if picked else int(self.model.compute_logits(hidden).argmax())
 
 
 class TransformersEngine:

@@ -18,7 +18,7 @@ from gguf.quants import dequantize
 from numerics import record, unit_roundoff
 from skippy.model import gguf_loader, qkernel
 from skippy.model.llama import Segment
-from skippy.model.gguf_types import LEGACY_BLOCK_BYTES
+from skippy.model.gguf_types import K_QUANT_BLOCK_BYTES, LEGACY_BLOCK_BYTES
 from skippy.model.quant import SUPPORTED, FloatWeight, GroupAffine, QuantizedTensor, from_gguf_blocks
 from skippy.model.quant_linear import CODE_BITS, PackedPart, QuantLinear, deinterleave, interleave
 from skippy.model.errors import RequestError
@@ -74,16 +74,17 @@ def test_codes_decode_as_gguf_does(qtype):
 
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)
 def test_embedding_rows_decode_as_gguf_does(qtype):
-    """An embedding's rows as a step reads them (our kernel for the legacy blocks, numpy for
-    the rest): the gguf package's values, bit for bit, in any order, repeated or not."""
+    """An embedding's rows as a step reads them (our kernel, every type): the gguf package's
+    values, bit for bit, in any order, repeated or not."""
     raw = random_blocks(qtype, 48, 512, seed=5)
     tensor = QuantizedTensor(raw, qtype, (48, 512))
     ids = torch.tensor([47, 0, 5, 5, 31])
     expected = dequantize(raw, qtype).reshape(48, 512)[ids.numpy()]
     np.testing.assert_array_equal(tensor.embed(ids).numpy(), expected)
-    if qtype in LEGACY_BLOCK_BYTES:  # the kernel refuses what it cannot read
-        with pytest.raises(ValueError, match="embed_rows failed"):
-            qkernel.embed_rows(raw, LEGACY_BLOCK_BYTES[qtype], torch.tensor([48]), 512)
+    block_bytes = LEGACY_BLOCK_BYTES.get(qtype) or K_QUANT_BLOCK_BYTES[qtype]
+    np.testing.assert_array_equal(qkernel.embed_rows(raw, block_bytes, ids, 512).numpy(), expected)
+    with pytest.raises(ValueError, match="embed_rows failed"):  # the kernel refuses what it cannot read
+        qkernel.embed_rows(raw, block_bytes, torch.tensor([48]), 512)
 
 
 def kernel_weight_bound(weight: GroupAffine) -> np.ndarray:

@@ -435,7 +435,8 @@ class GreedyPicks:
 
 def embed_rows(raw: np.ndarray, block_bytes: int, ids: torch.Tensor, cols: int) -> torch.Tensor:
     """float32 [n, cols]: rows `ids` of a GGUF tensor in legacy blocks of 32 (`block_bytes` a
-    block: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), raw its bytes [rows, row bytes], e.g. the memory map."""
+    block: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or K-quant super-blocks of 256 (Q4_K, Q5_K, Q6_K), raw
+    its bytes [rows, row bytes], e.g. the memory map."""
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], cols, dtype=torch.float32)
     status = library().skippy_embed_rows(raw.ctypes.data, raw.shape[1], raw.shape[0], block_bytes, ids.data_ptr(),

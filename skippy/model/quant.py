@@ -198,9 +198,9 @@ class QuantizedTensor:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows [n, in] of the tokens `ids`: only their blocks are read."""
-        if (self.qtype in LEGACY_BLOCK_BYTES and self.raw.flags.c_contiguous and ids.device.type == "cpu"
-                and qkernel.available()):
-            return qkernel.embed_rows(self.raw, LEGACY_BLOCK_BYTES[self.qtype], ids, self.shape[1])
+        block_bytes = LEGACY_BLOCK_BYTES.get(self.qtype) or K_QUANT_BLOCK_BYTES.get(self.qtype)
+        if block_bytes and self.raw.flags.c_contiguous and ids.device.type == "cpu" and qkernel.available():
+            return qkernel.embed_rows(self.raw, block_bytes, ids, self.shape[1])
         index = ids.cpu().numpy()
         rows = from_gguf_blocks(self.raw[index], self.qtype, (len(index), self.shape[1]))
         return torch.from_numpy(rows.dequantize()).to(ids.device)

@@ -445,21 +445,69 @@ void skippy_geglu(const float *gate_up, int T, int F, float *out) {
     }
 }
 
+/* One super-block of 256 weights of Q4_K (144 bytes), Q5_K (176) or Q6_K (210) -> out [256], as
+   quant.py's GroupAffine computes them: Q4_K/Q5_K (d sc) c + -(dmin m) per sub-block of 32,
+   Q6_K (d sc) (c - 32) + 0 per sub-block of 16. The products d sc, dmin m and (d sc) c of
+   Q4_K/Q5_K are exact in float32 (an 11-bit d times a 6-bit sc, times a 5-bit code), so a
+   fused multiply-add gives the same; Q6_K's (d sc)(c - 32) rounds once either way. */
+static void embed_super_block(const uint8_t *block, int kind, float *o) {
+    uint16_t bits;
+    if (kind == 210) {
+        const uint8_t *ql = block, *qh = block + 128;
+        const int8_t *sc = (const int8_t *)(block + 192);
+        memcpy(&bits, block + 208, 2);
+        const float d = skippy_f16_to_f32(bits);
+        for (int half = 0; half < 2; half++, ql += 64, qh += 32, o += 128, sc += 8)
+            for (int i = 0; i < 32; i++) { /* elements i, i + 32, i + 64, i + 96 of the half */
+                const int c[4] = {(ql[i] & 15) | ((qh[i] >> 0) & 3) << 4, (ql[i + 32] & 15) | ((qh[i] >> 2) & 3) << 4,
+                                  (ql[i] >> 4) | ((qh[i] >> 4) & 3) << 4, (ql[i + 32] >> 4) | ((qh[i] >> 6) & 3) << 4};
+                for (int k = 0; k < 4; k++) {
+                    const int at = 32 * k + i;
+                    o[at] = d * (float)sc[at / 16] * (float)(c[k] - 32) + 0.f;
+                }
+            }
+        return;
+    }
+    memcpy(&bits, block, 2);
+    const float d = skippy_f16_to_f32(bits);
+    memcpy(&bits, block + 2, 2);
+    const float dmin = skippy_f16_to_f32(bits);
+    const uint8_t *sm = block + 4, *high = kind == 176 ? block + 16 : NULL, *qs = block + (kind == 176 ? 48 : 16);
+    for (int j = 0; j < 8; j++) { /* 6-bit scale and min of sub-block j (quant.py's _k_scales) */
+        const int sc = j < 4 ? sm[j] & 63 : (sm[j + 4] & 15) | (sm[j - 4] >> 6) << 4;
+        const int m = j < 4 ? sm[j + 4] & 63 : (sm[j + 4] >> 4) | (sm[j] >> 6) << 4;
+        const float scale = d * (float)sc, offset = -(dmin * (float)m);
+        for (int i = 0; i < 32; i++) {
+            const int c = (j & 1 ? qs[32 * (j / 2) + i] >> 4 : qs[32 * (j / 2) + i] & 15)
+                          | (high ? ((high[i] >> j) & 1) << 4 : 0);
+            o[32 * j + i] = scale * (float)c + offset;
+        }
+    }
+}
+
 /* Rows `ids` [n] of a GGUF embedding in the file's legacy blocks of 32 (raw: the memory-mapped
    tensor, row_bytes a row) -> out [n, cols] float32, each value as the file's decoder gives it
    and as quant.py's GroupAffine computes it: d c + m, with c the block's unsigned code (a Q8_0
    byte plus 128, Q4 and Q5 codes as stored), m the block's minimum (Q4_1, Q5_1) or -d times
    the codes' middle. d c is exact in float32 (an 11-bit d times a code below 2^8), so a fused
    multiply-add gives the same. kind: the block's size (18 Q4_0, 20 Q4_1, 22 Q5_0, 24 Q5_1,
-   34 Q8_0). Reading a step's few rows here took ~20 us where numpy's dozen calls took
-   40 us hot and 150 cold, on stage 0's path from a token to its layers. Returns 0, or -1
-   for a kind it does not know or an id outside [0, rows). */
+   34 Q8_0), or the K-quants' super-blocks of 256 (embed_super_block: 144 Q4_K, 176 Q5_K, 210
+   Q6_K). Reading a step's few rows here took ~20 us where numpy's dozen calls took
+   40 us hot and 150 cold, on stage 0's path from a token to its layers (a Q6_K row of 3072:
+   ~400 us in numpy). Returns 0, or -1 for a kind it does not know or an id outside [0, rows). */
 int skippy_embed_rows(const uint8_t *raw, int64_t row_bytes, int64_t rows, int kind, const int64_t *ids, int n,
                       int cols, float *out) {
-    if (kind != 18 && kind != 20 && kind != 22 && kind != 24 && kind != 34) return -1;
-    if (cols % 32 || row_bytes != (int64_t)cols / 32 * kind) return -1;
+    const int super = kind == 144 || kind == 176 || kind == 210;
+    if (kind != 18 && kind != 20 && kind != 22 && kind != 24 && kind != 34 && !super) return -1;
+    if (cols % (super ? 256 : 32) || row_bytes != (int64_t)cols / (super ? 256 : 32) * kind) return -1;
     for (int r = 0; r < n; r++)
         if (ids[r] < 0 || ids[r] >= rows) return -1;
+    if (super) {
+        for (int r = 0; r < n; r++)
+            for (int b = 0; b < cols / 256; b++)
+                embed_super_block(raw + ids[r] * row_bytes + (int64_t)b * kind, kind, out + (size_t)r * cols + 256 * b);
+        return 0;
+    }
     const int has_min = kind == 20 || kind == 24, five = kind == 22 || kind == 24;
     for (int r = 0; r < n; r++) {
         const uint8_t *block = raw + ids[r] * row_bytes;
