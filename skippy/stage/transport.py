@@ -247,15 +247,21 @@ class Listener:
 
 
 # -- non-blocking I/O on the event loop, plain or TLS ----------------------------------------
-async def _io(sock: socket.socket, operation: Callable[[], object]):
-    """operation() on a non-blocking socket, waiting for it to be readable or writable as it asks."""
+async def _io(sock: socket.socket, operation: Callable[[], object], *, write: bool = False):
+    """operation() on a non-blocking socket, waiting for it to be readable or writable as it asks:
+    TLS says which; otherwise a full send buffer waits to be writable (`write`), an empty receive
+    buffer readable. A send must never wait for readability: a reader of the same socket (a link
+    probe's ACKs) waits for that, and the loop keeps one reader a socket, so the send's would
+    replace it and, once done, remove it, leaving the reader asleep beside its bytes."""
     while True:
         try:
             return operation()
-        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+        except ssl.SSLWantReadError:
             await _ready(sock, write=False)
         except ssl.SSLWantWriteError:
             await _ready(sock, write=True)
+        except (BlockingIOError, InterruptedError):
+            await _ready(sock, write=write)
 
 
 async def _ready(sock: socket.socket, *, write: bool) -> None:
@@ -277,7 +283,7 @@ async def _ready(sock: socket.socket, *, write: bool) -> None:
 async def send_all(sock: socket.socket, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        sent = await _io(sock, lambda: sock.send(view))
+        sent = await _io(sock, lambda: sock.send(view), write=True)
         view = view[sent:]
 
 
