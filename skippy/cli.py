@@ -29,7 +29,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 def add_prefill_precision(parser: argparse.ArgumentParser, default: str | None = "exact") -> None:
     parser.add_argument("--prefill-precision", default=default, choices=["exact", "bf16"],
                         help="prompts' matmuls: exact (default) on the integer kernels, the same bits as decoding them; "
-                             "bf16 on AMX-BF16 tiles where the CPU has them (~3x faster prompts, bfloat16's "
+                             "bf16 on AMX-BF16 tiles where the CPU has them (~2x faster prompts, bfloat16's "
                              "precision: a prompt's rows no longer equal the decode rows that would replay it)")
 
 

@@ -82,7 +82,7 @@ class StageModel:
         `prefill_precision`: "exact" (a prompt's rows are the integer kernels' bits, those of
         the decode steps that would replay it: the prefix cache, replay after a lost stage and
         speculation rely on it) or "bf16" (forwards of prompt rows only, BF16_PREFILL_MIN_ROWS
-        or more, on AMX-BF16 tiles: ~3x faster, bfloat16's precision); "bf16" where the CPU or
+        or more, on AMX-BF16 tiles: ~2x faster, bfloat16's precision); "bf16" where the CPU or
         OS has no AMX-BF16 stays exact, said once in the log."""
         if prefill_precision not in PREFILL_PRECISIONS:
             raise ValueError(f"Expected a prefill precision in {PREFILL_PRECISIONS}, got {prefill_precision!r}")
