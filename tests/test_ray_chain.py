@@ -117,9 +117,10 @@ def test_a_killed_stage_process_then_a_killed_actor_keep_the_text(served, expect
     assert text == expected and gap < RECOVERY_TIMEOUT_S
     assert wait_for(lambda: served.stages()[1]["state"] == "ready", 30)
     stage = served.stages()[1]
-    assert (stage["restarts"], stage["node_ip"], stage["moves"]) == (1, host.address, 0)  # the same node
-    assert "its stage process exited with signal SIGKILL" in stage["last_failure"]
-    assert process_in(host, STAGE_PROCESS) == standby  # the standby took the stage
+    assert (stage["restarts"], stage["node_ip"], stage["moves"]) == (1, host.address, 0), stage  # the same node
+    assert "its stage process exited with signal SIGKILL" in stage["last_failure"], stage
+    # the standby took the stage
+    assert process_in(host, STAGE_PROCESS) == standby, (process_in(host, STAGE_PROCESS), standby)
     assert wait_for(lambda: process_in(host, STANDBY) not in (None, standby), 30)  # and another waits
 
     host = served.host_of(2)
@@ -128,10 +129,14 @@ def test_a_killed_stage_process_then_a_killed_actor_keep_the_text(served, expect
     text, gap = served.stream(lambda: os.kill(actor, signal.SIGKILL))
     print(f"stage 2's actor SIGKILLed mid-stream: stream back {gap:.2f} s after the kill")
     assert text == expected and gap < RECOVERY_TIMEOUT_S
-    assert not os.path.exists(f"/proc/{stage_pid}")  # its stage died with it: no orphan serving
-    assert process_in(host, STAGE_PROCESS) == standby  # the killed actor's standby, taken by its successor
-    assert wait_for(lambda: served.stages()[2]["state"] == "ready", 30)
-    assert served.stages()[2]["restarts"] == 1 and "its Ray actor died" in served.stages()[2]["last_failure"]
+    # its stage dies with it (PR_SET_PDEATHSIG), no orphan serving; on a loaded machine the
+    # kernel may still be tearing the two processes down when the standby answers
+    assert wait_for(lambda: not os.path.exists(f"/proc/{stage_pid}"), 10), stage_pid
+    # the killed actor's standby, taken by its successor
+    assert process_in(host, STAGE_PROCESS) == standby, (process_in(host, STAGE_PROCESS), standby)
+    assert wait_for(lambda: served.stages()[2]["state"] == "ready", 30), served.stages()[2]
+    stage = served.stages()[2]
+    assert stage["restarts"] == 1 and "its Ray actor died" in stage["last_failure"], stage
 
 
 def test_a_placement_the_cluster_cannot_hold_fails_naming_it(served, cluster):
