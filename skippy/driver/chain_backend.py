@@ -123,7 +123,8 @@ class ChainBackend:
                                         node_ip=self._health[0].node_ip if self._health else "",
                                         figures=self._figures.figures(self._first.stage_id, metrics, probe.cpu_ns,
                                             speculative_acceptance=accepted / proposed if proposed else 0.0),
-                                        probe=probe, predicted_vs_measured=compare(probe, metrics))]
+                                        probe=probe, predicted_vs_measured=compare(
+                                            probe, metrics, self._figures.window_start(self._first.stage_id)))]
         for index, (stage, home) in enumerate(zip(self._remote, homes), start=1):
             report = next(reports)
             state, restarts, last_failure, where = "down" if report is None else "ready", 0, "", {}
@@ -142,7 +143,8 @@ class ChainBackend:
             statuses.append(StageStatus(stage.stage_id, stage.layer_start, stage.layer_end, home, state,
                                         _sessions(report), restarts, last_failure, standbys, metrics=metrics,
                                         figures=figures, probe=probe,
-                                        predicted_vs_measured=None if report is None else compare(probe, metrics),
+                                        predicted_vs_measured=None if report is None else compare(
+                                            probe, metrics, self._figures.window_start(stage.stage_id)),
                                         **where))  # fmt: skip
         return statuses
 

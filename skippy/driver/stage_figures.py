@@ -35,6 +35,11 @@ class StageFigures:
     def __init__(self) -> None:
         self._samples: dict[str, list[tuple[float, StageMetricValues]]] = {}  # oldest first, at most 2
 
+    def window_start(self, stage_id: str) -> StageMetricValues | None:
+        """The sample this stage's figures are taken since (None before the first)."""
+        samples = self._samples.get(stage_id)
+        return samples[0][1] if samples else None
+
     def figures(self, stage_id: str, metrics: StageMetricValues, cpu_ns: int = 0, **extra: float) -> dict[str, float]:
         """`cpu_ns`: the stage process's CPU time so far (its probe's clock; 0: unknown)."""
         now = time.monotonic()

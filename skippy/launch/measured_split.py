@@ -29,6 +29,7 @@ from ..protocol.stage_probe import StageProbe
 from .planner import MEMORY_SHARE, HostCost, LinkCost, ModelCost, Plan, plan_split, predict
 
 KV_BYTES = 2  # float16 keys and values (a quantized model's; float32 weights keep float32: 4)
+RESTART_GAIN = 0.10  # the least predicted gain (one stream or 8) that advises another split
 UNLIMITED_SHARE = 0.75  # back-to-back forwards that got this share of their threads' time had no quota
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
@@ -165,12 +166,20 @@ def advisor(model: ModelCost, *, use_all_hosts: bool) -> Callable[[list[StageSta
         now = predict(model, hosts, links, current)
         advice = {"ranges": [list(r) for r in plan.ranges], "hosts": [hosts[h].name for h in plan.hosts],
                   "predicted_tok_s": plan.tok_s, "predicted_tok_s_8_streams": plan.batch_tok_s,
-                  "current_split_predicted_tok_s": now.tok_s, "fewer_hosts": plan.fewer_hosts}
+                  "current_split_predicted_tok_s": now.tok_s,
+                  "current_split_predicted_tok_s_8_streams": now.batch_tok_s, "fewer_hosts": plan.fewer_hosts}
+        drift = f"a stage's decode forward is more than {DRIFT:.0%} off its prediction"
         if list(plan.ranges) == current and len(plan.hosts) == len(reports):
-            return {**advice, "detail": f"a stage's decode forward is more than {DRIFT:.0%} off its prediction, "
-                                        "but its measured times give this same split: nothing to change"}
-        return {**advice, "detail": f"a stage's decode forward is more than {DRIFT:.0%} off its prediction; "
-                                    f"this split is what the measured times give. Apply it with `skippy plan "
+            return {**advice, "detail": f"{drift}, but its measured times give this same split: nothing to change"}
+        gain = max(plan.tok_s / now.tok_s, plan.batch_tok_s / now.batch_tok_s) - 1
+        if gain < RESTART_GAIN:  # within what the measurements' noise moves: not worth every stage's restart
+            ranges = " ".join(f"[{a}, {b})" for a, b in plan.ranges)
+            return {**advice, "ranges": [list(r) for r in current], "hosts": [r.name for r in reports],
+                    "predicted_tok_s": now.tok_s, "predicted_tok_s_8_streams": now.batch_tok_s,
+                    "detail": f"{drift}; the split its measured times give ({ranges}, {plan.tok_s:.1f} tok/s, "
+                              f"{plan.batch_tok_s:.1f} at 8 streams) gains {gain:.1%} on this one, under the "
+                              f"{RESTART_GAIN:.0%} a restart must gain: nothing to change"}
+        return {**advice, "detail": f"{drift}; this split is what the measured times give. Apply it with `skippy plan "
                                     f"--auto --from <this server> --out DIR` and a restart of the stages from DIR "
                                     f"(a local chain: `skippy serve --split auto` measures again at start)"}
     return advise
