@@ -2,11 +2,12 @@
 
 A stage's probe (stage/measure.py) predicts its decode forward: affine in the rows of a
 forward, through one row and a prompt chunk. Its metrics measure the forwards it actually
-ran: their mean time and the mean batch they held. When the two differ by more than DRIFT
-on any stage, the split was planned from figures that no longer hold (another load on the
-host, a thermal limit, a neighbour's forwards on shared cores), and stage 0 asks the
-planner for the split the measured times give (launch/planner.py, handed in by the
-launcher: the driver does not plan).
+ran over the last seconds: their mean time and the mean batch they held. When the two differ
+by more than DRIFT on any stage, the split was planned from figures that no longer hold
+(another load on the host, a thermal limit, a neighbour's forwards on shared cores), and
+stage 0 asks the launcher's advisor for the split the measured times give
+(launch/measured_split.py, handed in: the driver does not plan). The advisor names other
+ranges only for a gain worth a restart of every stage.
 """
 
 from __future__ import annotations
