@@ -37,16 +37,6 @@ static void place_group(const uint8_t *codes, int six, uint8_t *group, int lane)
         }
 }
 
-/* Q4_K's 6-bit scale and min of sub-block j (llama.cpp's get_scale_min_k4) */
-static void q4k_scale_min(const uint8_t *q, int j, uint8_t *scale, uint8_t *min) {
-    if (j < 4) {
-        *scale = q[j] & 63, *min = q[j + 4] & 63;
-    } else {
-        *scale = (uint8_t)((q[j + 4] & 15) | ((q[j - 4] >> 6) << 4));
-        *min = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
-    }
-}
-
 int skippy_pack_q4k(const uint8_t *raw, int64_t row_bytes, const int64_t *rows, int N, int K, uint8_t *codes,
                     uint16_t *scale, uint8_t *sub) {
     if (!shape_ok(N, K, row_bytes, Q4K_BYTES)) return -1;
@@ -65,7 +55,7 @@ int skippy_pack_q4k(const uint8_t *raw, int64_t row_bytes, const int64_t *rows, 
                 scale[(((size_t)b * S + s) * 2 + 1) * SKIPPY_LANES + lane] = dmin ^ 0x8000; /* -dmin, exactly */
                 for (int j = 0; j < 8; j++) {
                     const size_t g = (size_t)b * G + (size_t)s * 8 + j;
-                    q4k_scale_min(block + 4, j, &sub[g * 2 * SKIPPY_LANES + lane],
+                    skippy_k_scale_min(block + 4, j, &sub[g * 2 * SKIPPY_LANES + lane],
                                   &sub[g * 2 * SKIPPY_LANES + SKIPPY_LANES + lane]);
                     uint8_t values[32]; /* sub-blocks 2p, 2p + 1: the low, then the high nibbles of 32 bytes */
                     const uint8_t *q = block + 16 + 32 * (j / 2);

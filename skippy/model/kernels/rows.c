@@ -473,9 +473,9 @@ static void embed_super_block(const uint8_t *block, int kind, float *o) {
     memcpy(&bits, block + 2, 2);
     const float dmin = skippy_f16_to_f32(bits);
     const uint8_t *sm = block + 4, *high = kind == 176 ? block + 16 : NULL, *qs = block + (kind == 176 ? 48 : 16);
-    for (int j = 0; j < 8; j++) { /* 6-bit scale and min of sub-block j (quant.py's _k_scales) */
-        const int sc = j < 4 ? sm[j] & 63 : (sm[j + 4] & 15) | (sm[j - 4] >> 6) << 4;
-        const int m = j < 4 ? sm[j + 4] & 63 : (sm[j + 4] >> 4) | (sm[j] >> 6) << 4;
+    for (int j = 0; j < 8; j++) {
+        uint8_t sc, m;
+        skippy_k_scale_min(sm, j, &sc, &m);
         const float scale = d * (float)sc, offset = -(dmin * (float)m);
         for (int i = 0; i < 32; i++) {
             const int c = (j & 1 ? qs[32 * (j / 2) + i] >> 4 : qs[32 * (j / 2) + i] & 15)

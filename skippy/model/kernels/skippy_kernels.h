@@ -110,6 +110,17 @@ static inline float skippy_f16_to_f32(uint16_t bits) {
     return (float)value;
 }
 
+/* Q4_K's and Q5_K's 6-bit scale and min of sub-block j from the super-block's 12 scale bytes q
+   (llama.cpp's get_scale_min_k4; pack.c packs them, rows.c decodes embedding rows with them) */
+static inline void skippy_k_scale_min(const uint8_t *q, int j, uint8_t *scale, uint8_t *min) {
+    if (j < 4) {
+        *scale = q[j] & 63, *min = q[j + 4] & 63;
+    } else {
+        *scale = (uint8_t)((q[j + 4] & 15) | ((q[j - 4] >> 6) << 4));
+        *min = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
 /* qmatmul.c */
 int skippy_qmatmul_check(int M, const skippy_matmul *w);
 size_t skippy_qmatmul_scratch_bytes(int M, int K);
