@@ -33,29 +33,20 @@ def compare(probe: StageProbe, metrics: StageMetricValues,
     measured mean is the one since `since` (an earlier report of the same stage) when at least
     MIN_FORWARDS ran since: a host that slowed down after hours on its prediction shows it
     within seconds, not once the slow forwards outweigh the hours. Else it is the mean since start."""
-    (forwards, forward_us), (steps, rows_total) = (_since(metrics, since, name) for name in _SERIES)
-    if forwards < MIN_FORWARDS:
-        (forwards, forward_us), (steps, rows_total) = (_since(metrics, None, name) for name in _SERIES)
-    if probe.row_ns <= 0 or forwards < MIN_FORWARDS:
+    forwards, batches = metrics.histograms["forward_us.decode"], metrics.histograms["batch_steps"]
+    if since is not None:
+        recent = forwards.since(since.histograms["forward_us.decode"])
+        if recent.count >= MIN_FORWARDS:
+            forwards, batches = recent, batches.since(since.histograms["batch_steps"])
+    if probe.row_ns <= 0 or forwards.count < MIN_FORWARDS:
         return None
     # each step records its batch's forward; the rows it held are taken as the mean batch (exact
     # for one stream, and for batches of one size)
-    rows = rows_total / steps if steps else 1.0
-    measured = forward_us / forwards / 1e6
+    rows = batches.total / batches.count if batches.count else 1.0
+    measured = forwards.total / forwards.count / 1e6
     predicted = predicted_forward_s(probe, rows)
     return {"predicted_decode_forward_ms": predicted * 1e3, "measured_decode_forward_ms": measured * 1e3,
             "decode_rows": rows, "off_by": measured / predicted - 1}
-
-
-_SERIES = ("forward_us.decode", "batch_steps")
-
-
-def _since(metrics: StageMetricValues, since: StageMetricValues | None, name: str) -> tuple[int, int]:
-    """(observations, their total) of histogram `name`, since `since` when given."""
-    h = metrics.histograms[name]
-    if since is None:
-        return h.count, h.total
-    return h.count - since.histograms[name].count, h.total - since.histograms[name].total
 
 
 def drifted(comparisons: list[dict[str, float] | None]) -> bool:

@@ -20,10 +20,9 @@ def _decode_rows(m: StageMetricValues) -> int:
 
 def _mean_ms(now: StageMetricValues, then: StageMetricValues | None, name: str) -> float:
     h = now.histograms[name]
-    count, total = h.count, h.total
-    if then is not None and count > then.histograms[name].count:  # the window's mean, when it saw any
-        count, total = count - then.histograms[name].count, total - then.histograms[name].total
-    return total / count / 1e3 if count else 0.0
+    if then is not None and h.count > then.histograms[name].count:  # the window's mean, when it saw any
+        h = h.since(then.histograms[name])
+    return h.total / h.count / 1e3 if h.count else 0.0
 
 
 def _cpu_ms_per_token(now: StageMetricValues, then: StageMetricValues | None, cpu_ns: int, then_cpu: int) -> float:

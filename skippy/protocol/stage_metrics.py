@@ -47,6 +47,10 @@ class HistogramValues:
     def count(self) -> int:
         return sum(self.counts)
 
+    def since(self, then: HistogramValues) -> HistogramValues:
+        """The observations after `then`, an earlier value of the same histogram."""
+        return HistogramValues(tuple(a - b for a, b in zip(self.counts, then.counts)), self.total - then.total)
+
 
 def _zero_histograms() -> dict[str, HistogramValues]:
     return {name: HistogramValues((0,) * (len(bounds) + 1), 0) for name, bounds in HISTOGRAMS.items()}
